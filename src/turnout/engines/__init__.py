@@ -1,0 +1,1 @@
+"""Engines: what runs behind a worker (echo, llamacpp, mocker; vllm and sglang adapters)."""

@@ -1,0 +1,79 @@
+"""The exception hierarchy of turnout.
+
+::
+
+    TurnoutError
+    ├── ConfigError                 bad flag, bad combination; raised at start-up
+    ├── DiscoveryError              the discovery store failed
+    │   └── LeaseLost               a lease expired or was revoked under us
+    ├── RequestPlaneError           sending to / streaming from a worker failed
+    │   ├── PeerUnavailable         could not reach the instance (nothing was sent): retry elsewhere
+    │   ├── StreamBroken            the peer went away mid-stream: migrate
+    │   └── RemoteError             the worker's handler raised; carries its message
+    ├── RequestError                the request itself is wrong (HTTP 400)
+    │   └── ContextLengthExceeded   prompt does not fit the model's context
+    ├── ModelNotFound               no such model (HTTP 404)
+    ├── NoInstanceAvailable         the model has no live, not-busy instance (HTTP 503)
+    └── NotYetSupported             a named feature that is not implemented yet
+
+Lower-layer exceptions are translated at the layer boundary into the most specific type here,
+with the cause chained.
+"""
+
+from __future__ import annotations
+
+
+class TurnoutError(Exception):
+    """Base of every error turnout raises on purpose."""
+
+
+class ConfigError(TurnoutError):
+    pass
+
+
+class DiscoveryError(TurnoutError):
+    pass
+
+
+class LeaseLost(DiscoveryError):
+    pass
+
+
+class RequestPlaneError(TurnoutError):
+    pass
+
+
+class PeerUnavailable(RequestPlaneError):
+    """Nothing reached the peer; the request may safely go to another instance."""
+
+
+class StreamBroken(RequestPlaneError):
+    """The peer vanished after the stream started; the request may be migrated."""
+
+
+class RemoteError(RequestPlaneError):
+    """The remote handler failed and said why."""
+
+
+class RequestError(TurnoutError):
+    """The client's request is invalid (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceeded(RequestError):
+    pass
+
+
+class ModelNotFound(TurnoutError):
+    pass
+
+
+class NoInstanceAvailable(TurnoutError):
+    pass
+
+
+class NotYetSupported(TurnoutError):
+    pass

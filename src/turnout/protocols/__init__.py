@@ -1,0 +1,1 @@
+"""Wire types shared by every layer: msgspec structs, JSON at the HTTP edge, msgpack inside."""

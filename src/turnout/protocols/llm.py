@@ -1,0 +1,110 @@
+"""The token-level protocol between the frontend's pipeline and the workers (msgpack inside).
+
+``PreprocessedRequest`` goes to a worker; a stream of ``LLMEngineOutput`` comes back. Every
+output carries the *new* token ids since the previous one (a delta, never cumulative).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    """Why a stream ended. ``EOS`` and ``STOP`` both become OpenAI's ``"stop"``."""
+
+    EOS = "eos"
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    CONTENT_FILTER = "content_filter"
+
+    def to_openai(self) -> str:
+        """The ``finish_reason`` string an OpenAI client expects."""
+        if self in (FinishReason.EOS, FinishReason.STOP):
+            return "stop"
+        if self is FinishReason.CANCELLED:
+            return "cancelled"
+        return self.value
+
+
+class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """When generation must end. Enforced by the frontend's backend operator; engines may
+    enforce ``max_tokens`` and the token ids too (cheaper), never the strings."""
+
+    max_tokens: int | None = None
+    #: Stop strings; matched text is hidden from the output (OpenAI semantics).
+    stop: list[str] | None = None
+    #: Token ids that end generation; the token itself is not emitted as text.
+    stop_token_ids_hidden: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A request after templating and tokenization: what a Tokens-input worker receives."""
+
+    model: str
+    token_ids: list[int]
+    stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
+    sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    annotations: list[str] = msgspec.field(default_factory=list)
+    lora_name: str | None = None
+    #: Set by the client (``nvext.backend_instance_id``) or the router: the instance to use.
+    backend_instance_id: int | None = None
+    #: The model card checksum the frontend built this request against.
+    mdc_sum: str | None = None
+    extra_args: dict[str, Any] | None = None
+
+
+class CompletionUsage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+class LLMEngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One step of a worker's stream."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    #: Optional text for ``token_ids``, when the engine detokenizes itself.
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+    #: A human-readable reason when ``finish_reason`` is ``ERROR``.
+    error: str | None = None
+    cum_log_probs: float | None = None
+    log_probs: list[float] | None = None
+    #: Engine-reported usage, normally on the last output only.
+    usage: CompletionUsage | None = None
+    #: Engine-specific metadata (e.g. the worker id, routing notes).
+    extra: dict[str, Any] | None = None
+
+
+class Annotated(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An out-of-band event in a stream (e.g. ``request_id``, ``worker_instance``)."""
+
+    event: str
+    data: Any = None

@@ -1,0 +1,158 @@
+"""What workers write into the discovery store: instances and model deployment cards.
+
+Key layout (a wire format; keep it stable)::
+
+    v1/instances/{namespace}/{component}/{endpoint}/{instance_id:x}      -> Instance
+    v1/mdc/{namespace}/{component}/{endpoint}/{instance_id:x}[/{lora}]    -> ModelDeploymentCard
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+
+import msgspec
+
+INSTANCES_ROOT = "v1/instances"
+MDC_ROOT = "v1/mdc"
+
+
+class ModelType(enum.IntFlag):
+    """What a model serves. A model may serve several (``Chat | Completions``)."""
+
+    Chat = 1
+    Completions = 2
+    Embedding = 4
+    TensorBased = 8
+    Prefill = 16
+
+    def supports_chat(self) -> bool:
+        return bool(self & ModelType.Chat)
+
+    def supports_completions(self) -> bool:
+        return bool(self & ModelType.Completions)
+
+    def supports_embedding(self) -> bool:
+        return bool(self & ModelType.Embedding)
+
+    def supports_tensor(self) -> bool:
+        return bool(self & ModelType.TensorBased)
+
+    def names(self) -> str:
+        """``"Chat|Completions"``: readable in logs and error messages."""
+        return "|".join(m.name for m in ModelType if m in self and m.name) or "none"
+
+
+class ModelInput(enum.StrEnum):
+    """What a worker's ``generate`` endpoint takes."""
+
+    Tokens = "tokens"
+    Text = "text"
+    Tensor = "tensor"
+
+
+class EndpointId(msgspec.Struct, frozen=True, kw_only=True):
+    namespace: str
+    component: str
+    name: str
+
+    def path(self) -> str:
+        return f"{self.namespace}/{self.component}/{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> EndpointId:
+        """Parse ``namespace/component/endpoint`` (``dyn://`` prefix allowed)."""
+        parts = text.removeprefix("dyn://").split("/")
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"endpoint must be 'namespace/component/endpoint', got {text!r}")
+        return cls(namespace=parts[0], component=parts[1], name=parts[2])
+
+
+class TransportAddress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the request plane reaches an instance: ``kind`` names the plane."""
+
+    kind: str
+    address: str
+
+
+class Instance(msgspec.Struct, frozen=True, kw_only=True):
+    endpoint: EndpointId
+    instance_id: int
+    transport: TransportAddress
+
+    def key(self) -> str:
+        return instance_key(self.endpoint, self.instance_id)
+
+
+def instance_key(endpoint: EndpointId, instance_id: int) -> str:
+    return f"{INSTANCES_ROOT}/{endpoint.path()}/{instance_id:x}"
+
+
+def mdc_key(endpoint: EndpointId, instance_id: int, lora_name: str | None = None) -> str:
+    base = f"{MDC_ROOT}/{endpoint.path()}/{instance_id:x}"
+    return f"{base}/{lora_name}" if lora_name else base
+
+
+class RuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the engine tells the router about its capacity."""
+
+    total_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    data_parallel_size: int = 1
+    #: True when the worker publishes KV events (exact KV routing is possible).
+    enable_kv_events: bool = False
+
+
+class TokenizerSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the frontend finds the tokenizer: an HF ``tokenizer.json`` or a GGUF file.
+
+    ``sha256`` is of the file's bytes, so instances of one model can be checked to agree and
+    the frontend loads each distinct tokenizer once.
+    """
+
+    kind: str  # "hf_tokenizer_json" | "gguf"
+    path: str
+    sha256: str
+
+
+class LoraInfo(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    path: str | None = None
+
+
+class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Everything the frontend needs to serve a model, written by each of its instances."""
+
+    #: The served model name (what clients put in ``"model"``).
+    display_name: str
+    endpoint: EndpointId
+    instance_id: int
+    model_type: ModelType
+    model_input: ModelInput
+    tokenizer: TokenizerSource | None = None
+    chat_template: str | None = None
+    context_length: int = 4096
+    kv_cache_block_size: int = 16
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    bos_token: str | None = None
+    eos_token: str | None = None
+    runtime_config: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    lora: LoraInfo | None = None
+    migration_limit: int = 0
+
+    def checksum(self) -> str:
+        """Digest of the fields that must agree between instances of one model."""
+        h = hashlib.sha256()
+        for part in (
+            self.display_name,
+            self.tokenizer.sha256 if self.tokenizer else "",
+            self.chat_template or "",
+            str(self.context_length),
+            str(self.kv_cache_block_size),
+            ",".join(map(str, self.eos_token_ids)),
+            self.model_input.value,
+        ):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()[:16]

@@ -1,0 +1,187 @@
+"""OpenAI-compatible request and response types (the HTTP edge).
+
+Requests accept what OpenAI clients and load generators send: the OpenAI fields, vLLM-style
+sampling extras at the top level (``ignore_eos``, ``min_tokens``, ``top_k``, ...), and an
+``nvext`` object. Unknown fields are ignored; a field of the wrong type fails validation,
+which the frontend turns into HTTP 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class NvExt(msgspec.Struct, kw_only=True):
+    """turnout/Dynamo extensions carried beside the OpenAI fields."""
+
+    ignore_eos: bool | None = None
+    backend_instance_id: int | None = None
+    #: Names of extra response fields the client asks for (e.g. ``"worker_id"``, ``"routing"``).
+    extra_fields: list[str] | None = None
+    annotations: list[str] | None = None
+    greed_sampling: bool | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    #: A string, or a list of content parts (``{"type": "text", "text": ...}``), or null.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields common to chat and completion requests."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-style extras
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    nvext: NvExt | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    nvext: dict[str, Any] | None = None
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    nvext: dict[str, Any] | None = None
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Both the whole completion and one streamed chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    nvext: dict[str, Any] | None = None
+
+
+class ModelObject(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "turnout"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: int | str | None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail

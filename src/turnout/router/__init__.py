@@ -1,0 +1,1 @@
+"""Routing: which instance serves a request (round-robin, random, ..., KV-aware)."""

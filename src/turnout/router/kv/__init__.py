@@ -1,0 +1,1 @@
+"""KV-cache-aware routing: block hashing, the indexer, active sequences, selection."""

@@ -1,0 +1,1 @@
+"""Distributed runtime: discovery store, leases, request plane, event plane, components."""

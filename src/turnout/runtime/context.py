@@ -1,0 +1,40 @@
+"""Per-request context: an id, and a cancellation that travels from the client to the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+
+class RequestContext:
+    """Identity and cancellation of one request.
+
+    ``cancel()`` is idempotent; whoever holds the context (the HTTP handler when the client
+    disconnects, the request plane when the peer asks) may call it. Work loops check
+    ``is_cancelled`` or await ``wait_cancelled()``.
+    """
+
+    __slots__ = ("_cancelled", "request_id")
+
+    def __init__(self, request_id: str | None = None) -> None:
+        self.request_id = request_id or uuid.uuid4().hex
+        self._cancelled: asyncio.Event | None = None
+
+    def _event(self) -> asyncio.Event:
+        if self._cancelled is None:
+            self._cancelled = asyncio.Event()
+        return self._cancelled
+
+    def cancel(self) -> None:
+        self._event().set()
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self._cancelled is not None and self._cancelled.is_set()
+
+    async def wait_cancelled(self) -> None:
+        await self._event().wait()
+
+    def child(self) -> RequestContext:
+        """A context with the same id (for a re-issued request, e.g. on migration)."""
+        return RequestContext(self.request_id)

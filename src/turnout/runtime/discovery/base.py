@@ -1,0 +1,84 @@
+"""The discovery store interface: a small, etcd-shaped key-value store with leases and watches.
+
+Contract:
+
+* ``put``/``get``/``get_prefix``/``delete`` act on string keys and byte values.
+* A key put under a lease is deleted (and every watcher sees a DELETE) when the lease ends:
+  revoked, or not kept alive within its TTL.
+* ``watch_prefix`` first yields the current keys under the prefix as PUT events (a snapshot at
+  some revision R), then every change after R, in revision order, each exactly once. Passing
+  ``start_revision`` resumes after a known revision instead of taking a snapshot.
+* Revisions increase by one with every change of the store.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+
+class WatchEventKind(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: str
+    value: bytes
+    revision: int
+    lease_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    kind: WatchEventKind
+    #: For DELETE, ``value`` is empty: the watcher remembers what it saw under the key.
+    kv: KeyValue
+
+
+class DiscoveryStore(abc.ABC):
+    """Abstract discovery store; see the module docstring for the contract."""
+
+    #: Registry name: ``memory``, ``file``, ``etcd``.
+    kind: str
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl: float) -> int:
+        """A new lease id that lives ``ttl`` seconds unless kept alive."""
+
+    @abc.abstractmethod
+    async def keep_alive(self, lease_id: int) -> bool:
+        """Extend the lease by its TTL; False when it has already ended."""
+
+    @abc.abstractmethod
+    async def revoke_lease(self, lease_id: int) -> None:
+        """End the lease now, deleting its keys."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, *, lease_id: int | None = None) -> int:
+        """Set ``key``; returns the store revision of the change."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> KeyValue | None: ...
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Delete ``key``; False when it did not exist."""
+
+    @abc.abstractmethod
+    def watch_prefix(
+        self, prefix: str, *, start_revision: int | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        """Snapshot-then-changes stream of the keys under ``prefix`` (see module docstring).
+
+        The iterator ends when the store is closed; ``aclose()`` stops it early.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
