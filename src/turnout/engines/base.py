@@ -40,6 +40,10 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Release resources; in-flight streams end."""
 
+    def bind_instance(self, instance_id: int) -> None:
+        """Told the instance id once discovery assigned it (engines that publish events use it
+        as their worker id)."""
+
     @abc.abstractmethod
     def model_card_template(self) -> ModelDeploymentCard:
         """The card to publish, with ``endpoint`` and ``instance_id`` left for the worker to set.

@@ -77,7 +77,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    #: A string, or a list of strings / token ids / token-id lists. msgspec allows one
+    #: array-like type in a union, so the list is typed loosely here; the preprocessor
+    #: accepts ``[str]``, ``[int, ...]`` and ``[[int, ...]]`` and rejects the rest.
+    prompt: str | list[str | int | list[int]]
     echo: bool | None = None
     suffix: str | None = None
     logprobs: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 
 class RequestContext:
@@ -14,11 +15,15 @@ class RequestContext:
     ``is_cancelled`` or await ``wait_cancelled()``.
     """
 
-    __slots__ = ("_cancelled", "request_id")
+    __slots__ = ("_cancelled", "metadata", "request_id")
 
     def __init__(self, request_id: str | None = None) -> None:
         self.request_id = request_id or uuid.uuid4().hex
         self._cancelled: asyncio.Event | None = None
+        #: Facts gathered along the pipeline for the response and logs (e.g. the chosen
+        #: ``worker_instance_id``, routing explanations, ``migrations``). Written by the
+        #: operator that learns the fact; read by the frontend.
+        self.metadata: dict[str, Any] = {}
 
     def _event(self) -> asyncio.Event:
         if self._cancelled is None:

@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from turnout.protocols.model import TransportAddress
@@ -33,6 +34,16 @@ class RequestPlaneServer(abc.ABC):
 
     @abc.abstractmethod
     def register(self, endpoint_path: str, handler: Handler) -> None: ...
+
+    def unregister(self, endpoint_path: str) -> None:
+        """Stop taking requests for ``endpoint_path``: new ones are refused as ``PeerUnavailable``
+        (the instance is leaving; retry elsewhere). Streams in flight go on; see ``drain``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot unregister handlers")
+
+    async def drain(self, endpoint_path: str, drain_timeout: float = 5.0) -> None:
+        """Wait up to ``drain_timeout`` seconds for the in-flight streams of ``endpoint_path``
+        to finish, then cancel the rest (their clients see ``StreamBroken``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drain a handler")
 
     @abc.abstractmethod
     async def start(self) -> TransportAddress:
@@ -58,3 +69,18 @@ class RequestPlaneClient(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+async def drain_tasks(tasks: list[asyncio.Task[None]], drain_timeout: float) -> None:
+    """Let ``tasks`` finish within ``drain_timeout`` seconds, then cancel the rest and wait for them
+    (the drain step shared by the servers)."""
+    if not tasks:
+        return
+    if drain_timeout > 0:
+        _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
+    else:
+        pending = {t for t in tasks if not t.done()}
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)

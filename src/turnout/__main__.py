@@ -1,0 +1,5 @@
+import sys
+
+from turnout.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``turnout`` command line: ``serve``, ``frontend``, ``worker``."""

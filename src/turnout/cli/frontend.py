@@ -1,0 +1,84 @@
+"""``turnout frontend``: the HTTP frontend alone; workers register themselves."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Any
+
+import uvloop
+
+from turnout.errors import TurnoutError
+from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
+from turnout.frontend.service import Frontend, FrontendConfig
+from turnout.router.mode import RouterMode
+
+from .flags import add_flag, add_runtime_flags, setup_logging
+
+log = logging.getLogger("turnout.cli")
+
+
+def add_frontend_flags(p: argparse.ArgumentParser) -> None:
+    add_flag(p, "--host", default="127.0.0.1", help="HTTP bind address")
+    add_flag(p, "--port", default=8000, type=int, help="HTTP port")
+    add_flag(p, "--router-mode", default="round-robin",
+             help="round-robin | random | direct (power-of-two, least-loaded, "
+                  "device-aware-weighted, kv: not yet supported)")  # fmt: skip
+    add_flag(p, "--migration-limit", default=3, type=int,
+             help="times a request may move to another worker when its worker dies")  # fmt: skip
+    add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
+    add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
+             help="largest accepted request body (413 above)")  # fmt: skip
+
+
+def frontend_config(args: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(
+        host=args.host,
+        port=args.port,
+        store=args.store,
+        store_path=args.store_path,
+        request_plane=args.request_plane,
+        namespace=args.namespace,
+        router_mode=RouterMode.parse(args.router_mode),
+        migration_limit=args.migration_limit,
+        max_body_bytes=args.max_body_bytes,
+        lease_ttl=args.lease_ttl,
+    )
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
+    add_frontend_flags(p)
+    add_runtime_flags(p)
+    p.set_defaults(run=run)
+
+
+async def run_until_signal(start: Any, stop: Any, wait: Any) -> None:
+    """Start, then run until SIGINT/SIGTERM or until ``wait()`` returns; always stop."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        await start()
+        waiter = asyncio.ensure_future(wait())
+        stopper = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+    finally:
+        await stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        config = frontend_config(args)
+        frontend = Frontend(config)
+        uvloop.run(run_until_signal(frontend.start, frontend.stop, frontend.wait))
+    except TurnoutError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0

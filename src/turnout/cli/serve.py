@@ -1,0 +1,132 @@
+"""``turnout serve``: a frontend and N workers on one machine, in one process tree.
+
+The frontend runs in this process; each worker is a child process (``turnout worker``) on the
+same file store and TCP request plane. Ctrl-C (or SIGTERM) stops the workers, then the
+frontend. A worker that dies is reported; the frontend keeps serving with the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import uvloop
+
+from turnout.errors import TurnoutError
+from turnout.frontend.service import Frontend
+from turnout.runtime.discovery import default_store_path
+
+from .flags import add_flag, add_runtime_flags, setup_logging
+from .frontend import add_frontend_flags, frontend_config, run_until_signal
+from .worker import add_worker_flags
+
+log = logging.getLogger("turnout.serve")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="start a frontend and N workers on this machine")
+    add_frontend_flags(p)
+    add_worker_flags(p, engine_default="llamacpp")
+    add_flag(p, "--num-workers", default=2, type=int, help="worker processes to start")
+    add_runtime_flags(p)
+    p.set_defaults(run=run)
+
+
+def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list[str]:
+    argv = [
+        sys.executable, "-m", "turnout", "worker",
+        "--engine", args.engine,
+        "--endpoint", args.endpoint,
+        "--store", "file",
+        "--store-path", store_path,
+        "--request-plane", "tcp",
+        "--lease-ttl", str(args.lease_ttl),
+        "--log-level", args.log_level,
+        "--n-ctx", str(args.n_ctx),
+        "--n-parallel", str(args.n_parallel),
+        "--threads", str(args.threads or threads),
+        "--echo-delay-ms", str(args.echo_delay_ms),
+    ]  # fmt: skip
+    for flag, value in (
+        ("--model-path", args.model_path),
+        ("--model-name", args.model_name),
+        ("--context-length", args.context_length),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+class ServeTree:
+    def __init__(self, args: argparse.Namespace) -> None:
+        if args.num_workers < 0:
+            raise TurnoutError("--num-workers must be 0 or more")
+        if args.store != "file" or args.request_plane != "tcp":
+            log.info("serve always uses the file store and the tcp request plane")
+        self.args = args
+        self.store_path = args.store_path or default_store_path()
+        config = frontend_config(args)
+        config.store, config.store_path, config.request_plane = "file", self.store_path, "tcp"
+        self.frontend = Frontend(config)
+        self.children: list[asyncio.subprocess.Process] = []
+        self._watchers: list[asyncio.Task[None]] = []
+        self._all_dead = asyncio.Event()
+
+    async def start(self) -> None:
+        threads = max(1, (os.cpu_count() or 2) // max(1, self.args.num_workers))
+        argv = worker_argv(self.args, self.store_path, threads)
+        for _ in range(self.args.num_workers):
+            child = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
+            self.children.append(child)
+            self._watchers.append(asyncio.create_task(self._watch(child)))
+        await self.frontend.start()
+        log.info(
+            "serving on %s with %d %s worker(s); Ctrl-C stops everything",
+            self.frontend.url,
+            len(self.children),
+            self.args.engine,
+        )
+
+    async def _watch(self, child: asyncio.subprocess.Process) -> None:
+        code = await child.wait()
+        if code not in (0, -signal.SIGTERM, -signal.SIGINT):
+            log.error("worker pid %d exited with %s", child.pid, code)
+        if all(c.returncode is not None for c in self.children):
+            self._all_dead.set()
+
+    async def wait(self) -> None:
+        await self.frontend.wait()
+
+    async def stop(self) -> None:
+        for child in self.children:
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
+        for child in self.children:
+            try:
+                await asyncio.wait_for(child.wait(), timeout=15)
+            except TimeoutError:
+                log.warning("worker pid %d did not stop in time; killing it", child.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                await child.wait()
+        for task in self._watchers:
+            task.cancel()
+        await self.frontend.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        tree = ServeTree(args)
+        uvloop.run(run_until_signal(tree.start, tree.stop, tree.wait))
+    except TurnoutError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0

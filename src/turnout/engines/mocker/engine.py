@@ -1,0 +1,448 @@
+"""``MockerEngine``: the async edge around the synchronous scheduler.
+
+One asyncio task per data-parallel rank loops::
+
+    step (sync)  ->  sleep(step time / speedup)  ->  deliver tokens, publish KV events/load
+
+and parks on an ``asyncio.Event`` when it has nothing to do (no busy loop). At speedup 0 it
+does not sleep, but yields to the event loop after every step so many workers share one
+process fairly. Sleeping aims at a deadline that advances by each step's duration, so the
+event loop's own overhead does not accumulate into simulated time.
+
+Tokens of a step are delivered at the *end* of its simulated duration, as a GPU's are.
+Each request has a small stream (a deque and a waiter future: cheaper than an
+``asyncio.Queue`` per token). A cancelled ``ctx`` is noticed after the current step, and a
+closed generator aborts its request at once; either way the request's blocks go back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from turnout.engines.base import Engine
+from turnout.engines.mocker.config import MockerConfig
+from turnout.engines.mocker.kv_pool import KvBlockPool
+from turnout.engines.mocker.scheduler import Scheduler, StepResult
+from turnout.engines.mocker.timing import TimingModel
+from turnout.engines.mocker.tokens import TokenSampler
+from turnout.protocols.kv import KvEventBatch, LoadReport
+from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.model import EndpointId, ModelDeploymentCard, RuntimeConfig
+from turnout.runtime.context import RequestContext
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+#: How far (wall seconds) a loop may run behind its schedule before it stops catching up.
+_MAX_LAG_S = 0.05
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class KvEventSink(Protocol):
+    """Where a worker's KV events and load reports go (the event plane, or a test recorder).
+
+    Called synchronously from the engine loop, in order; must not block.
+    """
+
+    def publish_kv(self, batch: KvEventBatch) -> None: ...
+
+    def publish_load(self, report: LoadReport) -> None: ...
+
+
+class NullEventSink:
+    """Drops everything: the default when nobody listens."""
+
+    def publish_kv(self, batch: KvEventBatch) -> None:
+        pass
+
+    def publish_load(self, report: LoadReport) -> None:
+        pass
+
+
+class _Stream:
+    """One request's outputs, from the engine loop to its ``generate`` consumer."""
+
+    __slots__ = ("ctx", "items", "waiter")
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+        self.items: deque[LLMEngineOutput] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def push(self, out: LLMEngineOutput) -> None:
+        self.items.append(out)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+@dataclass(slots=True)
+class MockerStats:
+    """Counters of one rank's loop, for benchmarks: is the simulation keeping up?"""
+
+    #: Steps run, and their summed simulated GPU time (before the speedup).
+    num_steps: int = 0
+    simulated_s: float = 0.0
+    #: Wall seconds the loop fell behind real time and wrote off (0 when it keeps up).
+    late_s: float = 0.0
+
+    def add(self, other: MockerStats) -> MockerStats:
+        return MockerStats(
+            self.num_steps + other.num_steps,
+            self.simulated_s + other.simulated_s,
+            self.late_s + other.late_s,
+        )
+
+
+class _Rank:
+    """One data-parallel rank: a scheduler, its streams and its loop's state."""
+
+    __slots__ = (
+        "dp_rank",
+        "last_load_key",
+        "next_report",
+        "scheduler",
+        "stats",
+        "streams",
+        "task",
+        "wake",
+    )
+
+    def __init__(self, scheduler: Scheduler, dp_rank: int) -> None:
+        self.scheduler = scheduler
+        self.dp_rank = dp_rank
+        self.streams: dict[str, _Stream] = {}
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.last_load_key: tuple[int, ...] | None = None
+        self.next_report = 0.0
+        self.stats = MockerStats()
+
+
+class MockerEngine(Engine):
+    """A simulated vLLM-style worker (``dp_size`` ranks) behind the ``Engine`` contract."""
+
+    def __init__(
+        self,
+        config: MockerConfig,
+        *,
+        worker_id: int = 0,
+        sink: KvEventSink | None = None,
+        timing: TimingModel | None = None,
+        sampler: TokenSampler | None = None,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        model_path: str | Path | None = None,
+        served_model_name: str | None = None,
+        validate: bool = True,
+    ) -> None:
+        if validate:
+            config.validate()
+        self._config = config
+        self._sink: KvEventSink = sink or NullEventSink()
+        self._clock = clock
+        self._sleep = sleep
+        self._model_path = model_path
+        self._served_model_name = served_model_name
+        self._worker_id = worker_id
+        self._ids = itertools.count()
+        self._ranks = [
+            _Rank(
+                Scheduler(
+                    config,
+                    pool=KvBlockPool(
+                        config.num_gpu_blocks,
+                        config.block_size,
+                        worker_id=worker_id,
+                        dp_rank=rank,
+                    ),
+                    timing=timing,
+                    sampler=sampler,
+                ),
+                rank,
+            )
+            for rank in range(config.dp_size)
+        ]
+        self._started = False
+        self._closed = False
+
+    # ---- identity -------------------------------------------------------------------------
+
+    @property
+    def worker_id(self) -> int:
+        return self._worker_id
+
+    def set_worker_id(self, worker_id: int) -> None:
+        """Set the id stamped on KV events and load reports (the instance id, known only
+        after the worker registered). Set it before requests flow."""
+        self._worker_id = worker_id
+        for rank in self._ranks:
+            rank.scheduler.pool.worker_id = worker_id
+
+    @property
+    def config(self) -> MockerConfig:
+        return self._config
+
+    def get_stats(self) -> MockerStats:
+        """Loop counters summed over the ranks."""
+        total = MockerStats()
+        for rank in self._ranks:
+            total = total.add(rank.stats)
+        return total
+
+    def get_schedulers(self) -> list[Scheduler]:
+        """The per-rank schedulers (read-mostly: tests and benchmarks inspect pools)."""
+        return [rank.scheduler for rank in self._ranks]
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._closed:
+            raise RuntimeError("this MockerEngine was stopped; make a new one")
+        if self._started:
+            return
+        self._started = True
+        for rank in self._ranks:
+            rank.task = asyncio.create_task(
+                self._run(rank), name=f"mocker-w{self._worker_id}-r{rank.dp_rank}"
+            )
+
+    async def stop(self) -> None:
+        """Stop the loops; every in-flight stream ends with an ERROR output. Final."""
+        self._closed = True
+        tasks = [rank.task for rank in self._ranks if rank.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for rank in self._ranks:
+            rank.task = None
+            self._fail_streams(rank, "engine stopped")
+            self._publish_events(rank)
+
+    # ---- the Engine contract --------------------------------------------------------------
+
+    async def generate(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        if self._closed:
+            yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error="engine stopped")
+            return
+        if ctx.is_cancelled:
+            yield LLMEngineOutput(finish_reason=FinishReason.CANCELLED)
+            return
+        if not self._started:
+            await self.start()
+        rank = self._pick_rank(request)
+        # Internal ids: a migrated request may come back with the same ctx.request_id.
+        rid = f"{ctx.request_id}#{next(self._ids)}"
+        refused = rank.scheduler.add_request(rid, request)
+        if refused is not None:
+            yield refused
+            return
+        stream = _Stream(ctx)
+        rank.streams[rid] = stream
+        rank.wake.set()
+        loop = asyncio.get_running_loop()
+        finished = False
+        try:
+            while True:
+                if not stream.items:
+                    stream.waiter = loop.create_future()
+                    await stream.waiter
+                    stream.waiter = None
+                out = stream.items.popleft()
+                if out.finish_reason is not None:
+                    finished = True
+                yield out
+                if finished:
+                    return
+        finally:
+            if (
+                rank.streams.pop(rid, None) is not None
+                and not finished
+                and rank.scheduler.abort(rid)
+            ):
+                self._publish_events(rank)
+                self._maybe_publish_load(rank, force=False)
+
+    def model_card_template(self) -> ModelDeploymentCard:
+        """The real model's card (tokenizer, template) with the mocker's KV geometry, so the
+        frontend runs its real pipeline in front of simulated workers."""
+        from turnout.llm import model_card  # late: written alongside; a sibling layer
+
+        path = self._model_path or model_card.default_gguf_path()
+        cfg = self._config
+        return model_card.load_model_card(
+            path,
+            endpoint=EndpointId(namespace="placeholder", component="placeholder", name="generate"),
+            display_name=self._served_model_name,
+            kv_cache_block_size=cfg.block_size,
+            runtime_config=RuntimeConfig(
+                total_kv_blocks=cfg.num_gpu_blocks,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                data_parallel_size=cfg.dp_size,
+                enable_kv_events=True,
+            ),
+        )
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _pick_rank(self, request: PreprocessedRequest) -> _Rank:
+        ranks = self._ranks
+        if len(ranks) == 1:
+            return ranks[0]
+        wanted = (request.extra_args or {}).get("dp_rank")
+        if isinstance(wanted, int) and 0 <= wanted < len(ranks):
+            return ranks[wanted]
+        return min(ranks, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)
+
+    async def _run(self, rank: _Rank) -> None:
+        """The rank's loop; a bug inside it ends every stream with ERROR, never a hang."""
+        try:
+            await self._loop(rank)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("mocker worker %s rank %s loop failed", self._worker_id, rank.dp_rank)
+            self._fail_streams(rank, f"mocker engine failed: {exc!r}")
+            self._closed = True
+
+    async def _loop(self, rank: _Rank) -> None:
+        scheduler = rank.scheduler
+        speedup = self._config.speedup_ratio
+        clock = self._clock
+        sleep = self._sleep
+        stats = rank.stats
+        deadline = clock()
+        self._maybe_publish_load(rank, force=True)
+        while True:
+            if not scheduler.has_work():
+                rank.wake.clear()
+                timeout = max(0.0, rank.next_report - clock())
+                try:
+                    async with asyncio.timeout(timeout):
+                        await rank.wake.wait()
+                except TimeoutError:
+                    self._maybe_publish_load(rank, force=True)
+                deadline = clock()
+                continue
+            # Simulated time: the sum of step durations so far.
+            result = scheduler.step(stats.simulated_s)
+            stats.num_steps += 1
+            stats.simulated_s += result.duration_s
+            if speedup > 0 and result.duration_s > 0:
+                # Aim at a deadline so loop overhead does not add up; a debt of more than
+                # _MAX_LAG_S is written off (and counted) rather than repaid in a burst.
+                deadline += result.duration_s / speedup
+                now = clock()
+                if now - deadline > _MAX_LAG_S:
+                    stats.late_s += now - _MAX_LAG_S - deadline
+                    deadline = now - _MAX_LAG_S
+                delay = deadline - now
+                await sleep(delay if delay > 0 else 0)
+            elif result.num_scheduled == 0:
+                # Cannot happen (a lone request always fits); never spin if it does.
+                await sleep(0.001)
+            else:
+                await sleep(0)
+            self._deliver(rank, result)
+            self._publish_events(rank)
+            self._reap_cancelled(rank)
+            self._maybe_publish_load(rank, force=clock() >= rank.next_report)
+            if speedup == 0:
+                deadline = clock()
+
+    def _fail_streams(self, rank: _Rank, message: str) -> None:
+        """End every stream of ``rank`` with an ERROR output and drop its requests."""
+        for rid, stream in list(rank.streams.items()):
+            rank.scheduler.abort(rid)
+            stream.push(LLMEngineOutput(finish_reason=FinishReason.ERROR, error=message))
+        rank.streams.clear()
+
+    def _deliver(self, rank: _Rank, result: StepResult) -> None:
+        streams = rank.streams
+        for rid, out in result.outputs:
+            stream = streams.get(rid)
+            if stream is not None:
+                stream.push(out)
+
+    def _reap_cancelled(self, rank: _Rank) -> None:
+        cancelled = [rid for rid, s in rank.streams.items() if s.ctx.is_cancelled]
+        for rid in cancelled:
+            stream = rank.streams.pop(rid)
+            if rank.scheduler.abort(rid):
+                stream.push(LLMEngineOutput(finish_reason=FinishReason.CANCELLED))
+        if cancelled:
+            self._publish_events(rank)
+
+    def _publish_events(self, rank: _Rank) -> None:
+        events = rank.scheduler.pool.take_events()
+        if events:
+            try:
+                self._sink.publish_kv(KvEventBatch(events=events))
+            except Exception:  # a sink's failure must not stop the engine
+                log.exception("publishing KV events failed (worker %s)", self._worker_id)
+
+    def _maybe_publish_load(self, rank: _Rank, *, force: bool) -> None:
+        """Publish a load report when it changed, or when ``force`` (the steady beat)."""
+        load = rank.scheduler.get_load()
+        key = (
+            load.num_waiting,
+            load.num_running,
+            load.active_decode_blocks,
+            load.active_prefill_tokens,
+        )
+        if not force and key == rank.last_load_key:
+            return
+        rank.last_load_key = key
+        rank.next_report = self._clock() + self._config.load_report_interval_s
+        report = LoadReport(
+            worker_id=self._worker_id,
+            dp_rank=rank.dp_rank,
+            active_prefill_tokens=load.active_prefill_tokens,
+            active_decode_blocks=load.active_decode_blocks,
+            kv_usage=load.kv_usage,
+            num_waiting=load.num_waiting,
+            num_running=load.num_running,
+            total_kv_blocks=load.total_kv_blocks,
+        )
+        try:
+            self._sink.publish_load(report)
+        except Exception:  # a sink's failure must not stop the engine
+            log.exception("publishing a load report failed (worker %s)", self._worker_id)
+
+
+def make_mocker_engines(
+    config: MockerConfig,
+    num_workers: int,
+    *,
+    sink: KvEventSink | None = None,
+    timing: TimingModel | None = None,
+    first_worker_id: int = 0,
+    **kwargs: object,
+) -> list[MockerEngine]:
+    """N independent simulated workers for one process (ids ``first_worker_id`` + i).
+
+    The config is validated once, counting all N workers' bookkeeping against memory.
+    """
+    config.validate(num_workers=num_workers)
+    return [
+        MockerEngine(
+            config,
+            worker_id=first_worker_id + i,
+            sink=sink,
+            timing=timing,
+            validate=False,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        for i in range(num_workers)
+    ]

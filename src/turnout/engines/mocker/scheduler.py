@@ -1,0 +1,404 @@
+"""The mocker's scheduler: vLLM's continuous batching, without the model (sync, no asyncio).
+
+Mental model (vLLM v1): there is no prefill phase and no decode phase, only computed tokens
+catching up with known tokens. Each request has ``token_ids`` (prompt + output so far) and
+``num_computed`` of them in the KV cache. A step gives each scheduled request
+``min(len(token_ids) - num_computed, budget)`` tokens: a long prompt catches up over several
+steps (chunked prefill), a decoding request needs exactly one. When a request catches up, the
+"model" samples one token, which makes it one behind again.
+
+One step:
+
+1. Running requests first, in arrival order. Each needs blocks for its new tokens; when the
+   pool runs dry, the *last* running request is preempted (recompute style: its blocks go
+   back, cached ones stay matchable, and it rejoins the front of the waiting queue) until
+   the allocation fits or the request itself was the one preempted.
+2. Then, if nobody was preempted, waiting requests in order, while the token budget,
+   ``max_num_seqs`` and the pool allow. A fresh request first looks up its prefix in the
+   pool: resident blocks are shared, only the rest is computed (``cached_tokens``).
+3. The step's duration comes from the timing model, then every scheduled request advances:
+   full blocks are committed under their hashes (KV events), tokens are sampled, stop rules
+   applied, finished requests freed.
+
+Expected failures are values: a request that can never fit is refused at ``add_request``
+with an ERROR output; a request that outgrows the whole pool ends with ``LENGTH``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from turnout.engines.mocker.config import MockerConfig
+from turnout.engines.mocker.kv_pool import KvBlockPool
+from turnout.engines.mocker.request import MockRequest, RequestState
+from turnout.engines.mocker.timing import PolynomialTimingModel, TimingModel, step_ms
+from turnout.engines.mocker.tokens import HashTokenSampler, TokenSampler, token_seed
+from turnout.protocols.llm import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+)
+from turnout.router.kv.hashing import (
+    compute_block_hashes,
+    compute_local_block_hashes,
+    compute_sequence_hashes,
+)
+
+#: (request id, output): what a step produced for one request.
+StepOutput = tuple[str, LLMEngineOutput]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step did. ``duration_s`` is simulated GPU time, before any speedup."""
+
+    duration_s: float = 0.0
+    outputs: list[StepOutput] = field(default_factory=list)
+    num_scheduled: int = 0
+    num_prefill_tokens: int = 0
+    num_decodes: int = 0
+    num_preempted: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerLoad:
+    """The numbers a load report carries, read without scanning."""
+
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    kv_usage: float
+    num_waiting: int
+    num_running: int
+    total_kv_blocks: int
+
+
+class Scheduler:
+    """Waiting and running queues over one ``KvBlockPool``; call ``step`` in a loop."""
+
+    def __init__(
+        self,
+        config: MockerConfig,
+        *,
+        pool: KvBlockPool | None = None,
+        timing: TimingModel | None = None,
+        sampler: TokenSampler | None = None,
+    ) -> None:
+        self._config = config
+        self._block_size = config.block_size
+        self._caching = config.enable_prefix_caching
+        self._chunked = config.enable_chunked_prefill
+        self._max_context = config.max_context_tokens
+        self.pool = pool or KvBlockPool(config.num_gpu_blocks, config.block_size)
+        self._timing: TimingModel = timing or PolynomialTimingModel()
+        self._sampler: TokenSampler = sampler or HashTokenSampler(config.vocab_size)
+        self._default_eos = frozenset(config.eos_token_ids)
+        self._waiting: deque[MockRequest] = deque()
+        self._running: list[MockRequest] = []
+        self._requests: dict[str, MockRequest] = {}
+        # Sum of pending_prefill_tokens over unfinished requests, moved at each change.
+        self._pending_prefill = 0
+        #: Preemptions since start (a counter for tests and metrics).
+        self.num_preemptions = 0
+
+    # ---- intake ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, request: PreprocessedRequest) -> LLMEngineOutput | None:
+        """Queue a request. Returns the final ERROR output instead when it can never run."""
+        if request_id in self._requests:
+            return _error(f"request id {request_id!r} is already in this engine", 0)
+        prompt = request.token_ids
+        n = len(prompt)
+        stop = request.stop_conditions
+        error = None
+        if n == 0:
+            error = "the prompt is empty"
+        elif n > self._max_context:
+            error = (
+                f"the prompt has {n} tokens, more than this worker's whole KV cache holds "
+                f"({self._config.num_gpu_blocks} blocks x {self._block_size} tokens = "
+                f"{self._max_context})"
+            )
+        elif not self._chunked and n > self._config.max_num_batched_tokens:
+            error = (
+                f"the prompt has {n} tokens, more than max_num_batched_tokens="
+                f"{self._config.max_num_batched_tokens}, and chunked prefill is off"
+            )
+        elif stop.max_tokens is not None and stop.max_tokens < 1:
+            error = f"max_tokens must be at least 1, got {stop.max_tokens}"
+        if error is not None:
+            return _error(error, n)
+
+        eos = frozenset(request.eos_token_ids) if request.eos_token_ids else self._default_eos
+        req = MockRequest(
+            request_id=request_id,
+            token_ids=list(prompt),
+            prompt_len=n,
+            max_tokens=stop.max_tokens or self._config.default_max_tokens,
+            min_tokens=stop.min_tokens or 0,
+            ignore_eos=stop.ignore_eos,
+            eos_at_end=stop.max_tokens is None,
+            eos_token_ids=eos,
+            stop_token_ids=frozenset(stop.stop_token_ids_hidden or ()),
+            lora_name=request.lora_name,
+            token_seed=token_seed(self._config.seed, prompt),
+        )
+        if self._caching:
+            local, seq = compute_block_hashes(prompt, self._block_size, lora_name=req.lora_name)
+            req.local_hashes = list(local)
+            req.seq_hashes = list(seq)
+        self._requests[request_id] = req
+        self._waiting.append(req)
+        self._pending_prefill += n
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (client gone): free its blocks. False when it is not here."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if req.state is RequestState.WAITING:
+            self._waiting.remove(req)
+        else:
+            self._running.remove(req)
+        req.finish_reason = FinishReason.CANCELLED
+        self._finish(req)
+        return True
+
+    # ---- views ----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get_request(self, request_id: str) -> MockRequest | None:
+        return self._requests.get(request_id)
+
+    def iter_request_ids(self) -> Iterator[str]:
+        return iter(self._requests)
+
+    def get_load(self) -> SchedulerLoad:
+        pool = self.pool
+        return SchedulerLoad(
+            active_prefill_tokens=self._pending_prefill,
+            active_decode_blocks=pool.num_used,
+            kv_usage=pool.usage,
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            total_kv_blocks=pool.capacity,
+        )
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self, now: float = 0.0) -> StepResult:
+        """Run one engine step starting at simulated time ``now`` (seconds)."""
+        result = StepResult()
+        budget = self._config.max_num_batched_tokens
+        scheduled: list[tuple[MockRequest, int]] = []
+        prefill_tokens = 0
+        num_decodes = 0
+
+        # 1. Running requests, oldest first; preempt from the back when the pool runs dry.
+        running = self._running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            remaining = len(req.token_ids) - req.num_computed
+            n = min(remaining, budget)
+            preempted_self = False
+            while not self._ensure_blocks(req, req.num_computed + n):
+                victim = running.pop()
+                self._preempt(victim)
+                result.num_preempted += 1
+                if victim is req:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break
+            scheduled.append((req, n))
+            budget -= n
+            if remaining == 1 and req.num_output > 0:
+                num_decodes += 1
+            else:
+                prefill_tokens += n
+            i += 1
+
+        # 2. Waiting requests, when nothing was preempted this step.
+        if result.num_preempted == 0:
+            max_seqs = self._config.max_num_seqs
+            full_budget = self._config.max_num_batched_tokens
+            while self._waiting and budget > 0 and len(running) < max_seqs:
+                req = self._waiting[0]
+                n = self._admit(req, budget, budget == full_budget)
+                if n == 0:
+                    break
+                self._waiting.popleft()
+                req.move_to(RequestState.RUNNING)
+                running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+                prefill_tokens += n
+
+        # 3. Time the step, then advance every scheduled request.
+        result.num_scheduled = len(scheduled)
+        result.num_prefill_tokens = prefill_tokens
+        result.num_decodes = num_decodes
+        result.duration_s = (
+            step_ms(self._timing, prefill_tokens, num_decodes, self.pool.usage) / 1000.0
+        )
+        end = now + result.duration_s
+        outputs = result.outputs
+        for req, n in scheduled:
+            out = self._advance(req, n, end)
+            if out is not None:
+                outputs.append((req.request_id, out))
+        return result
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _admit(self, req: MockRequest, budget: int, batch_empty: bool) -> int:
+        """Take the prefix hit and blocks for a waiting request; the tokens to compute now,
+        or 0 when it cannot start this step (nothing changed then)."""
+        bs = self._block_size
+        total = len(req.token_ids)
+        hit = 0
+        if self._caching:
+            # Always compute at least the last token: the model must run to sample.
+            hit = self.pool.num_cached_prefix(req.seq_hashes[: (total - 1) // bs])
+        cached = hit * bs
+        remaining = total - cached
+        n = min(remaining, budget)
+        if not self._chunked and n < remaining:
+            if not batch_empty:
+                return 0
+            n = remaining  # alone in the step it may exceed the budget rather than starve
+        if hit:
+            self.pool.acquire_cached(req.seq_hashes[:hit])
+        need = -(-(cached + n) // bs) - hit
+        if not self.pool.allocate(need):
+            if hit:
+                self.pool.free(req.seq_hashes[:hit])
+            return 0
+        req.held_hashes = req.seq_hashes[:hit]
+        req.num_private = need
+        self._set_computed(req, cached)
+        if req.cached_tokens is None:
+            req.cached_tokens = min(cached, req.prompt_len)
+        return n
+
+    def _ensure_blocks(self, req: MockRequest, num_tokens: int) -> bool:
+        need = -(-num_tokens // self._block_size) - req.num_blocks_held
+        if need <= 0:
+            return True
+        if not self.pool.allocate(need):
+            return False
+        req.num_private += need
+        return True
+
+    def _preempt(self, req: MockRequest) -> None:
+        self.pool.free(req.held_hashes, req.num_private)
+        req.held_hashes = []
+        req.num_private = 0
+        self._set_computed(req, 0)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.move_to(RequestState.WAITING)
+        self._waiting.appendleft(req)
+
+    def _set_computed(self, req: MockRequest, num_computed: int) -> None:
+        before = req.pending_prefill_tokens
+        req.num_computed = num_computed
+        self._pending_prefill += req.pending_prefill_tokens - before
+
+    def _advance(self, req: MockRequest, n: int, end: float) -> LLMEngineOutput | None:
+        """Apply ``n`` computed tokens; sample and check stops when the request caught up."""
+        self._set_computed(req, req.num_computed + n)
+        if self._caching:
+            self._commit_full_blocks(req)
+        if req.num_computed < len(req.token_ids):
+            return None  # mid-prefill: nothing to emit yet
+
+        token = self._sampler.next_token(req)
+        req.token_ids.append(token)
+        req.num_output += 1
+        if req.first_token_time is None:
+            req.first_token_time = end
+        if self._caching and len(req.token_ids) % self._block_size == 0:
+            self._extend_hashes(req)
+
+        reason: FinishReason | None = None
+        if req.num_output >= req.min_tokens:
+            if token in req.stop_token_ids:
+                reason = FinishReason.STOP
+            elif token in req.eos_token_ids and not req.ignore_eos:
+                reason = FinishReason.EOS
+        if reason is None and (
+            req.num_output >= req.max_tokens or len(req.token_ids) >= self._max_context
+        ):
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return LLMEngineOutput(token_ids=[token])
+        req.finish_reason = reason
+        self._running.remove(req)
+        self._finish(req)
+        return LLMEngineOutput(
+            token_ids=[token],
+            finish_reason=reason,
+            usage=CompletionUsage(
+                prompt_tokens=req.prompt_len,
+                completion_tokens=req.num_output,
+                cached_tokens=req.cached_tokens or 0,
+            ),
+        )
+
+    def _commit_full_blocks(self, req: MockRequest) -> None:
+        full = req.num_computed // self._block_size
+        held = req.held_hashes
+        pool = self.pool
+        while len(held) < full:
+            i = len(held)
+            h = req.seq_hashes[i]
+            pool.commit(
+                h,
+                req.local_hashes[i],
+                req.seq_hashes[i - 1] if i else None,
+                lora_name=req.lora_name,
+            )
+            held.append(h)
+            req.num_private -= 1
+
+    def _extend_hashes(self, req: MockRequest) -> None:
+        """Hash the block that the last sampled token completed."""
+        bs = self._block_size
+        start = len(req.token_ids) - bs
+        (local,) = compute_local_block_hashes(req.token_ids[start:], bs, lora_name=req.lora_name)
+        parent = req.seq_hashes[-1] if req.seq_hashes else None
+        (seq,) = compute_sequence_hashes([local], parent)
+        req.local_hashes.append(local)
+        req.seq_hashes.append(seq)
+
+    def _finish(self, req: MockRequest) -> None:
+        """Free a request that left both queues."""
+        self.pool.free(req.held_hashes, req.num_private)
+        req.held_hashes = []
+        req.num_private = 0
+        self._pending_prefill -= req.pending_prefill_tokens
+        req.move_to(RequestState.FINISHED)
+        del self._requests[req.request_id]
+
+
+def _error(message: str, prompt_tokens: int) -> LLMEngineOutput:
+    return LLMEngineOutput(
+        finish_reason=FinishReason.ERROR,
+        error=message,
+        usage=CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=0, cached_tokens=0),
+    )

@@ -1,0 +1,1 @@
+"""The frontend: the OpenAI HTTP service, model discovery and the per-model pipelines."""

@@ -1,0 +1,377 @@
+"""The OpenAI-compatible HTTP service, as an RSGI application for granian.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /live``, ``GET /metrics``.
+
+A request is validated and preprocessed before any byte is sent, and the first output is
+awaited before the status line goes out, so every failure that happens before generation
+starts (bad input, unknown model, no instance, a worker dying before answering) gets its own
+status and an OpenAI-style body. A failure after streaming started is sent as an SSE
+``error`` event (OpenAI clients raise it). A client that disconnects cancels its request:
+the handler task is cancelled, which closes the pipeline and sends a cancel to the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+from granian.rsgi import HTTPProtocol, Scope
+
+from turnout.protocols.llm import FinishReason
+from turnout.protocols.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelList,
+    ModelObject,
+)
+from turnout.runtime.context import RequestContext
+
+from .http_errors import HttpError, to_http_error
+from .metrics import CONTENT_TYPE, FrontendMetrics, StreamTimer
+from .model_manager import ModelManager
+from .pipeline import Generation, TextPipeline, TokensPipeline
+from .responses import SSE_DONE, ChunkWriter, aggregate_chunks, make_usage, sse, whole_response
+
+log = logging.getLogger("turnout.frontend")
+
+_json = msgspec.json.Encoder()
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_JSON = [("content-type", "application/json")]
+_SSE = [
+    ("content-type", "text/event-stream"),
+    ("cache-control", "no-cache"),
+    ("x-accel-buffering", "no"),
+]
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class HttpService:
+    def __init__(
+        self,
+        manager: ModelManager,
+        metrics: FrontendMetrics,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.manager = manager
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self._routes: dict[tuple[str, str], Any] = {
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/completions"): self._completions,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/live"): self._live,
+            ("GET", "/metrics"): self._metrics,
+        }
+        self._paths = {path for _, path in self._routes}
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def __rsgi__(self, scope: Scope, proto: HTTPProtocol) -> None:
+        if scope.proto != "http":
+            return
+        path = scope.path.rstrip("/") or "/"
+        handler = self._routes.get((scope.method, path))
+        if handler is None:
+            if path in self._paths:
+                err = HttpError(405, f"method {scope.method} not allowed on {path}")
+            else:
+                err = HttpError(404, f"no route for {scope.method} {path}", type="not_found")
+            self._send_error(proto, err)
+            return
+        try:
+            await handler(scope, proto)
+        except HttpError as exc:
+            self._send_error(proto, exc)
+
+    def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
+    def __rsgi_del__(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
+    @staticmethod
+    def _send_error(proto: HTTPProtocol, err: HttpError) -> None:
+        proto.response_bytes(err.status, _JSON + err.headers, err.body())
+
+    async def _read_body(self, scope: Scope, proto: HTTPProtocol) -> bytes:
+        declared = scope.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise HttpError(
+                413,
+                f"request body of {declared} bytes exceeds the limit of "
+                f"{self.max_body_bytes} bytes",
+                type="request_too_large",
+            )
+        if declared is not None:
+            return await proto()
+        parts: list[bytes] = []
+        size = 0
+        async for part in proto:
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise HttpError(
+                    413,
+                    f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                    type="request_too_large",
+                )
+            parts.append(part)
+        return b"".join(parts)
+
+    # ------------------------------------------------------------------ simple routes
+
+    async def _models(self, scope: Scope, proto: HTTPProtocol) -> None:
+        models = [ModelObject(id=name, created=0) for name in self.manager.list_models()]
+        proto.response_bytes(200, _JSON, _json.encode(ModelList(data=models)))
+
+    async def _health(self, scope: Scope, proto: HTTPProtocol) -> None:
+        models = []
+        for name in self.manager.list_models():
+            instances = self.manager.model_instances(name)
+            models.append({"name": name, "instances": [f"{i:x}" for i in instances]})
+        healthy = bool(models) and all(m["instances"] for m in models)
+        body = {"status": "healthy" if healthy else "unhealthy", "models": models}
+        proto.response_bytes(200 if healthy else 503, _JSON, _json.encode(body))
+
+    async def _live(self, scope: Scope, proto: HTTPProtocol) -> None:
+        proto.response_bytes(200, _JSON, b'{"status":"live"}')
+
+    async def _metrics(self, scope: Scope, proto: HTTPProtocol) -> None:
+        proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
+
+    # ------------------------------------------------------------------ generation
+
+    async def _chat(self, scope: Scope, proto: HTTPProtocol) -> None:
+        await self._generate(scope, proto, is_chat=True)
+
+    async def _completions(self, scope: Scope, proto: HTTPProtocol) -> None:
+        await self._generate(scope, proto, is_chat=False)
+
+    async def _generate(self, scope: Scope, proto: HTTPProtocol, *, is_chat: bool) -> None:
+        endpoint = "chat_completions" if is_chat else "completions"
+        model = "unknown"
+        stream = False
+        status = 200
+        ctx = RequestContext(scope.headers.get("x-request-id"))
+        task = asyncio.current_task()
+        assert task is not None
+        client_gone = False
+
+        def on_disconnect(_: Any) -> None:
+            nonlocal client_gone
+            if not _.cancelled():
+                client_gone = True
+                ctx.cancel()
+                task.cancel()
+
+        disconnect = asyncio.ensure_future(proto.client_disconnect())
+        disconnect.add_done_callback(on_disconnect)
+        try:
+            body = await self._read_body(scope, proto)
+            request: ChatCompletionRequest | CompletionRequest
+            request = (_chat_decoder if is_chat else _completion_decoder).decode(body)
+            model, stream = request.model, request.stream
+            pipeline = (
+                self.manager.get_chat_completions_engine(model)
+                if is_chat
+                else self.manager.get_completions_engine(model)
+            )
+            inflight = self.metrics.inflight.labels(model)
+            inflight.inc()
+            try:
+                if isinstance(pipeline, TextPipeline):
+                    await self._relay_text(proto, pipeline, body, request, ctx)
+                else:
+                    await self._serve_tokens(proto, pipeline, request, ctx)
+            finally:
+                inflight.dec()
+        except asyncio.CancelledError:
+            if not client_gone:
+                raise
+            status = 499
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            log.info("request %s: client disconnected; work cancelled", ctx.request_id)
+        except Exception as exc:  # every failure becomes one HTTP error
+            err = to_http_error(exc)
+            status = err.status
+            if status in (503, 429):
+                self.metrics.rejections.labels(model, "unavailable").inc()
+            self._send_error(proto, err)
+        finally:
+            disconnect.remove_done_callback(on_disconnect)
+            disconnect.cancel()
+            self.metrics.requests.labels(model, endpoint, str(stream).lower(), str(status)).inc()
+
+    async def _serve_tokens(
+        self,
+        proto: HTTPProtocol,
+        pipeline: TokensPipeline,
+        request: ChatCompletionRequest | CompletionRequest,
+        ctx: RequestContext,
+    ) -> None:
+        pre = await pipeline.preprocess(request)
+        model = request.model
+        metrics = self.metrics
+        metrics.input_tokens.labels(model).observe(len(pre.token_ids))
+        timer = StreamTimer(metrics, model)
+        generation = pipeline.generate(pre, ctx)
+        try:
+            deltas = generation.__aiter__()
+            first = await anext(deltas)
+            if (
+                first.finish_reason is FinishReason.ERROR
+                and generation.decoder.num_output_tokens == 0
+            ):
+                raise HttpError(500, f"worker error: {first.error}", type="internal_error")
+            if request.stream:
+                await self._stream_tokens(proto, request, generation, first, timer, ctx)
+            else:
+                await self._whole_tokens(proto, request, generation, first, timer, ctx)
+        finally:
+            await generation.aclose()
+            metrics.output_tokens.labels(model).observe(generation.decoder.num_output_tokens)
+            cached = generation.decoder.cached_tokens
+            if cached:
+                metrics.cached_tokens.labels(model).inc(cached)
+            metrics.duration.labels(model).observe(time.perf_counter() - timer.start)
+
+    def _nvext(
+        self, request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
+    ) -> dict[str, Any] | None:
+        fields = request.nvext.extra_fields if request.nvext else None
+        if not fields:
+            return None
+        out: dict[str, Any] = {}
+        if "worker_id" in fields and "worker_instance_id" in ctx.metadata:
+            out["worker_id"] = f"{ctx.metadata['worker_instance_id']:x}"
+        if "routing" in fields and "routing" in ctx.metadata:
+            out["routing"] = ctx.metadata["routing"]
+        if "migrations" in fields:
+            out["migrations"] = ctx.metadata.get("migrations", 0)
+        return out or None
+
+    async def _stream_tokens(
+        self,
+        proto: HTTPProtocol,
+        request: ChatCompletionRequest | CompletionRequest,
+        generation: Generation,
+        first: Any,
+        timer: StreamTimer,
+        ctx: RequestContext,
+    ) -> None:
+        writer = ChunkWriter(request.model, isinstance(request, ChatCompletionRequest))
+        transport = proto.response_stream(200, _SSE)
+        send = transport.send_bytes
+        if writer.is_chat:
+            await send(writer.role())
+        delta = first
+        deltas = generation.__aiter__()
+        while True:
+            if delta.text:
+                timer.on_tokens()
+                await send(writer.text(delta.text))
+            if delta.finish_reason is not None:
+                break
+            try:
+                delta = await anext(deltas)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:  # mid-stream failure: tell the client in-band
+                err = to_http_error(exc)
+                await send(sse(err.body()))
+                await send(SSE_DONE)
+                return
+        reason = delta.finish_reason or FinishReason.STOP
+        if reason is FinishReason.ERROR:
+            await send(
+                sse(HttpError(500, f"worker error: {delta.error}", type="internal_error").body())
+            )
+            await send(SSE_DONE)
+            return
+        await send(writer.finish(reason.to_openai(), self._nvext(request, ctx)))
+        opts = request.stream_options
+        if opts is not None and opts.include_usage:
+            decoder = generation.decoder
+            await send(
+                writer.usage(
+                    make_usage(
+                        len(generation.request.token_ids),
+                        decoder.num_output_tokens,
+                        decoder.cached_tokens,
+                    )
+                )
+            )
+        await send(SSE_DONE)
+
+    async def _whole_tokens(
+        self,
+        proto: HTTPProtocol,
+        request: ChatCompletionRequest | CompletionRequest,
+        generation: Generation,
+        first: Any,
+        timer: StreamTimer,
+        ctx: RequestContext,
+    ) -> None:
+        parts: list[str] = []
+        delta = first
+        deltas = generation.__aiter__()
+        while True:
+            if delta.text:
+                timer.on_tokens()
+                parts.append(delta.text)
+            if delta.finish_reason is not None:
+                break
+            try:
+                delta = await anext(deltas)
+            except StopAsyncIteration:
+                break
+        reason = delta.finish_reason or FinishReason.STOP
+        if reason is FinishReason.ERROR:
+            raise HttpError(500, f"worker error: {delta.error}", type="internal_error")
+        decoder = generation.decoder
+        usage = make_usage(
+            len(generation.request.token_ids), decoder.num_output_tokens, decoder.cached_tokens
+        )
+        body = whole_response(
+            model=request.model,
+            is_chat=isinstance(request, ChatCompletionRequest),
+            text="".join(parts),
+            finish_reason=reason.to_openai(),
+            usage=usage,
+            nvext=self._nvext(request, ctx),
+        )
+        proto.response_bytes(200, _JSON, body)
+
+    async def _relay_text(
+        self,
+        proto: HTTPProtocol,
+        pipeline: TextPipeline,
+        body: bytes,
+        request: ChatCompletionRequest | CompletionRequest,
+        ctx: RequestContext,
+    ) -> None:
+        chunks = pipeline.generate(body, ctx)
+        try:
+            first = await anext(chunks)
+            if not request.stream:
+                collected = [first]
+                async for chunk in chunks:
+                    collected.append(chunk)
+                proto.response_bytes(
+                    200, _JSON, aggregate_chunks(collected, is_chat=pipeline.is_chat)
+                )
+                return
+            transport = proto.response_stream(200, _SSE)
+            await transport.send_bytes(sse(first))
+            async for chunk in chunks:
+                await transport.send_bytes(sse(chunk))
+            await transport.send_bytes(SSE_DONE)
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]

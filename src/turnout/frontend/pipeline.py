@@ -1,0 +1,193 @@
+"""Per-model pipelines, built by the model watcher from a model card and an endpoint client.
+
+Tokens-input models get the full pipeline::
+
+    preprocessor -> backend (detokenize, stop) -> migration -> router -> worker
+
+Text-input models do their own pre/post-processing; the frontend only routes the OpenAI
+request to a worker and relays the OpenAI chunks it streams back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
+from turnout.llm.chat_template import ChatTemplate
+from turnout.llm.migration import Migration
+from turnout.llm.preprocessor import Preprocessor
+from turnout.llm.tokenizer import load_tokenizer
+from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.model import ModelDeploymentCard
+from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+from turnout.router.mode import RouterMode
+from turnout.router.push_router import InstanceSource, PushRouter
+from turnout.router.selectors import make_selector
+from turnout.runtime.context import RequestContext
+
+from .metrics import FrontendMetrics
+
+_msgpack_encode = msgspec.msgpack.Encoder().encode
+_output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
+
+
+class Generation:
+    """One running request: its token-level request, the decoded deltas, and the decoder's
+    counters (for usage). Always ``aclose()`` it, which stops the work on the worker."""
+
+    __slots__ = ("_deltas", "decoder", "request")
+
+    def __init__(
+        self,
+        request: PreprocessedRequest,
+        decoder: StreamDecoder,
+        deltas: AsyncIterator[DecodedDelta],
+    ) -> None:
+        self.request = request
+        self.decoder = decoder
+        self._deltas = deltas
+
+    def __aiter__(self) -> AsyncIterator[DecodedDelta]:
+        return self._deltas
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class TokensPipeline:
+    """The full pipeline of one model for one request type (chat or completions)."""
+
+    name: str
+    card: ModelDeploymentCard
+    preprocessor: Preprocessor
+    backend: Backend
+    migration: Migration
+    client: InstanceSource
+    is_chat: bool
+
+    async def preprocess(
+        self, request: ChatCompletionRequest | CompletionRequest
+    ) -> PreprocessedRequest:
+        if isinstance(request, ChatCompletionRequest):
+            return await self.preprocessor.preprocess_chat(request)
+        return await self.preprocessor.preprocess_completion(request)
+
+    def generate(self, request: PreprocessedRequest, ctx: RequestContext) -> Generation:
+        decoder = self.backend.decoder(request)
+        return Generation(request, decoder, self._run(request, decoder, ctx))
+
+    async def _run(
+        self, request: PreprocessedRequest, decoder: StreamDecoder, ctx: RequestContext
+    ) -> AsyncIterator[DecodedDelta]:
+        upstream = self.migration.generate(request, ctx)
+        step = decoder.step
+        try:
+            async for output in upstream:
+                delta = step(output)
+                if delta.finish_reason is not None:
+                    yield delta
+                    return
+                if delta.text:
+                    yield delta
+            # The worker ended its stream without saying why: report it, don't invent "stop".
+            yield DecodedDelta(
+                text="",
+                token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error="worker stream ended without a finish reason",
+            )
+        finally:
+            await upstream.aclose()  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class TextPipeline:
+    """Router only: the worker takes the OpenAI request and streams OpenAI chunks (JSON)."""
+
+    name: str
+    card: ModelDeploymentCard
+    router: PushRouter[bytes, bytes]
+    client: InstanceSource
+    is_chat: bool
+
+    def generate(self, body: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        return self.router.generate(body, ctx)
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+class PipelineFactory:
+    """Builds pipelines for the model watcher (see ``model_watcher.PipelineFactory``)."""
+
+    def __init__(
+        self,
+        *,
+        router_mode: RouterMode = RouterMode.ROUND_ROBIN,
+        migration_limit: int = 3,
+        metrics: FrontendMetrics | None = None,
+        router_seed: int | None = None,
+    ) -> None:
+        # Fail at start-up for a mode that is not built, not at the first request.
+        make_selector(router_mode, seed=router_seed)
+        self.router_mode = router_mode
+        self.migration_limit = migration_limit
+        self.metrics = metrics
+        self.router_seed = router_seed
+
+    def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
+        return PushRouter(
+            client,
+            make_selector(self.router_mode, seed=self.router_seed),
+            endpoint_name=card.endpoint.path(),
+            **codec,
+        )
+
+    async def _tokens_pipeline(
+        self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
+    ) -> TokensPipeline:
+        if card.tokenizer is None:
+            raise ValueError(f"model {card.display_name!r} has Tokens input but no tokenizer")
+        tokenizer = await asyncio.to_thread(load_tokenizer, card.tokenizer)
+        template = None
+        if is_chat:
+            if not card.chat_template:
+                raise ValueError(f"chat model {card.display_name!r} has no chat template")
+            template = ChatTemplate(card.chat_template, card.bos_token, card.eos_token)
+        router = self._router(card, client, encode=_msgpack_encode, decode=_output_decoder.decode)
+        migrations = self.metrics.migrations.labels(card.display_name) if self.metrics else None
+        migration = Migration(
+            router.generate,
+            migration_limit=self.migration_limit,
+            on_migration=migrations.inc if migrations is not None else None,
+        )
+        return TokensPipeline(
+            name=card.display_name,
+            card=card,
+            preprocessor=Preprocessor(card, tokenizer, template),
+            backend=Backend(tokenizer),
+            migration=migration,
+            client=client,
+            is_chat=is_chat,
+        )
+
+    async def build_chat(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:
+        return await self._tokens_pipeline(card, client, is_chat=True)
+
+    async def build_completions(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:
+        return await self._tokens_pipeline(card, client, is_chat=False)
+
+    async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+        router = self._router(card, client, encode=_identity, decode=_identity)
+        return TextPipeline(card.display_name, card, router, client, is_chat=True)
+
+    async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+        router = self._router(card, client, encode=_identity, decode=_identity)
+        return TextPipeline(card.display_name, card, router, client, is_chat=False)

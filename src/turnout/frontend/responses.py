@@ -1,0 +1,201 @@
+"""Building OpenAI responses (whole and streamed) from decoded deltas.
+
+The per-token SSE chunk is the hottest path of the frontend, so ``ChunkWriter`` pre-renders
+each chunk's constant JSON around the text and only encodes the text itself per token; the
+first and last chunks, rare, go through the typed structs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from turnout.protocols.openai import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
+
+_json = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def new_response_id(is_chat: bool) -> str:
+    return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=(
+            PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
+        ),
+    )
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+class ChunkWriter:
+    """Renders the SSE events of one streamed response."""
+
+    __slots__ = ("_prefix", "_suffix", "created", "is_chat", "model", "response_id")
+
+    def __init__(self, model: str, is_chat: bool, response_id: str | None = None) -> None:
+        self.model = model
+        self.is_chat = is_chat
+        self.response_id = response_id or new_response_id(is_chat)
+        self.created = int(time.time())
+        head = (
+            b'data: {"id":' + _json.encode(self.response_id)
+            + b',"object":' + (b'"chat.completion.chunk"' if is_chat else b'"text_completion"')
+            + b',"created":' + str(self.created).encode()
+            + b',"model":' + _json.encode(model)
+        )  # fmt: skip
+        if is_chat:
+            self._prefix = head + b',"choices":[{"index":0,"delta":{"content":'
+            self._suffix = b'},"finish_reason":null}]}\n\n'
+        else:
+            self._prefix = head + b',"choices":[{"index":0,"text":'
+            self._suffix = b',"finish_reason":null}]}\n\n'
+
+    def text(self, text: str) -> bytes:
+        """One content chunk (the per-token path)."""
+        return self._prefix + _json.encode(text) + self._suffix
+
+    def role(self) -> bytes:
+        """The chat stream's opening chunk, announcing the assistant role."""
+        return sse(
+            _json.encode(
+                ChatCompletionChunk(
+                    id=self.response_id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[
+                        ChatChunkChoice(
+                            index=0, delta=ChatDelta(role="assistant", content=""),
+                            finish_reason=None,
+                        )
+                    ],
+                )
+            )
+        )  # fmt: skip
+
+    def finish(self, finish_reason: str, nvext: dict[str, Any] | None = None) -> bytes:
+        if self.is_chat:
+            chunk: Any = ChatCompletionChunk(
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[ChatChunkChoice(index=0, delta=ChatDelta(), finish_reason=finish_reason)],
+                nvext=nvext,
+            )
+        else:
+            chunk = CompletionResponse(
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[CompletionChoice(index=0, text="", finish_reason=finish_reason)],
+                nvext=nvext,
+            )
+        return sse(_json.encode(chunk))
+
+    def usage(self, usage: Usage) -> bytes:
+        """The extra chunk with ``choices: []`` that ``stream_options.include_usage`` asks for."""
+        if self.is_chat:
+            chunk: Any = ChatCompletionChunk(
+                id=self.response_id, created=self.created, model=self.model, choices=[],
+                usage=usage,
+            )  # fmt: skip
+        else:
+            chunk = CompletionResponse(
+                id=self.response_id, created=self.created, model=self.model, choices=[],
+                usage=usage,
+            )  # fmt: skip
+        return sse(_json.encode(chunk))
+
+
+def whole_response(
+    *,
+    model: str,
+    is_chat: bool,
+    text: str,
+    finish_reason: str,
+    usage: Usage,
+    nvext: dict[str, Any] | None = None,
+) -> bytes:
+    created = int(time.time())
+    if is_chat:
+        return _json.encode(
+            ChatCompletionResponse(
+                id=new_response_id(True),
+                created=created,
+                model=model,
+                choices=[
+                    ChatChoice(
+                        index=0,
+                        message=ChatResponseMessage(role="assistant", content=text),
+                        finish_reason=finish_reason,
+                    )
+                ],
+                usage=usage,
+                nvext=nvext,
+            )
+        )
+    return _json.encode(
+        CompletionResponse(
+            id=new_response_id(False),
+            created=created,
+            model=model,
+            choices=[CompletionChoice(index=0, text=text, finish_reason=finish_reason)],
+            usage=usage,
+            nvext=nvext,
+        )
+    )
+
+
+def aggregate_chunks(chunks: list[bytes], *, is_chat: bool) -> bytes:
+    """Fold a Text-input worker's streamed OpenAI chunks into one whole response."""
+    texts: list[str] = []
+    finish_reason: str | None = None
+    usage: Any = None
+    first: dict[str, Any] = {}
+    for raw in chunks:
+        chunk = msgspec.json.decode(raw)
+        first = first or chunk
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if is_chat else choice.get("text")
+            if piece:
+                texts.append(piece)
+            finish_reason = choice.get("finish_reason") or finish_reason
+    text = "".join(texts)
+    body: dict[str, Any] = {
+        "id": first.get("id") or new_response_id(is_chat),
+        "object": "chat.completion" if is_chat else "text_completion",
+        "created": first.get("created") or int(time.time()),
+        "model": first.get("model", ""),
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text},
+             "finish_reason": finish_reason}
+            if is_chat
+            else {"index": 0, "text": text, "finish_reason": finish_reason}
+        ],
+    }  # fmt: skip
+    if usage:
+        body["usage"] = usage
+    return _json.encode(body)

@@ -1,0 +1,128 @@
+"""The frontend process: runtime + model watcher + HTTP server, with a clean lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass
+
+from granian.constants import Interfaces
+from granian.server.embed import Server
+
+from turnout.router.mode import RouterMode
+from turnout.runtime.component import DistributedRuntime
+from turnout.runtime.discovery import make_store
+
+from .http import DEFAULT_MAX_BODY_BYTES, HttpService
+from .metrics import FrontendMetrics
+from .model_manager import ModelManager
+from .model_watcher import ModelWatcher
+from .pipeline import PipelineFactory
+
+log = logging.getLogger("turnout.frontend")
+
+
+@dataclass(slots=True)
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    store: str = "file"
+    store_path: str | None = None
+    request_plane: str = "tcp"
+    namespace: str | None = None
+    router_mode: RouterMode = RouterMode.ROUND_ROBIN
+    migration_limit: int = 3
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    lease_ttl: float = 10.0
+
+
+class Frontend:
+    """Owns the runtime, the watcher task and the embedded granian server."""
+
+    def __init__(self, config: FrontendConfig, runtime: DistributedRuntime | None = None) -> None:
+        self.config = config
+        self.metrics = FrontendMetrics()
+        self.manager = ModelManager()
+        self.runtime = runtime
+        self._owns_runtime = runtime is None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._server: Server | None = None
+        self.watcher: ModelWatcher | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    async def start(self) -> None:
+        cfg = self.config
+        factory = PipelineFactory(
+            router_mode=cfg.router_mode, migration_limit=cfg.migration_limit, metrics=self.metrics
+        )
+        if self.runtime is None:
+            store = make_store(cfg.store, cfg.store_path)
+            self.runtime = await DistributedRuntime.create(
+                store=store, request_plane=cfg.request_plane, lease_ttl=cfg.lease_ttl
+            )
+        self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)
+        self._tasks.append(asyncio.create_task(self.watcher.watch(), name="model-watcher"))
+        service = HttpService(self.manager, self.metrics, max_body_bytes=cfg.max_body_bytes)
+        self._server = Server(
+            service,
+            address=cfg.host,
+            port=cfg.port,
+            interface=Interfaces.RSGI,
+            log_enabled=False,
+            websockets=False,
+            backlog=1024,
+        )
+        self._tasks.append(asyncio.create_task(self._server.serve(), name="http"))
+        await self._wait_listening()
+        log.info("frontend listening on %s", self.url)
+
+    async def _wait_listening(self, timeout: float = 15.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for task in self._tasks:
+                if task.done():
+                    task.result()  # raises the server's start-up error
+            try:
+                _, writer = await asyncio.open_connection(self.config.host, self.config.port)
+            except OSError:
+                if loop.time() > deadline:
+                    raise TimeoutError(
+                        f"HTTP server did not start listening on {self.url} in {timeout} s"
+                    ) from None
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+
+    async def wait(self) -> None:
+        """Until the HTTP server or the watcher stops (normally: never)."""
+        await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        for task in self._tasks:
+            if task.get_name() != "http":
+                task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, timeout=10)
+        self._tasks.clear()
+        await self.manager.close()
+        if self.runtime is not None and self._owns_runtime:
+            await self.runtime.shutdown()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral port that was free a moment ago (for tests and ``--port 0``)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,247 @@
+"""The backend operator: engine token stream -> text deltas with OpenAI stop semantics.
+
+It sits between the router's stream of ``LLMEngineOutput`` and the OpenAI response builder.
+For each request, :meth:`Backend.decoder` makes a :class:`StreamDecoder`; the caller feeds it
+every engine output in order and forwards the :class:`DecodedDelta` it returns.
+
+Mental model: a token goes through three gates, in this order::
+
+    token id ──▶ [stop id / eos?] ──▶ detokenizer ──▶ [stop-string jail] ──▶ visible text
+                  ends: STOP/EOS        holds split       holds a tail that may
+                  (its text hidden)     characters        still become a stop string
+
+* **Stop ids**: ``stop_token_ids_hidden`` end the stream with ``STOP``; ``eos_token_ids`` with
+  ``EOS`` unless ``ignore_eos``. The stopping token counts as generated but its text is not
+  emitted.
+* **Stop strings** are hidden and may span tokens. The *jail* holds the longest suffix of the
+  text that is a proper prefix of some stop string; it is released as soon as it can no longer
+  match, and flushed when the stream ends any other way. A full match ends the stream with
+  ``STOP`` and drops the match and everything after it.
+* **min_tokens**: while the output has ``<= min_tokens`` tokens, nothing of the above stops it
+  (the text of such a would-be stop is emitted like any other).
+* **max_tokens**: the ``max_tokens``-th token ends the stream with ``LENGTH``; tokens an engine
+  sends beyond it are cut.
+* An engine ``finish_reason`` passes through (``ERROR`` with its message) if we have not
+  already finished.
+
+After a finish, every further ``step`` returns an empty delta. **The caller must stop reading
+and close the upstream (``aclose()`` the engine stream) as soon as a delta carries a
+finish_reason**: the engine may keep generating past a stop string or ``max_tokens``.
+
+``step`` runs once per token for every stream, so it avoids work on the common path: a dict
+lookup for stop ids, one Rust call to detokenize, and the jail only when stop strings exist
+(with a one-character pre-check before any suffix search).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
+
+from .detokenizer import Detokenizer
+from .tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class DecodedDelta:
+    """What one engine output became: new visible text, the ids it covers, maybe a finish."""
+
+    text: str = ""
+    #: Token ids accepted from this output (a stopping id included; ids past a finish cut).
+    #: May be the engine output's own list: treat it as read-only.
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    #: Why, when ``finish_reason`` is ``ERROR``.
+    error: str | None = None
+
+
+class Backend:
+    """Post-processing for one model: makes a decoder per request."""
+
+    __slots__ = ("tokenizer",)
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decoder(self, request: PreprocessedRequest) -> StreamDecoder:
+        return StreamDecoder(self.tokenizer, request)
+
+
+class StreamDecoder:
+    """Turns one request's engine outputs into text deltas. See the module docstring.
+
+    Fields written only by ``step``: ``num_output_tokens`` (ids accepted so far),
+    ``cached_tokens`` (from the engine's usage, when it reports it), ``finish_reason``.
+    """
+
+    __slots__ = (
+        "_detok",
+        "_held",
+        "_max_tokens",
+        "_min_tokens",
+        "_prefixes_by_last",
+        "_stop_ids",
+        "_stops",
+        "cached_tokens",
+        "finish_reason",
+        "num_output_tokens",
+        "num_prompt_tokens",
+    )
+
+    def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest) -> None:
+        sc = request.stop_conditions
+        self._detok = Detokenizer(
+            tokenizer,
+            skip_special_tokens=request.output_options.skip_special_tokens,
+            context_ids=request.token_ids,
+        )
+        stop_ids: dict[int, FinishReason] = {}
+        if not sc.ignore_eos:
+            for tid in request.eos_token_ids:
+                stop_ids[tid] = FinishReason.EOS
+        for tid in sc.stop_token_ids_hidden or ():
+            stop_ids[tid] = FinishReason.STOP
+        self._stop_ids = stop_ids
+        self._stops: tuple[str, ...] = tuple(s for s in (sc.stop or ()) if s)
+        # Every proper prefix of every stop string, keyed by its last character and longest
+        # first: the jail holds the longest of them that ends the text, so one dict lookup
+        # on the text's last character rules out most tokens.
+        by_last: dict[str, list[str]] = {}
+        for s in self._stops:
+            for k in range(1, len(s)):
+                by_last.setdefault(s[k - 1], []).append(s[:k])
+        self._prefixes_by_last = {
+            c: tuple(sorted(set(ps), key=len, reverse=True)) for c, ps in by_last.items()
+        }
+        self._max_tokens = sc.max_tokens if sc.max_tokens is not None else -1
+        self._min_tokens = sc.min_tokens or 0
+        #: Text held back because it may be the start of a stop string.
+        self._held = ""
+        self.num_prompt_tokens = len(request.token_ids)
+        self.num_output_tokens = 0
+        self.cached_tokens: int | None = None
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self, output: LLMEngineOutput) -> DecodedDelta:
+        """Process one engine output (the new ids since the previous one)."""
+        if self.finish_reason is not None:
+            return DecodedDelta()
+        usage = output.usage
+        if usage is not None and usage.cached_tokens is not None:
+            self.cached_tokens = usage.cached_tokens
+
+        ids = output.token_ids
+        if len(ids) == 1 and output.finish_reason is None:
+            # Fast path: one token, no finish from the engine (nearly every step). Same
+            # rules as the loop below, fewer branches and no list building.
+            tid = ids[0]
+            n = self.num_output_tokens + 1
+            may_stop = n > self._min_tokens
+            if n != self._max_tokens and not (may_stop and tid in self._stop_ids):
+                self.num_output_tokens = n
+                text = self._detok.step(tid)
+                if not text or not self._stops:
+                    return DecodedDelta(text, ids)
+                text, matched = self._jail(text, may_stop)
+                if not matched:
+                    return DecodedDelta(text, ids)
+                return self._finish([text], ids, FinishReason.STOP, matched=True)
+
+        accepted: list[int] = []
+        pieces: list[str] = []
+        reason: FinishReason | None = None
+        matched = False  # ended by a stop string: what follows the match is dropped
+        stop_ids = self._stop_ids
+        detok = self._detok
+        for tid in ids:
+            n = self.num_output_tokens = self.num_output_tokens + 1
+            accepted.append(tid)
+            may_stop = n > self._min_tokens
+            if may_stop:
+                reason = stop_ids.get(tid)
+                if reason is not None:
+                    break
+            text = detok.step(tid)
+            if text:
+                if self._stops:
+                    text, matched = self._jail(text, may_stop)
+                    if text:
+                        pieces.append(text)
+                    if matched:
+                        reason = FinishReason.STOP
+                        break
+                else:
+                    pieces.append(text)
+            if n == self._max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        else:
+            if not ids and output.text:  # an engine that sends text without ids
+                text = output.text
+                if self._stops:
+                    text, matched = self._jail(text, self.num_output_tokens >= self._min_tokens)
+                if text:
+                    pieces.append(text)
+                if matched:
+                    reason = FinishReason.STOP
+            if reason is None and output.finish_reason is not None:
+                reason = output.finish_reason
+
+        if reason is None:
+            return DecodedDelta(pieces[0] if len(pieces) == 1 else "".join(pieces), accepted)
+        error = None
+        if reason is FinishReason.ERROR:
+            error = output.error or "the engine reported an error"
+        return self._finish(pieces, accepted, reason, matched=matched, error=error)
+
+    def _finish(
+        self,
+        pieces: list[str],
+        accepted: list[int],
+        reason: FinishReason,
+        *,
+        matched: bool,
+        error: str | None = None,
+    ) -> DecodedDelta:
+        """The one place a stream's state becomes finished."""
+        self.finish_reason = reason
+        if not matched:
+            # Ending other than by a stop-string match: release what the jail and the
+            # detokenizer still hold; no more text can complete a match.
+            tail = self._detok.flush()
+            if self._held or tail:
+                pieces.append(self._held + tail)
+        self._held = ""
+        return DecodedDelta("".join(pieces), accepted, reason, error)
+
+    def end(self, reason: FinishReason, error: str | None = None) -> DecodedDelta:
+        """Finish now, as if the engine had reported ``reason``: for an upstream that ended
+        without a finish_reason, or a request cancelled from above. Releases held text."""
+        return self.step(LLMEngineOutput(finish_reason=reason, error=error))
+
+    def _jail(self, text: str, may_stop: bool) -> tuple[str, bool]:
+        """Add ``text`` behind the held text; return (text now safe to emit, matched)."""
+        buf = self._held + text if self._held else text
+        if may_stop:
+            cut = -1
+            for s in self._stops:
+                i = buf.find(s)
+                if i >= 0 and (cut < 0 or i < cut):
+                    cut = i
+            if cut >= 0:
+                self._held = ""
+                return buf[:cut], True
+        for prefix in self._prefixes_by_last.get(buf[-1], ()):
+            if buf.endswith(prefix):
+                self._held = prefix
+                return buf[: len(buf) - len(prefix)], False
+        self._held = ""
+        return buf, False
+
+
+__all__ = ["Backend", "DecodedDelta", "StreamDecoder"]

@@ -1,0 +1,292 @@
+"""The preprocessor operator: OpenAI request -> ``PreprocessedRequest`` (token ids + options).
+
+Order of work for a request: validate the cheap fields first (no tokenization is wasted on a
+request that is wrong anyway), then render the chat template and tokenize, then check the
+prompt against the context length and derive ``max_tokens``.
+
+Rendering and tokenizing are CPU work that holds the event loop. Short prompts (the usual
+case) are done inline — a thread hop costs more than they do; prompts above
+``OFFLOAD_THRESHOLD_CHARS`` go to a worker thread (``tokenizers`` releases the GIL while it
+encodes, so other requests keep streaming).
+
+Every rule that rejects a request raises ``RequestError`` (HTTP 400) with an OpenAI-style
+message and the offending ``param``; a prompt that does not fit raises
+``ContextLengthExceeded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from turnout.errors import ContextLengthExceeded, RequestError
+from turnout.protocols.llm import (
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from turnout.protocols.model import ModelDeploymentCard
+from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+from .chat_template import ChatTemplate
+from .tokenizer import Tokenizer
+
+#: Prompt text longer than this (characters) is rendered and tokenized off the event loop.
+OFFLOAD_THRESHOLD_CHARS = 8 * 1024
+
+_T = TypeVar("_T")
+_Request = ChatCompletionRequest | CompletionRequest
+#: Variables the server sets for the template; ``chat_template_kwargs`` may not override them.
+_RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
+async def _maybe_offload(size: int, fn: Callable[..., _T], *args: Any) -> _T:
+    if size > OFFLOAD_THRESHOLD_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_calls is not None:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def _content_size(messages: list[ChatMessage]) -> int:
+    size = 0
+    for m in messages:
+        c = m.content
+        if isinstance(c, str):
+            size += len(c)
+        elif isinstance(c, list):
+            for part in c:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    size += len(text)
+    return size
+
+
+class Preprocessor:
+    """Turns OpenAI requests for one model into token-level requests. Stateless per request."""
+
+    __slots__ = ("_mdc_sum", "card", "template", "tokenizer")
+
+    def __init__(
+        self, card: ModelDeploymentCard, tokenizer: Tokenizer, template: ChatTemplate | None
+    ) -> None:
+        self.card = card
+        self.tokenizer = tokenizer
+        self.template = template
+        self._mdc_sum = card.checksum()
+
+    # ---------------------------------------------------------------- chat
+
+    async def preprocess_chat(self, req: ChatCompletionRequest) -> PreprocessedRequest:
+        if not req.messages:
+            raise RequestError("'messages' must contain at least one message", param="messages")
+        max_tokens: int | None
+        if req.max_completion_tokens is not None:
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_param = req.max_tokens, "max_tokens"
+        self._validate(req, max_tokens, max_param)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise RequestError("'top_logprobs' must be between 0 and 20", param="top_logprobs")
+        template = self.template
+        if template is None:
+            raise RequestError(
+                f"model '{req.model}' has no chat template; use /v1/completions instead",
+                param="messages",
+            )
+        extra = dict(req.chat_template_kwargs or {})
+        clash = _RESERVED_TEMPLATE_VARS.intersection(extra)
+        if clash:
+            raise RequestError(
+                f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs"
+            )
+        messages = [_message_dict(m) for m in req.messages]
+
+        def render_and_encode() -> list[int]:
+            text = template.render(
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=req.tools,
+                **extra,
+            )
+            # The template writes BOS itself where the model wants one (as HF does).
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        token_ids = await _maybe_offload(_content_size(req.messages), render_and_encode)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return self._build(req, token_ids, max_tokens, max_param, "messages", logprobs)
+
+    # ---------------------------------------------------------------- completions
+
+    async def preprocess_completion(self, req: CompletionRequest) -> PreprocessedRequest:
+        self._validate(req, req.max_tokens, "max_tokens")
+        if req.best_of is not None and req.best_of != 1:
+            raise RequestError("'best_of' other than 1 is not supported yet", param="best_of")
+        if req.suffix:
+            raise RequestError("'suffix' is not supported", param="suffix")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise RequestError("'logprobs' must be between 0 and 5", param="logprobs")
+        prompt = self._single_prompt(req.prompt)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("'prompt' must not be empty", param="prompt")
+            token_ids = await _maybe_offload(len(prompt), self.tokenizer.encode, prompt, True)
+        else:
+            token_ids = self._check_ids(prompt)
+        return self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt", req.logprobs)
+
+    @staticmethod
+    def _single_prompt(prompt: Any) -> str | list[int]:
+        """One prompt out of OpenAI's four shapes; several prompts (a batch) are refused."""
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError("'prompt' must not be empty", param="prompt")
+        first = prompt[0]
+        if all(type(t) is int for t in prompt):
+            return prompt
+        if isinstance(first, str | list) and all(type(p) is type(first) for p in prompt):
+            if len(prompt) > 1:
+                raise RequestError("batched prompts are not supported", param="prompt")
+            if isinstance(first, str):
+                return first
+            if first and all(type(t) is int for t in first):
+                return first
+            raise RequestError(
+                "'prompt' token lists must be non-empty lists of integers", param="prompt"
+            )
+        raise RequestError(
+            "'prompt' must be a string, a list of strings, a list of token ids, "
+            "or a list of token-id lists",
+            param="prompt",
+        )
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        n = self.tokenizer.vocab_size
+        for t in ids:
+            if not 0 <= t < n:
+                raise RequestError(
+                    f"token id {t} in 'prompt' is out of range for this model (0..{n - 1})",
+                    param="prompt",
+                )
+        return list(ids)
+
+    # ---------------------------------------------------------------- shared
+
+    @staticmethod
+    def _validate(req: _Request, max_tokens: int | None, max_param: str) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestError(
+                f"'{max_param}' must be at least 1, got {max_tokens}", param=max_param
+            )
+        if req.n is not None and req.n != 1:
+            raise RequestError("'n' other than 1 is not supported yet", param="n")
+        if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+            raise RequestError(
+                f"'temperature' must be between 0 and 2, got {req.temperature}",
+                param="temperature",
+            )
+        if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+            raise RequestError(
+                f"'top_p' must be greater than 0 and at most 1, got {req.top_p}", param="top_p"
+            )
+        if req.min_tokens is not None:
+            if req.min_tokens < 0:
+                raise RequestError("'min_tokens' must be at least 0", param="min_tokens")
+            if max_tokens is not None and req.min_tokens > max_tokens:
+                raise RequestError(
+                    f"'min_tokens' ({req.min_tokens}) must not exceed '{max_param}' ({max_tokens})",
+                    param="min_tokens",
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(req, name)
+            if value is not None and not -2.0 <= value <= 2.0:
+                raise RequestError(f"'{name}' must be between -2 and 2, got {value}", param=name)
+        if req.top_k is not None and req.top_k < -1:
+            raise RequestError("'top_k' must be -1 (disabled) or positive", param="top_k")
+        if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+            raise RequestError("'min_p' must be between 0 and 1", param="min_p")
+        if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+            raise RequestError("'repetition_penalty' must be positive", param="repetition_penalty")
+
+    def _build(
+        self,
+        req: _Request,
+        token_ids: list[int],
+        max_tokens: int | None,
+        max_param: str,
+        prompt_param: str,
+        logprobs: int | None,
+    ) -> PreprocessedRequest:
+        ctx = self.card.context_length
+        n_prompt = len(token_ids)
+        if n_prompt >= ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt "
+                f"has {n_prompt} tokens. Please reduce the length of the {prompt_param}.",
+                param=prompt_param,
+            )
+        if max_tokens is None:
+            max_tokens = ctx - n_prompt
+        elif n_prompt + max_tokens > ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, "
+                f"{max_tokens} in the completion). Please reduce the length of the "
+                f"{prompt_param} or '{max_param}'.",
+                param=prompt_param,
+            )
+
+        nvext = req.nvext
+        stop = req.stop
+        stop_list = [stop] if isinstance(stop, str) else list(stop or ())
+        stop_list = [s for s in stop_list if s]
+        ignore_eos = bool(req.ignore_eos) or bool(nvext and nvext.ignore_eos)
+        temperature = req.temperature
+        if nvext is not None and nvext.greed_sampling:
+            temperature = 0.0
+        skip_special = True if req.skip_special_tokens is None else req.skip_special_tokens
+        return PreprocessedRequest(
+            model=req.model,
+            token_ids=token_ids,
+            stop_conditions=StopConditions(
+                max_tokens=max_tokens,
+                stop=stop_list or None,
+                stop_token_ids_hidden=list(req.stop_token_ids) if req.stop_token_ids else None,
+                min_tokens=req.min_tokens,
+                ignore_eos=ignore_eos,
+            ),
+            sampling_options=SamplingOptions(
+                n=req.n,
+                temperature=temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                seed=req.seed,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+            ),
+            output_options=OutputOptions(logprobs=logprobs, skip_special_tokens=skip_special),
+            eos_token_ids=list(self.card.eos_token_ids),
+            annotations=list(nvext.annotations or ()) if nvext else [],
+            lora_name=self.card.lora.name if self.card.lora else None,
+            backend_instance_id=nvext.backend_instance_id if nvext else None,
+            mdc_sum=self._mdc_sum,
+        )
+
+
+__all__ = ["OFFLOAD_THRESHOLD_CHARS", "Preprocessor"]

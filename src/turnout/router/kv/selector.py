@@ -1,0 +1,211 @@
+"""The KV router's policy: the cost of each candidate worker, and the choice among them.
+
+::
+
+    active_prefill_blocks = ceil(active_prefill_tokens / block_size)
+    prefill_blocks        = max(active_prefill_blocks + new_blocks - overlap_blocks, 0)
+    decode_blocks         = active_decode_blocks + new_blocks
+    cost                  = overlap_score_weight * prefill_blocks + decode_blocks
+
+Temperature 0 takes the lowest cost; ties are broken with the injected ``rng``, so equal
+workers share the load rather than the first one in the list taking it all. Temperature
+``T > 0`` samples worker ``i`` with probability proportional to ``exp(-n_i / T)``, where
+``n_i = (cost_i - min) / (max - min)`` is the cost normalised to [0, 1] (uniform when all
+costs are equal): the scale of costs does not change how much ``T`` spreads.
+
+The result, ``Selection``, explains itself (every candidate's cost terms and probability)
+and is a msgspec struct, so it can be logged or returned to a user as is.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Sequence
+
+import msgspec
+
+from turnout.router.kv.active_sequences import ActiveSequences
+from turnout.router.kv.base import OverlapScores, WorkerKey
+from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.worker_load import WorkerLoads
+
+
+class SelectionStatus(enum.StrEnum):
+    SELECTED = "selected"
+    #: Every candidate is busy: the caller queues the request or answers 503.
+    ALL_BUSY = "all_busy"
+    #: No candidate at all (no live instance, or none holds the requested adapter).
+    NO_CANDIDATES = "no_candidates"
+
+
+class CandidateCost(msgspec.Struct, kw_only=True, frozen=True):
+    """One candidate's terms in the cost (all in blocks)."""
+
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int
+    active_prefill_blocks: int
+    active_decode_blocks: int
+    #: ``max(active_prefill_blocks + new_blocks - overlap_blocks, 0)``
+    prefill_blocks: int
+    #: ``active_decode_blocks + new_blocks``
+    decode_blocks: int
+    cost: float
+    #: Sampling probability (temperature > 0 only).
+    probability: float | None = None
+
+    @property
+    def worker_key(self) -> WorkerKey:
+        return WorkerKey(self.worker_id, self.dp_rank)
+
+
+class Selection(msgspec.Struct, kw_only=True):
+    """A routing decision and why it was made."""
+
+    status: SelectionStatus
+    worker_id: int | None = None
+    dp_rank: int | None = None
+    #: Leading prompt blocks the chosen worker already caches.
+    overlap_blocks: int = 0
+    #: ``ceil(prompt_tokens / block_size)``
+    new_blocks: int = 0
+    temperature: float = 0.0
+    overlap_score_weight: float = 1.0
+    candidates: list[CandidateCost] = msgspec.field(default_factory=list)
+    #: Candidates left out because their load report says busy.
+    busy: list[WorkerKey] = msgspec.field(default_factory=list)
+    request_id: str | None = None
+
+    @property
+    def worker_key(self) -> WorkerKey | None:
+        if self.worker_id is None:
+            return None
+        return WorkerKey(self.worker_id, self.dp_rank or 0)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is SelectionStatus.SELECTED
+
+
+def select_worker(
+    candidates: Sequence[WorkerKey],
+    overlaps: OverlapScores,
+    active: ActiveSequences,
+    new_blocks: int,
+    config: KvRouterConfig,
+    rng: random.Random,
+    *,
+    loads: WorkerLoads | None = None,
+    now: float = 0.0,
+    request_id: str | None = None,
+) -> Selection:
+    """Pick a worker for a request of ``new_blocks`` blocks among ``candidates``.
+
+    Busy workers (per ``loads`` at time ``now``) are left out and listed in ``busy``.
+    """
+    temperature = config.router_temperature
+    weight = config.overlap_score_weight
+    if not candidates:
+        return Selection(
+            status=SelectionStatus.NO_CANDIDATES,
+            new_blocks=new_blocks,
+            temperature=temperature,
+            overlap_score_weight=weight,
+            request_id=request_id,
+        )
+    bs = config.block_size
+    get_overlap = overlaps.scores.get
+    get_counts = active.get_counts
+    check_busy = loads is not None and loads.any_busy
+    busy: list[WorkerKey] = []
+    rows: list[CandidateCost] = []
+    costs: list[float] = []
+    for key in candidates:
+        if check_busy and loads is not None and loads.is_busy(key, now):
+            busy.append(key)
+            continue
+        overlap = get_overlap(key, 0)
+        prefill_tokens, active_decode = get_counts(key)
+        active_prefill = -(-prefill_tokens // bs)
+        prefill = active_prefill + new_blocks - overlap
+        if prefill < 0:
+            prefill = 0
+        decode = active_decode + new_blocks
+        cost = weight * prefill + decode
+        costs.append(cost)
+        rows.append(
+            CandidateCost(
+                worker_id=key[0],
+                dp_rank=key[1],
+                overlap_blocks=overlap,
+                active_prefill_blocks=active_prefill,
+                active_decode_blocks=active_decode,
+                prefill_blocks=prefill,
+                decode_blocks=decode,
+                cost=cost,
+            )
+        )
+    if not rows:
+        return Selection(
+            status=SelectionStatus.ALL_BUSY,
+            new_blocks=new_blocks,
+            temperature=temperature,
+            overlap_score_weight=weight,
+            busy=busy,
+            request_id=request_id,
+        )
+    if temperature <= 0.0:
+        chosen = _argmin_random_ties(costs, rng)
+    else:
+        probabilities = softmax_probabilities(costs, temperature)
+        chosen = _sample(probabilities, rng)
+        rows = [
+            msgspec.structs.replace(row, probability=p)
+            for row, p in zip(rows, probabilities, strict=True)
+        ]
+    best = rows[chosen]
+    return Selection(
+        status=SelectionStatus.SELECTED,
+        worker_id=best.worker_id,
+        dp_rank=best.dp_rank,
+        overlap_blocks=best.overlap_blocks,
+        new_blocks=new_blocks,
+        temperature=temperature,
+        overlap_score_weight=weight,
+        candidates=rows,
+        busy=busy,
+        request_id=request_id,
+    )
+
+
+def _argmin_random_ties(costs: list[float], rng: random.Random) -> int:
+    lowest = min(costs)
+    tied = [i for i, c in enumerate(costs) if c == lowest]
+    return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+
+
+def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
+    """``p_i ∝ exp(-n_i / T)`` with ``n_i`` the cost normalised to [0, 1] (see module doc)."""
+    lowest = min(costs)
+    spread = max(costs) - lowest
+    if spread <= 0.0:
+        return [1.0 / len(costs)] * len(costs)
+    scale = 1.0 / (spread * temperature)
+    # Normalised costs are in [0, 1], so exp(-x / T) cannot overflow; it may underflow to 0
+    # for tiny T, but the cheapest worker always has weight exp(0) = 1.
+    weights = [math.exp(-(c - lowest) * scale) for c in costs]
+    total = math.fsum(weights)
+    return [w / total for w in weights]
+
+
+def _sample(probabilities: list[float], rng: random.Random) -> int:
+    r = rng.random()
+    acc = 0.0
+    for i, p in enumerate(probabilities):
+        acc += p
+        if r < acc:
+            return i
+    # Rounding left r above the running sum: take the likeliest (never a 0-probability one).
+    return max(range(len(probabilities)), key=probabilities.__getitem__)

@@ -1,0 +1,66 @@
+"""Instance selection policies for the simple (not KV-aware) router modes.
+
+A policy is one method, ``select(candidates, request) -> instance_id``; candidates are the live,
+not-set-aside instance ids, never empty (the router handles "no instance" itself).
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import Sequence
+
+from turnout.errors import ConfigError, NotYetSupported
+from turnout.protocols.llm import PreprocessedRequest
+from turnout.router.mode import RouterMode
+
+
+class InstanceSelector(abc.ABC):
+    @abc.abstractmethod
+    def select(self, candidates: Sequence[int], request: PreprocessedRequest | None) -> int: ...
+
+
+class RoundRobinSelector(InstanceSelector):
+    """Cycles through candidates; robust to the candidate list changing between calls."""
+
+    def __init__(self) -> None:
+        self._counter = 0
+
+    def select(self, candidates: Sequence[int], request: PreprocessedRequest | None) -> int:
+        choice = candidates[self._counter % len(candidates)]
+        self._counter += 1
+        return choice
+
+
+class RandomSelector(InstanceSelector):
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def select(self, candidates: Sequence[int], request: PreprocessedRequest | None) -> int:
+        return candidates[self._rng.randrange(len(candidates))]
+
+
+class DirectSelector(InstanceSelector):
+    """The request names its instance (``nvext.backend_instance_id``)."""
+
+    def select(self, candidates: Sequence[int], request: PreprocessedRequest | None) -> int:
+        if request is None or request.backend_instance_id is None:
+            raise ConfigError(
+                "router mode 'direct' needs the request to name its instance "
+                "(nvext.backend_instance_id)"
+            )
+        return request.backend_instance_id
+
+
+def make_selector(mode: RouterMode, *, seed: int | None = None) -> InstanceSelector:
+    """The selector for a simple mode; KV mode is built by the KV router, not here."""
+    if mode is RouterMode.ROUND_ROBIN:
+        return RoundRobinSelector()
+    if mode is RouterMode.RANDOM:
+        return RandomSelector(seed)
+    if mode is RouterMode.DIRECT:
+        return DirectSelector()
+    raise NotYetSupported(
+        f"router mode {mode.value!r} is not yet supported; supported now: "
+        "round-robin, random, direct"
+    )

@@ -1,0 +1,389 @@
+"""The component layer: serve an endpoint as instances, and find and call an endpoint's instances.
+
+A ``DistributedRuntime`` ties one discovery store to one request-plane server (started lazily,
+shared by every instance the process serves) and a request-plane client per transport kind.
+
+Serving::
+
+    instance = await runtime.endpoint(eid).serve(handler, records=lambda iid: [(key, card)])
+    # lease granted (instance_id = lease id), handler registered at "<endpoint path>/<id:x>",
+    # Instance JSON at v1/instances/<endpoint path>/<id:x>, extra records, all under the lease
+    await instance.stop()   # records vanish first (watchers stop sending), then drain
+
+Calling::
+
+    client = await runtime.endpoint(eid).client()   # watches v1/instances/<endpoint path>/
+    await client.wait_for_instances(1, timeout=30)
+    async for item in client.stream(client.instance_ids()[0], payload, ctx): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+
+from turnout.errors import ConfigError, PeerUnavailable
+from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
+from turnout.runtime.context import RequestContext
+from turnout.runtime.discovery.base import DiscoveryStore, WatchEvent, WatchEventKind
+from turnout.runtime.lease import Lease
+from turnout.runtime.request_plane import make_client, make_server
+from turnout.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
+
+logger = logging.getLogger("turnout.runtime")
+
+#: How long an instance reported down stays set aside unless discovery re-announces it.
+DOWN_RETRY_SECONDS = 5.0
+
+RecordsFn = Callable[[int], list[tuple[str, bytes]]]
+
+_instance_decoder = msgspec.json.Decoder(Instance)
+_instance_encoder = msgspec.json.Encoder()
+
+
+def handler_path(endpoint: EndpointId, instance_id: int) -> str:
+    """The request-plane path of one instance's handler (unique per process and store)."""
+    return f"{endpoint.path()}/{instance_id:x}"
+
+
+def instances_prefix(endpoint: EndpointId) -> str:
+    return f"{INSTANCES_ROOT}/{endpoint.path()}/"
+
+
+class DistributedRuntime:
+    """One process's handle on the planes; see the module docstring."""
+
+    def __init__(
+        self, store: DiscoveryStore, request_plane: str, host: str, lease_ttl: float
+    ) -> None:
+        self.store = store
+        self.request_plane = request_plane
+        self.host = host
+        self.lease_ttl = lease_ttl
+        self._server: RequestPlaneServer | None = None
+        self._address: TransportAddress | None = None
+        self._server_lock = asyncio.Lock()
+        self._clients: dict[str, RequestPlaneClient] = {}
+        self._instances: set[ServingInstance] = set()
+        self._endpoint_clients: set[EndpointClient] = set()
+        self._shut_down = False
+
+    @classmethod
+    async def create(
+        cls,
+        *,
+        store: DiscoveryStore,
+        request_plane: str = "tcp",
+        host: str = "127.0.0.1",
+        lease_ttl: float = 10.0,
+    ) -> DistributedRuntime:
+        """A runtime over ``store`` (owned by the caller: ``shutdown`` does not close it)."""
+        make_server(request_plane, host)  # fail fast (ConfigError) on an unknown plane
+        return cls(store, request_plane, host, lease_ttl)
+
+    def endpoint(self, endpoint_id: EndpointId) -> Endpoint:
+        return Endpoint(self, endpoint_id)
+
+    async def _serving_server(self) -> tuple[RequestPlaneServer, TransportAddress]:
+        """The process's one request-plane server, started on first use, and its address."""
+        async with self._server_lock:
+            if self._server is None:
+                server = make_server(self.request_plane, self.host)
+                self._address = await server.start()
+                self._server = server
+            assert self._address is not None
+            return self._server, self._address
+
+    def request_plane_client(self, kind: str) -> RequestPlaneClient:
+        """The client for transport ``kind`` (one per runtime, made on first use)."""
+        client = self._clients.get(kind)
+        if client is None:
+            client = self._clients[kind] = make_client(kind)
+        return client
+
+    async def shutdown(self) -> None:
+        """Stop every served instance (leases revoked, streams drained), the server and the
+        clients. Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        await asyncio.gather(*(inst.stop() for inst in list(self._instances)))
+        for endpoint_client in list(self._endpoint_clients):
+            await endpoint_client.close()
+        if self._server is not None:
+            await self._server.stop()
+        for client in self._clients.values():
+            await client.close()
+
+
+class Endpoint:
+    def __init__(self, runtime: DistributedRuntime, endpoint_id: EndpointId) -> None:
+        self.runtime = runtime
+        self.id = endpoint_id
+
+    async def serve(self, handler: Handler, *, records: RecordsFn | None = None) -> ServingInstance:
+        """Serve ``handler`` as a new instance of this endpoint, under a new lease."""
+        runtime = self.runtime
+        server, address = await runtime._serving_server()
+        lease = await Lease.grant(runtime.store, runtime.lease_ttl)
+        instance = Instance(endpoint=self.id, instance_id=lease.id, transport=address)
+        path = handler_path(self.id, lease.id)
+        server.register(path, handler)
+        serving = ServingInstance(runtime, server, instance, lease, path)
+        try:
+            store = runtime.store
+            await store.put(instance.key(), _instance_encoder.encode(instance), lease_id=lease.id)
+            for key, value in records(lease.id) if records else []:
+                await store.put(key, value, lease_id=lease.id)
+        except BaseException:
+            await serving.stop(drain_timeout=0)
+            raise
+        runtime._instances.add(serving)
+        logger.info("serving %s instance %x at %s", self.id.path(), lease.id, address.address)
+        return serving
+
+    async def client(self) -> EndpointClient:
+        """A client that tracks this endpoint's instances; it holds the initial set on return."""
+        client = EndpointClient(self.runtime, self.id)
+        await client._start()
+        self.runtime._endpoint_clients.add(client)
+        return client
+
+
+class ServingInstance:
+    """One served instance: its record in discovery, its lease, its handler."""
+
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        server: RequestPlaneServer,
+        instance: Instance,
+        lease: Lease,
+        path: str,
+    ) -> None:
+        self.instance = instance
+        self.instance_id = instance.instance_id
+        self.lease = lease
+        self._runtime = runtime
+        self._server = server
+        self._path = path
+        self._stopped = False
+
+    async def stop(self, drain_timeout: float = 5.0) -> None:
+        """Leave: revoke the lease (records vanish, clients stop choosing us), refuse new
+        requests, then let in-flight streams finish within ``drain_timeout``. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._runtime._instances.discard(self)
+        await self.lease.revoke()
+        self._server.unregister(self._path)
+        await self._server.drain(self._path, drain_timeout)
+        logger.info("stopped %s instance %x", self.instance.endpoint.path(), self.instance_id)
+
+
+class EndpointClient:
+    """The live instances of one endpoint, kept current by a discovery watch."""
+
+    def __init__(self, runtime: DistributedRuntime, endpoint: EndpointId) -> None:
+        self.runtime = runtime
+        self.endpoint = endpoint
+        self._prefix = instances_prefix(endpoint)
+        #: Changed only by ``_apply`` (discovery) — the instances announced in the store.
+        self._instances: dict[int, Instance] = {}
+        #: Changed by ``report_instance_down`` and ``_restore``/``_apply``: set aside ids and
+        #: the timers that bring them back.
+        self._down: dict[int, asyncio.TimerHandle] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- discovery ------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        store = self.runtime.store
+        kvs = await store.get_prefix(self._prefix)
+        for kv in kvs:
+            self._apply(WatchEvent(WatchEventKind.PUT, kv), notify=False)
+        # Resume after the newest key of the snapshot: replaying changes the snapshot already
+        # holds is harmless (a PUT overwrites, a DELETE of an absent key is a no-op), and
+        # nothing after it is missed. With no keys, a fresh watch snapshot is as good.
+        start = max((kv.revision for kv in kvs), default=None)
+        watch = store.watch_prefix(self._prefix, start_revision=start)
+        self._task = asyncio.get_running_loop().create_task(
+            self._watch(watch), name=f"endpoint-client-{self.endpoint.path()}"
+        )
+
+    async def _watch(self, watch: AsyncIterator[WatchEvent]) -> None:
+        try:
+            async for event in watch:
+                self._apply(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("instance watch of %s failed", self.endpoint.path())
+        finally:
+            aclose = getattr(watch, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _apply(self, event: WatchEvent, notify: bool = True) -> None:
+        key = event.kv.key
+        try:
+            instance_id = int(key[len(self._prefix) :], 16)
+        except ValueError:
+            logger.warning("ignoring discovery key %r: not an instance id", key)
+            return
+        if event.kind is WatchEventKind.DELETE:
+            changed = self._instances.pop(instance_id, None) is not None
+            timer = self._down.pop(instance_id, None)
+            if timer is not None:
+                timer.cancel()
+        else:
+            try:
+                instance = _instance_decoder.decode(event.kv.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("ignoring malformed instance record at %r: %s", key, exc)
+                return
+            if instance.instance_id != instance_id or instance.endpoint != self.endpoint:
+                logger.warning("ignoring instance record at %r: it names another instance", key)
+                return
+            changed = self._instances.get(instance_id) != instance
+            self._instances[instance_id] = instance
+            timer = self._down.pop(instance_id, None)
+            if timer is not None:  # announced again: back in service
+                timer.cancel()
+                changed = True
+        if changed and notify:
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:
+                logger.exception("instance listener of %s raised", self.endpoint.path())
+
+    # -- queries --------------------------------------------------------------------------
+
+    def instance_ids(self) -> list[int]:
+        """Live instances not set aside, sorted."""
+        return sorted(iid for iid in self._instances if iid not in self._down)
+
+    def instances(self) -> list[Instance]:
+        return [self._instances[iid] for iid in self.instance_ids()]
+
+    def get_instance(self, instance_id: int) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    async def wait_for_instances(
+        self,
+        count: int = 1,
+        timeout: float | None = None,
+    ) -> None:
+        """Return once at least ``count`` instances are live; ``TimeoutError`` after
+        ``timeout`` seconds, naming the endpoint and how many were seen."""
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self.instance_ids()) < count:
+                    await self._changed.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"waited {timeout}s for {count} instance(s) of {self.endpoint.path()}, "
+                f"saw {len(self.instance_ids())}"
+            ) from None
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every change of the instance set."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+    def report_instance_down(self, instance_id: int) -> None:
+        """Set ``instance_id`` aside: out of ``instance_ids()`` until discovery announces it
+        again or ``DOWN_RETRY_SECONDS`` pass."""
+        if instance_id not in self._instances or instance_id in self._down:
+            return
+        loop = asyncio.get_running_loop()
+        self._down[instance_id] = loop.call_later(DOWN_RETRY_SECONDS, self._restore, instance_id)
+        logger.warning("instance %x of %s set aside", instance_id, self.endpoint.path())
+        self._notify()
+
+    def _restore(self, instance_id: int) -> None:
+        if self._down.pop(instance_id, None) is not None and instance_id in self._instances:
+            self._notify()
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def stream(self, instance_id: int, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        """Send ``payload`` to instance ``instance_id``'s handler and iterate its responses.
+
+        ``PeerUnavailable`` (unknown instance, or nothing reached it) sets the instance aside.
+        """
+        return _InstanceStream(self, instance_id, payload, ctx)
+
+    async def close(self) -> None:
+        self.runtime._endpoint_clients.discard(self)
+        for timer in self._down.values():
+            timer.cancel()
+        self._down.clear()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+            self._task = None
+
+
+class _InstanceStream:
+    """Iterator over one call; reports the instance down when it cannot be reached."""
+
+    __slots__ = ("_client", "_ctx", "_inner", "_instance_id", "_payload")
+
+    def __init__(
+        self, client: EndpointClient, instance_id: int, payload: bytes, ctx: RequestContext
+    ) -> None:
+        self._client = client
+        self._instance_id = instance_id
+        self._payload = payload
+        self._ctx = ctx
+        self._inner: AsyncIterator[bytes] | None = None
+
+    def __aiter__(self) -> _InstanceStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        inner = self._inner
+        if inner is None:
+            client = self._client
+            instance = client.get_instance(self._instance_id)
+            if instance is None:
+                raise PeerUnavailable(
+                    f"no instance {self._instance_id:x} of {client.endpoint.path()}"
+                )
+            try:
+                rp_client = client.runtime.request_plane_client(instance.transport.kind)
+            except ConfigError as exc:
+                raise PeerUnavailable(f"instance {self._instance_id:x}: {exc}") from exc
+            path = handler_path(client.endpoint, self._instance_id)
+            inner = self._inner = rp_client.stream(
+                instance.transport, path, self._payload, self._ctx
+            )
+            self._payload = b""
+            try:
+                return await inner.__anext__()
+            except PeerUnavailable:
+                client.report_instance_down(self._instance_id)
+                raise
+        return await inner.__anext__()
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._inner, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,381 @@
+"""``FileStore``: the discovery store shared by the processes of one machine, in one SQLite file.
+
+Mental model: the database *is* the store; no process owns it. Every process that opens the
+file is a peer, and every one of them keeps the store honest:
+
+* ``kv(key, value, lease_id, mod_revision)`` holds the keys; ``leases(id, ttl, expires_at)``
+  the leases, with a wall-clock deadline that ``keep_alive`` pushes forward.
+* ``events(revision, kind, key, value, lease_id)`` is an append-only log of every change;
+  ``meta`` holds the current revision and the compaction point (the log holds every change
+  after it). A watcher remembers the last revision it yielded and polls the log for newer rows,
+  which makes watches resumable across processes.
+* Expired leases are swept by whoever looks first: every read and every watcher poll deletes
+  the keys of leases whose deadline has passed (logging DELETE events) in one write
+  transaction. A ``kill -9``'d process therefore vanishes for everyone within TTL plus one poll
+  interval, with nobody in charge.
+* The log is trimmed to the last ``HISTORY_LIMIT`` changes; a watcher that resumes from before
+  the trimmed point gets a fresh snapshot instead (it cannot see the DELETEs it missed).
+
+The database runs in WAL mode (readers never block the writer) with a busy timeout, so any
+number of processes may open the same path at once. Each store object talks to SQLite through
+one dedicated thread: calls are short, and the event loop never blocks on the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from turnout.errors import DiscoveryError
+from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+
+#: How many past changes the events log keeps for resuming watchers.
+HISTORY_LIMIT = 10_000
+#: Trim the log every this many revisions (cheap, amortised).
+_TRIM_EVERY = 500
+_BUSY_TIMEOUT_MS = 10_000
+_PUT, _DELETE = 0, 1
+
+_T = TypeVar("_T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (
+    key TEXT PRIMARY KEY,
+    value BLOB NOT NULL,
+    lease_id INTEGER,
+    mod_revision INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS kv_lease ON kv(lease_id) WHERE lease_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS leases (
+    id INTEGER PRIMARY KEY,
+    ttl REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS leases_expiry ON leases(expires_at);
+CREATE TABLE IF NOT EXISTS events (
+    revision INTEGER PRIMARY KEY,
+    kind INTEGER NOT NULL,
+    key TEXT NOT NULL,
+    value BLOB NOT NULL,
+    lease_id INTEGER
+);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0);
+"""
+
+
+def _prefix_end(prefix: str) -> str | None:
+    """The smallest string greater than every string starting with ``prefix`` (None: no bound).
+
+    Keys compare as TEXT in SQLite (memcmp of UTF-8, which orders like code points), so
+    ``prefix <= key < end`` selects the prefix with the primary-key index.
+    """
+    chars = list(prefix)
+    while chars:
+        last = ord(chars.pop())
+        if last < 0x10FFFF:
+            return "".join(chars) + chr(last + 1)
+    return None
+
+
+class FileStore(DiscoveryStore):
+    """Discovery store in a SQLite file; see the module docstring for the design."""
+
+    kind = "file"
+
+    def __init__(self, path: str | os.PathLike[str], poll_interval: float = 0.05) -> None:
+        self.path = os.fspath(path)
+        self.poll_interval = poll_interval
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="turnout-filestore"
+        )
+        self._db: sqlite3.Connection | None = None
+        self._closed = False
+        #: Wall-clock time of the last sweep of expired leases (thread-side only).
+        self._last_sweep = 0.0
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., _T], *args: object) -> _T:
+        if self._closed:
+            raise DiscoveryError(f"file store {self.path} is closed")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn, *args)
+        except sqlite3.Error as exc:
+            raise DiscoveryError(f"file store {self.path}: {exc}") from exc
+
+    def _conn(self) -> sqlite3.Connection:
+        """The connection, opened on first use (in the store's thread)."""
+        if self._db is None:
+            directory = os.path.dirname(self.path)
+            if directory:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            db = sqlite3.connect(
+                self.path,
+                timeout=_BUSY_TIMEOUT_MS / 1000,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                db.close()
+                raise
+            self._db = db
+        return self._db
+
+    def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``fn`` in one IMMEDIATE (write-locked) transaction."""
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+
+    def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``fn`` in one read transaction (a consistent snapshot under WAL)."""
+        db = self._conn()
+        db.execute("BEGIN")
+        try:
+            return fn(db)
+        finally:
+            db.execute("COMMIT")
+
+    @staticmethod
+    def _next_revision(db: sqlite3.Connection) -> int:
+        (rev,) = db.execute("SELECT value FROM meta WHERE name='revision'").fetchone()
+        return int(rev) + 1
+
+    @staticmethod
+    def _log(
+        db: sqlite3.Connection, rev: int, kind: int, key: str, value: bytes, lease_id: int | None
+    ) -> None:
+        db.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)", (rev, kind, key, value, lease_id))
+        db.execute("UPDATE meta SET value=? WHERE name='revision'", (rev,))
+        if rev % _TRIM_EVERY == 0 and rev > HISTORY_LIMIT:
+            cut = rev - HISTORY_LIMIT
+            db.execute("DELETE FROM events WHERE revision <= ?", (cut,))
+            db.execute("UPDATE meta SET value=? WHERE name='compacted'", (cut,))
+
+    def _delete_keys(self, db: sqlite3.Connection, keys: list[tuple[str, int | None]]) -> None:
+        for key, lease_id in keys:
+            rev = self._next_revision(db)
+            db.execute("DELETE FROM kv WHERE key=?", (key,))
+            self._log(db, rev, _DELETE, key, b"", lease_id)
+
+    def _end_leases(self, db: sqlite3.Connection, lease_ids: list[int]) -> None:
+        for lease_id in lease_ids:
+            rows = db.execute(
+                "SELECT key FROM kv WHERE lease_id=? ORDER BY key", (lease_id,)
+            ).fetchall()
+            self._delete_keys(db, [(key, lease_id) for (key,) in rows])
+            db.execute("DELETE FROM leases WHERE id=?", (lease_id,))
+
+    def _sweep(self, force: bool = False) -> None:
+        """End every lease past its deadline. Cheap when nothing expired (one indexed read);
+        rate-limited to once a poll interval unless ``force``."""
+        now = time.time()
+        if not force and now - self._last_sweep < self.poll_interval:
+            return
+        self._last_sweep = now
+        db = self._conn()
+        if db.execute("SELECT 1 FROM leases WHERE expires_at < ? LIMIT 1", (now,)).fetchone():
+
+            def sweep(db: sqlite3.Connection) -> None:
+                expired = db.execute("SELECT id FROM leases WHERE expires_at < ?", (now,))
+                self._end_leases(db, [lease_id for (lease_id,) in expired.fetchall()])
+
+            self._write(sweep)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl: float) -> int:
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl}")
+
+        def grant(db: sqlite3.Connection) -> int:
+            while True:
+                lease_id = secrets.randbits(63) or 1
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO leases VALUES (?, ?, ?)",
+                    (lease_id, ttl, time.time() + ttl),
+                )
+                if cur.rowcount == 1:
+                    return lease_id
+
+        return await self._call(self._write, grant)
+
+    async def keep_alive(self, lease_id: int) -> bool:
+        def keep(db: sqlite3.Connection) -> bool:
+            now = time.time()
+            cur = db.execute(
+                "UPDATE leases SET expires_at = ? + ttl WHERE id = ? AND expires_at >= ?",
+                (now, lease_id, now),
+            )
+            return cur.rowcount == 1
+
+        def run() -> bool:
+            alive = self._write(keep)
+            if not alive:
+                self._sweep(force=True)
+            return alive
+
+        return await self._call(run)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        await self._call(self._write, lambda db: self._end_leases(db, [lease_id]))
+
+    # -- keys -----------------------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, *, lease_id: int | None = None) -> int:
+        value = bytes(value)
+
+        def put(db: sqlite3.Connection) -> int:
+            if lease_id is not None:
+                row = db.execute(
+                    "SELECT 1 FROM leases WHERE id=? AND expires_at >= ?", (lease_id, time.time())
+                ).fetchone()
+                if row is None:
+                    raise DiscoveryError(f"cannot put {key!r}: lease {lease_id:x} does not exist")
+            rev = self._next_revision(db)
+            db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?)", (key, value, lease_id, rev))
+            self._log(db, rev, _PUT, key, value, lease_id)
+            return rev
+
+        return await self._call(self._write, put)
+
+    async def get(self, key: str) -> KeyValue | None:
+        def get() -> KeyValue | None:
+            self._sweep()
+            row = (
+                self._conn()
+                .execute("SELECT key, value, mod_revision, lease_id FROM kv WHERE key=?", (key,))
+                .fetchone()
+            )
+            return KeyValue(*row) if row else None
+
+        return await self._call(get)
+
+    def _select_prefix(self, db: sqlite3.Connection, prefix: str) -> list[KeyValue]:
+        end = _prefix_end(prefix)
+        sql = "SELECT key, value, mod_revision, lease_id FROM kv WHERE key >= ?"
+        params: tuple[str, ...] = (prefix,)
+        if end is not None:
+            sql += " AND key < ?"
+            params = (prefix, end)
+        rows = db.execute(sql + " ORDER BY key", params).fetchall()
+        return [KeyValue(*row) for row in rows]
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        def get_prefix() -> list[KeyValue]:
+            self._sweep()
+            return self._read(lambda db: self._select_prefix(db, prefix))
+
+        return await self._call(get_prefix)
+
+    async def delete(self, key: str) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT lease_id FROM kv WHERE key=?", (key,)).fetchone()
+            if row is None:
+                return False
+            self._delete_keys(db, [(key, row[0])])
+            return True
+
+        return await self._call(self._write, delete)
+
+    # -- watches --------------------------------------------------------------------------
+
+    def _snapshot(self, prefix: str) -> tuple[list[KeyValue], int]:
+        self._sweep()
+
+        def snap(db: sqlite3.Connection) -> tuple[list[KeyValue], int]:
+            (rev,) = db.execute("SELECT value FROM meta WHERE name='revision'").fetchone()
+            return self._select_prefix(db, prefix), int(rev)
+
+        return self._read(snap)
+
+    def _changes(self, prefix: str, after: int) -> tuple[list[WatchEvent], int] | None:
+        """Changes under ``prefix`` after revision ``after`` and the store revision they reach;
+        None when the log was trimmed past ``after`` (the watcher must take a snapshot)."""
+        self._sweep()
+
+        def changes(db: sqlite3.Connection) -> tuple[list[WatchEvent], int] | None:
+            (compacted,) = db.execute("SELECT value FROM meta WHERE name='compacted'").fetchone()
+            if after < compacted:
+                return None
+            (rev,) = db.execute("SELECT value FROM meta WHERE name='revision'").fetchone()
+            if rev <= after:
+                return [], after
+            end = _prefix_end(prefix)
+            sql = (
+                "SELECT revision, kind, key, value, lease_id FROM events"
+                " WHERE revision > ? AND revision <= ? AND key >= ?"
+            )
+            params: tuple[object, ...] = (after, rev, prefix)
+            if end is not None:
+                sql += " AND key < ?"
+                params = (*params, end)
+            rows = db.execute(sql + " ORDER BY revision", params).fetchall()
+            events = [
+                WatchEvent(
+                    WatchEventKind.PUT if kind == _PUT else WatchEventKind.DELETE,
+                    KeyValue(key=key, value=value, revision=r, lease_id=lease_id),
+                )
+                for r, kind, key, value, lease_id in rows
+            ]
+            return events, int(rev)
+
+        return self._read(changes)
+
+    async def watch_prefix(
+        self, prefix: str, *, start_revision: int | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        after = start_revision
+        while not self._closed:
+            try:
+                batch = None if after is None else await self._call(self._changes, prefix, after)
+                if batch is None:
+                    kvs, after = await self._call(self._snapshot, prefix)
+                    events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
+                else:
+                    events, after = batch
+            except DiscoveryError:
+                if self._closed:
+                    return
+                raise
+            for event in events:
+                yield event
+            await asyncio.sleep(self.poll_interval)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def shut() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, shut)
+        self._executor.shutdown(wait=True)

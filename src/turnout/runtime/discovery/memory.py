@@ -1,0 +1,199 @@
+"""``MemoryStore``: the discovery store of one process, kept in dicts on the event loop.
+
+Every mutation happens synchronously on the loop (no ``await`` inside), so a change, its
+revision, its history entry and its delivery to every watcher's queue are one atomic step:
+a watcher registered at revision R sees exactly the changes after R, in order, once.
+
+Leases expire by a timer (``loop.call_at``) that ``keep_alive`` pushes back; expiry deletes
+the lease's keys like ``revoke_lease`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from turnout.errors import DiscoveryError
+from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+
+#: How many past changes are kept for watchers that resume from a revision.
+HISTORY_LIMIT = 10_000
+
+_CLOSED = object()
+
+
+@dataclass(slots=True)
+class _Lease:
+    ttl: float
+    #: Owned by the store: the expiry timer, replaced on every keep-alive.
+    timer: asyncio.TimerHandle | None = None
+    keys: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Watcher:
+    prefix: str
+    queue: asyncio.Queue[WatchEvent | object]
+
+
+class MemoryStore(DiscoveryStore):
+    """In-process discovery store; for single-process deployments and tests."""
+
+    kind = "memory"
+
+    def __init__(self) -> None:
+        self._revision = 0
+        self._kvs: dict[str, KeyValue] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._history: collections.deque[WatchEvent] = collections.deque(maxlen=HISTORY_LIMIT)
+        self._watchers: list[_Watcher] = []
+        self._closed = False
+
+    # -- leases ---------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl: float) -> int:
+        self._check_open()
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl}")
+        lease_id = secrets.randbits(63) or 1
+        while lease_id in self._leases:
+            lease_id = secrets.randbits(63) or 1
+        lease = _Lease(ttl=ttl)
+        self._leases[lease_id] = lease
+        self._arm(lease_id, lease)
+        return lease_id
+
+    async def keep_alive(self, lease_id: int) -> bool:
+        self._check_open()
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        self._arm(lease_id, lease)
+        return True
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        self._check_open()
+        self._end_lease(lease_id)
+
+    def _arm(self, lease_id: int, lease: _Lease) -> None:
+        if lease.timer is not None:
+            lease.timer.cancel()
+        loop = asyncio.get_running_loop()
+        lease.timer = loop.call_later(lease.ttl, self._end_lease, lease_id)
+
+    def _end_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return
+        if lease.timer is not None:
+            lease.timer.cancel()
+        for key in sorted(lease.keys):
+            self._delete(key)
+
+    # -- keys -----------------------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, *, lease_id: int | None = None) -> int:
+        self._check_open()
+        if lease_id is not None and lease_id not in self._leases:
+            raise DiscoveryError(f"cannot put {key!r}: lease {lease_id:x} does not exist")
+        old = self._kvs.get(key)
+        if old is not None and old.lease_id is not None and old.lease_id != lease_id:
+            old_lease = self._leases.get(old.lease_id)
+            if old_lease is not None:
+                old_lease.keys.discard(key)
+        self._revision += 1
+        kv = KeyValue(key=key, value=bytes(value), revision=self._revision, lease_id=lease_id)
+        self._kvs[key] = kv
+        if lease_id is not None:
+            self._leases[lease_id].keys.add(key)
+        self._publish(WatchEvent(WatchEventKind.PUT, kv))
+        return self._revision
+
+    async def get(self, key: str) -> KeyValue | None:
+        self._check_open()
+        return self._kvs.get(key)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        self._check_open()
+        return [kv for key, kv in sorted(self._kvs.items()) if key.startswith(prefix)]
+
+    async def delete(self, key: str) -> bool:
+        self._check_open()
+        return self._delete(key)
+
+    def _delete(self, key: str) -> bool:
+        old = self._kvs.pop(key, None)
+        if old is None:
+            return False
+        if old.lease_id is not None:
+            lease = self._leases.get(old.lease_id)
+            if lease is not None:
+                lease.keys.discard(key)
+        self._revision += 1
+        kv = KeyValue(key=key, value=b"", revision=self._revision, lease_id=old.lease_id)
+        self._publish(WatchEvent(WatchEventKind.DELETE, kv))
+        return True
+
+    # -- watches --------------------------------------------------------------------------
+
+    def _publish(self, event: WatchEvent) -> None:
+        self._history.append(event)
+        key = event.kv.key
+        for watcher in self._watchers:
+            if key.startswith(watcher.prefix):
+                watcher.queue.put_nowait(event)
+
+    def _backlog(self, prefix: str, start_revision: int | None) -> list[WatchEvent]:
+        """What a new watcher sees before live changes: history after ``start_revision``, or
+        a snapshot when no revision is given or the history no longer reaches back to it."""
+        oldest = self._history[0].kv.revision if self._history else self._revision + 1
+        if start_revision is not None and start_revision + 1 >= oldest:
+            return [
+                ev
+                for ev in self._history
+                if ev.kv.revision > start_revision and ev.kv.key.startswith(prefix)
+            ]
+        return [
+            WatchEvent(WatchEventKind.PUT, kv)
+            for key, kv in sorted(self._kvs.items())
+            if key.startswith(prefix)
+        ]
+
+    async def watch_prefix(
+        self, prefix: str, *, start_revision: int | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        if self._closed:
+            return
+        # Backlog and registration happen with no await between them: nothing can slip in.
+        backlog = self._backlog(prefix, start_revision)
+        watcher = _Watcher(prefix=prefix, queue=asyncio.Queue())
+        self._watchers.append(watcher)
+        try:
+            for event in backlog:
+                yield event
+            while True:
+                item = await watcher.queue.get()
+                if item is _CLOSED:
+                    return
+                assert isinstance(item, WatchEvent)
+                yield item
+        finally:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for lease in self._leases.values():
+            if lease.timer is not None:
+                lease.timer.cancel()
+        for watcher in self._watchers:
+            watcher.queue.put_nowait(_CLOSED)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DiscoveryError("memory store is closed")

@@ -1,0 +1,83 @@
+"""``Lease``: a discovery-store lease kept alive by a background task until revoked.
+
+Keys put under ``lease.id`` live as long as this process keeps the lease alive; when the
+process dies (or hangs past the TTL), the store ends the lease and every watcher sees the
+keys vanish. ``lost`` tells the owner when the keep-alive found the lease already gone (the
+keys are gone too; re-register under a new lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from turnout.runtime.discovery.base import DiscoveryStore
+
+logger = logging.getLogger("turnout.runtime")
+
+
+class Lease:
+    """A granted lease and its keep-alive task (every ``ttl / 3`` seconds)."""
+
+    def __init__(self, store: DiscoveryStore, lease_id: int, ttl: float) -> None:
+        self.store = store
+        self.id = lease_id
+        self.ttl = ttl
+        #: Set when the keep-alive finds the lease ended (expired or revoked elsewhere), or
+        #: cannot reach the store for longer than the TTL.
+        self.lost = asyncio.Event()
+        self._revoked = False
+        self._task = asyncio.get_running_loop().create_task(
+            self._keep_alive(), name=f"lease-keepalive-{lease_id:x}"
+        )
+
+    @classmethod
+    async def grant(cls, store: DiscoveryStore, ttl: float) -> Lease:
+        """Grant a lease of ``ttl`` seconds on ``store`` and start keeping it alive."""
+        lease_id = await store.grant_lease(ttl)
+        return cls(store, lease_id, ttl)
+
+    @property
+    def revoked(self) -> bool:
+        return self._revoked
+
+    async def _keep_alive(self) -> None:
+        interval = self.ttl / 3
+        last_ok = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                alive = await self.store.keep_alive(self.id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if time.monotonic() - last_ok < self.ttl:
+                    logger.warning("lease %x keep-alive failed, retrying: %s", self.id, exc)
+                    continue
+                logger.error("lease %x lost: store unreachable for %.1fs", self.id, self.ttl)
+                self.lost.set()
+                return
+            if not alive:
+                logger.error("lease %x lost: it ended before its keep-alive", self.id)
+                self.lost.set()
+                return
+            last_ok = time.monotonic()
+
+    async def revoke(self) -> None:
+        """End the lease now (its keys vanish) and stop the keep-alive. Idempotent."""
+        if self._revoked:
+            return
+        self._revoked = True
+        self._task.cancel()
+        # wait(), not await: our own cancellation must propagate, the task's must not.
+        await asyncio.wait([self._task])
+        if not self.lost.is_set():
+            try:
+                await self.store.revoke_lease(self.id)
+            except Exception as exc:
+                # The store is gone or closed: the lease ends by expiry instead.
+                logger.warning("lease %x revoke failed (it will expire): %s", self.id, exc)
+
+    def __repr__(self) -> str:
+        return f"Lease(id={self.id:x}, ttl={self.ttl}, lost={self.lost.is_set()})"

@@ -1,0 +1,132 @@
+"""Frames of the tcp request plane: a 4-byte big-endian length, then one msgpack ``Frame``.
+
+One connection carries many streams, told apart by ``stream_id`` (chosen by the client)::
+
+    client                                   server
+    REQUEST(sid, text=path, data=payload, text2=request id) ──▶
+                                      ◀── ACK(sid)        the handler runs: from now on a
+                                                          lost connection is StreamBroken
+                                      ◀── DATA(sid, data) x n      (at most WINDOW unconsumed)
+    CREDIT(sid, num=k) ──▶                                after the client consumed k items
+                                      ◀── END(sid) | ERROR(sid, text=message)
+                                          | ABORT(sid)    (server cancelled: StreamBroken)
+                                          | REJECT(sid)   (not accepting: PeerUnavailable)
+    CANCEL(sid) ──▶                                       client gave up: cancel the handler
+
+Frames are msgpack arrays (``array_like``) with trailing defaults left out, so a DATA frame is
+``[2, sid, payload]``: three small headers around the payload bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import msgspec
+
+#: Items a handler may run ahead of its consumer (the per-stream credit window).
+WINDOW = 64
+#: The client returns credit in batches of this many consumed items.
+CREDIT_BATCH = WINDOW // 4
+#: Larger frames are a protocol error (a corrupt length would otherwise allocate gigabytes).
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+HEADER = struct.Struct(">I")
+
+
+class Kind(enum.IntEnum):
+    REQUEST = 0
+    ACK = 1
+    DATA = 2
+    END = 3
+    ERROR = 4
+    CANCEL = 5
+    CREDIT = 6
+    REJECT = 7
+    ABORT = 8
+
+
+class Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    kind: int
+    stream_id: int
+    #: REQUEST: the payload; DATA: one response item.
+    data: bytes = b""
+    #: REQUEST: the endpoint path; ERROR / REJECT: the message.
+    text: str = ""
+    #: CREDIT: how many items were consumed.
+    num: int = 0
+    #: REQUEST: the request id, so the server's logs name the same request.
+    text2: str = ""
+
+
+class FrameError(Exception):
+    """The byte stream is not a valid frame sequence; the connection must be dropped."""
+
+
+class FrameWriter:
+    """Accumulates encoded frames in one buffer, taken whole for one ``transport.write``."""
+
+    __slots__ = ("_buf", "_encode_into")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._encode_into = msgspec.msgpack.Encoder().encode_into
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def append(self, frame: Frame) -> None:
+        buf = self._buf
+        start = len(buf)
+        buf += b"\0\0\0\0"
+        self._encode_into(frame, buf, -1)
+        HEADER.pack_into(buf, start, len(buf) - start - 4)
+
+    def take(self) -> bytearray:
+        """The bytes written so far; the writer starts a fresh buffer (the transport may keep
+        a reference to the one it was given, so it is never reused)."""
+        buf = self._buf
+        self._buf = bytearray()
+        return buf
+
+
+class FrameReader:
+    """Cuts frames out of the received byte stream; keeps an incomplete tail for later."""
+
+    __slots__ = ("_decode", "_tail")
+
+    def __init__(self) -> None:
+        self._tail = bytearray()
+        self._decode = msgspec.msgpack.Decoder(Frame).decode
+
+    def feed(self, data: bytes) -> list[Frame]:
+        # Common case: the chunk holds whole frames and nothing is pending, so it is parsed
+        # in place; a pending tail grows in place (amortised), never by re-concatenation.
+        tail = self._tail
+        buf: bytes | bytearray
+        if tail:
+            tail += data
+            buf = tail
+        else:
+            buf = data
+        frames: list[Frame] = []
+        pos = 0
+        end = len(buf)
+        decode = self._decode
+        with memoryview(buf) as view:
+            while end - pos >= 4:
+                (size,) = HEADER.unpack_from(buf, pos)
+                if size > MAX_FRAME_BYTES:
+                    raise FrameError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} limit")
+                if end - pos - 4 < size:
+                    break
+                try:
+                    frames.append(decode(view[pos + 4 : pos + 4 + size]))
+                except msgspec.DecodeError as exc:
+                    raise FrameError(f"undecodable frame: {exc}") from exc
+                pos += 4 + size
+        if buf is tail:
+            del tail[:pos]
+        elif pos < end:
+            tail += data[pos:]
+        return frames

@@ -1,0 +1,65 @@
+"""An in-process turnout stack for tests: runtime, frontend on a real port, echo workers."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from turnout.engines.base import Engine
+from turnout.engines.echo import EchoEngine
+from turnout.engines.worker import Worker
+from turnout.frontend.service import Frontend, FrontendConfig, free_port
+from turnout.protocols.model import EndpointId
+from turnout.runtime.component import DistributedRuntime
+from turnout.runtime.discovery.memory import MemoryStore
+
+ENDPOINT = EndpointId(namespace="test", component="backend", name="generate")
+
+
+@dataclass
+class Stack:
+    runtime: DistributedRuntime
+    frontend: Frontend
+    workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.frontend.url
+
+    async def add_worker(
+        self, engine: Engine, *, model_name: str = "echo", endpoint: EndpointId = ENDPOINT
+    ) -> Worker:
+        worker = Worker(self.runtime, engine, endpoint, model_name=model_name)
+        await worker.start()
+        self.workers.append(worker)
+        return worker
+
+    async def wait_for_model(self, name: str, instances: int = 1, timeout: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            manager = self.frontend.manager
+            if name in manager.list_models() and len(manager.model_instances(name)) >= instances:
+                return
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"model {name!r} with {instances} instance(s) did not appear")
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            await worker.stop(drain_timeout=1.0)
+        await self.frontend.stop()
+        await self.runtime.shutdown()
+
+
+async def make_stack(**config: object) -> Stack:
+    runtime = await DistributedRuntime.create(
+        store=MemoryStore(), request_plane=str(config.pop("request_plane", "tcp")), lease_ttl=5.0
+    )
+    cfg = FrontendConfig(port=free_port(), **config)  # type: ignore[arg-type]
+    frontend = Frontend(cfg, runtime=runtime)
+    await frontend.start()
+    return Stack(runtime=runtime, frontend=frontend)
+
+
+def echo_engine(gguf_path: str, **kwargs: object) -> EchoEngine:
+    return EchoEngine(gguf_path, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,563 @@
+"""ModelWatcher against a real MemoryStore and DistributedRuntime (local request plane).
+
+Workers are real served instances (``endpoint.serve`` with their card as a leased record) or,
+for malformed entries, raw puts into the store. Pipelines come from a recording factory.
+The watcher handles events in store order, so a later event's effect is a barrier for the
+earlier ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+
+from turnout.errors import ModelNotFound
+from turnout.frontend.model_manager import ModelManager
+from turnout.frontend.model_watcher import (
+    SUPPORTED_PAIRS,
+    ModelAdded,
+    ModelRemoved,
+    ModelUpdate,
+    ModelWatcher,
+    is_global_namespace,
+)
+from turnout.protocols.model import (
+    EndpointId,
+    LoraInfo,
+    ModelDeploymentCard,
+    ModelInput,
+    ModelType,
+    mdc_key,
+)
+from turnout.runtime.component import DistributedRuntime, EndpointClient, ServingInstance
+from turnout.runtime.context import RequestContext
+from turnout.runtime.discovery.base import KeyValue, WatchEvent, WatchEventKind
+from turnout.runtime.discovery.memory import MemoryStore
+
+LOGGER = "turnout.frontend.model_watcher"
+CHAT_COMPL = ModelType.Chat | ModelType.Completions
+TIMEOUT = 2.0
+BARRIER = "barrier-"
+
+
+@dataclass(frozen=True)
+class FakeEngine:
+    kind: str
+    model: str
+
+
+class RecordingFactory:
+    """A PipelineFactory that records its calls and returns a FakeEngine per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, EndpointClient]] = []
+        #: (kind, model) pairs whose build raises.
+        self.fail: set[tuple[str, str]] = set()
+        #: When set, completions builds wait for it (to catch the watcher mid-build).
+        self.gate: asyncio.Event | None = None
+
+    async def _build(
+        self, kind: str, card: ModelDeploymentCard, client: EndpointClient
+    ) -> FakeEngine:
+        self.calls.append((kind, card.display_name, client))
+        if self.gate is not None and kind == "completions":
+            await self.gate.wait()
+        if (kind, card.display_name) in self.fail:
+            raise RuntimeError(f"cannot build {kind} for {card.display_name}")
+        return FakeEngine(kind, card.display_name)
+
+    async def build_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> FakeEngine:
+        return await self._build("chat", card, client)
+
+    async def build_completions(
+        self, card: ModelDeploymentCard, client: EndpointClient
+    ) -> FakeEngine:
+        return await self._build("completions", card, client)
+
+    async def build_text_chat(
+        self, card: ModelDeploymentCard, client: EndpointClient
+    ) -> FakeEngine:
+        return await self._build("text_chat", card, client)
+
+    async def build_text_completions(
+        self, card: ModelDeploymentCard, client: EndpointClient
+    ) -> FakeEngine:
+        return await self._build("text_completions", card, client)
+
+    def kinds(self) -> list[tuple[str, str]]:
+        return [(kind, model) for kind, model, _ in self.calls]
+
+
+def endpoint(namespace: str = "ns", component: str = "backend") -> EndpointId:
+    return EndpointId(namespace=namespace, component=component, name="generate")
+
+
+def make_card(
+    name: str,
+    *,
+    ep: EndpointId | None = None,
+    instance_id: int = 1,
+    model_type: ModelType = CHAT_COMPL,
+    model_input: ModelInput = ModelInput.Tokens,
+    context_length: int = 4096,
+    lora: str | None = None,
+) -> ModelDeploymentCard:
+    return ModelDeploymentCard(
+        display_name=name,
+        endpoint=ep or endpoint(),
+        instance_id=instance_id,
+        model_type=model_type,
+        model_input=model_input,
+        context_length=context_length,
+        lora=LoraInfo(name=lora) if lora else None,
+    )
+
+
+async def _handler(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+    yield payload
+
+
+@dataclass
+class Harness:
+    store: MemoryStore
+    runtime: DistributedRuntime
+    manager: ModelManager
+    factory: RecordingFactory
+    updates: asyncio.Queue[ModelUpdate]
+    watcher: ModelWatcher
+    task: asyncio.Task[None]
+    num_barriers: int = 0
+
+    async def serve(self, name: str, **card_args: object) -> ServingInstance:
+        """A real worker instance publishing ``name``'s card under its lease."""
+        ep = card_args.pop("ep", None) or endpoint()
+        assert isinstance(ep, EndpointId)
+
+        def records(instance_id: int) -> list[tuple[str, bytes]]:
+            card = make_card(name, ep=ep, instance_id=instance_id, **card_args)  # type: ignore[arg-type]
+            return [(mdc_key(ep, instance_id), msgspec.json.encode(card))]
+
+        return await self.runtime.endpoint(ep).serve(_handler, records=records)
+
+    async def put_card(
+        self, card: ModelDeploymentCard, *, lora: str | None = None, lease_id: int | None = None
+    ) -> str:
+        key = mdc_key(card.endpoint, card.instance_id, lora)
+        await self.store.put(key, msgspec.json.encode(card), lease_id=lease_id)
+        return key
+
+    async def next_update(self) -> ModelUpdate:
+        return await asyncio.wait_for(self.updates.get(), TIMEOUT)
+
+    async def barrier(self, namespace: str = "ns") -> list[ModelUpdate]:
+        """Put a card of a fresh chat model and wait until the watcher serves it: every event
+        before it has been handled. Returns the updates queued before the barrier's own."""
+        self.num_barriers += 1
+        name = f"{BARRIER}{self.num_barriers}"
+        card = make_card(name, ep=endpoint(namespace, "barrier"), model_type=ModelType.Chat)
+        await self.put_card(card)
+        await until(lambda: self.manager.has_model_any(name))
+        drained = [self.updates.get_nowait() for _ in range(self.updates.qsize())]
+        assert drained[-1:] == [ModelUpdate.Added(ModelType.Chat)]
+        return drained[:-1]
+
+    def served(self) -> set[str]:
+        """Served models, barriers left out."""
+        return {n for n in self.manager.list_models() if not n.startswith(BARRIER)}
+
+    def built(self) -> list[tuple[str, str]]:
+        """The factory's calls, barriers left out."""
+        return [(k, m) for k, m in self.factory.kinds() if not m.startswith(BARRIER)]
+
+
+async def until(cond: Callable[[], bool], within: float = TIMEOUT) -> None:
+    """Poll ``cond`` (state of the code under test, which has no event to wait on)."""
+    async with asyncio.timeout(within):
+        while not cond():
+            await asyncio.sleep(0.001)
+
+
+HarnessFactory = Callable[..., Awaitable[Harness]]
+
+
+@pytest.fixture
+async def make_harness() -> AsyncIterator[HarnessFactory]:
+    made: list[Harness] = []
+
+    async def make(namespace: str | None = None) -> Harness:
+        store = MemoryStore()
+        runtime = await DistributedRuntime.create(store=store, request_plane="local")
+        manager = ModelManager()
+        factory = RecordingFactory()
+        updates: asyncio.Queue[ModelUpdate] = asyncio.Queue()
+        watcher = ModelWatcher(runtime, manager, factory, namespace=namespace, updates=updates)
+        task = asyncio.create_task(watcher.watch(), name="model-watcher")
+        h = Harness(store, runtime, manager, factory, updates, watcher, task)
+        made.append(h)
+        # The watch subscribes on its first step and starts with a snapshot in key order;
+        # wait until it is live so that the tests' events arrive in the order they are made,
+        # then leave the harness empty again.
+        probe = make_card("probe", ep=endpoint(namespace or "ns", "probe"))
+        probe_key = await h.put_card(probe)
+        assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+        await h.store.delete(probe_key)
+        assert await h.next_update() == ModelUpdate.Removed(ModelType.Chat)
+        assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+        factory.calls.clear()
+        return h
+
+    yield make
+    for h in made:
+        h.task.cancel()
+        await asyncio.wait([h.task])
+        await h.watcher.close()
+        await h.runtime.shutdown()
+        await h.store.close()
+
+
+@pytest.fixture
+async def h(make_harness: HarnessFactory) -> Harness:
+    return await make_harness()
+
+
+# -- adding -----------------------------------------------------------------------------------
+
+
+async def test_card_put_builds_chat_and_completions(h: Harness) -> None:
+    inst = await h.serve("llama")
+
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    m = h.manager
+    assert m.get_chat_engine("llama") == FakeEngine("chat", "llama")
+    assert m.get_completions_engine("llama") == FakeEngine("completions", "llama")
+    assert m.list_models() == ["llama"]
+    assert [c.instance_id for c in m.entries_for_model("llama")] == [inst.instance_id]
+    assert m.model_instances("llama") == [inst.instance_id]
+    # One client per model, for the card's endpoint, shared by both pipelines.
+    assert h.factory.kinds() == [("chat", "llama"), ("completions", "llama")]
+    (_, _, c1), (_, _, c2) = h.factory.calls
+    assert c1 is c2
+    assert c1.endpoint == endpoint()
+    assert await asyncio.wait_for(h.watcher.wait_for_chat_model(), TIMEOUT) == "llama"
+
+
+@pytest.mark.parametrize(
+    ("model_input", "model_type", "kinds", "chat", "completions"),
+    [
+        (ModelInput.Tokens, ModelType.Chat, ["chat"], True, False),
+        (ModelInput.Tokens, ModelType.Completions, ["completions"], False, True),
+        (ModelInput.Text, ModelType.Chat, ["text_chat"], True, False),
+        (ModelInput.Text, ModelType.Completions, ["text_completions"], False, True),
+        # As in the seed, Text+Chat wins over Text+Completions when a card has both.
+        (ModelInput.Text, CHAT_COMPL, ["text_chat"], True, False),
+    ],
+)
+async def test_pipeline_choice_by_input_and_type(
+    h: Harness,
+    model_input: ModelInput,
+    model_type: ModelType,
+    kinds: list[str],
+    chat: bool,
+    completions: bool,
+) -> None:
+    await h.put_card(make_card("m", model_input=model_input, model_type=model_type))
+    assert await h.next_update() == ModelUpdate.Added(model_type)
+    assert h.factory.kinds() == [(k, "m") for k in kinds]
+    assert h.manager.list_chat_models() == (["m"] if chat else [])
+    assert h.manager.list_completions_models() == (["m"] if completions else [])
+
+
+async def test_second_instance_joins_without_rebuilding(h: Harness) -> None:
+    a = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    b = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+
+    assert h.factory.kinds() == [("chat", "llama"), ("completions", "llama")]
+    entries = h.manager.entries_for_model("llama")
+    assert sorted(c.instance_id for c in entries) == sorted([a.instance_id, b.instance_id])
+    # The one client sees both instances.
+    await until(lambda: len(h.manager.model_instances("llama")) == 2)
+    assert h.manager.model_instances("llama") == sorted([a.instance_id, b.instance_id])
+
+
+async def test_lora_entry_is_an_entry_of_the_same_model(h: Harness) -> None:
+    base = make_card("llama", instance_id=7)
+    base_key = await h.put_card(base)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    lora_key = await h.put_card(make_card("llama", instance_id=7, lora="sql"), lora="sql")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+
+    assert lora_key == base_key + "/sql"
+    assert set(h.manager.model_cards("llama")) == {base_key, lora_key}
+    assert h.built() == [("chat", "llama"), ("completions", "llama")]
+    await h.store.delete(base_key)
+    assert await h.barrier() == []
+    assert h.manager.has_model_any("llama")
+    assert list(h.manager.model_cards("llama")) == [lora_key]
+
+
+# -- refusing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"{not json",
+        b"\xff\xfe binary",
+        b'{"display_name": "half"}',  # JSON, but not a card
+        b'{"display_name": "bad", "endpoint": {"namespace": "ns", "component": "c", "name": "g"},'
+        b' "instance_id": 1, "model_type": 3, "model_input": "pictures"}',
+    ],
+)
+async def test_invalid_entry_is_logged_and_skipped(
+    h: Harness, value: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    bad_key = "v1/mdc/ns/backend/generate/99"
+    await h.store.put(bad_key, value)
+    await h.serve("llama")
+
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert h.manager.list_models() == ["llama"]
+    assert h.factory.kinds() == [("chat", "llama"), ("completions", "llama")]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "invalid model card" in errors[0] and bad_key in errors[0]
+    # Its DELETE is expected, not an error.
+    await h.store.delete(bad_key)
+    assert await h.barrier() == []
+    assert not [r for r in caplog.records if "Missing model entry" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("model_input", "model_type", "pair"),
+    [
+        (ModelInput.Tokens, ModelType.Embedding, "Tokens+Embedding"),
+        (ModelInput.Tensor, ModelType.TensorBased, "Tensor+TensorBased"),
+        (ModelInput.Text, ModelType.Embedding, "Text+Embedding"),
+        (ModelInput.Tensor, ModelType.Chat, "Tensor+Chat"),
+        (ModelInput.Tokens, ModelType.Prefill, "Tokens+Prefill"),
+    ],
+)
+async def test_unsupported_pair_is_rejected_with_message(
+    h: Harness,
+    model_input: ModelInput,
+    model_type: ModelType,
+    pair: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    key = await h.put_card(make_card("odd", model_input=model_input, model_type=model_type))
+    assert await h.barrier() == []
+
+    assert not h.manager.has_model_any("odd")
+    assert h.manager.entries_for_model("odd") == []
+    assert h.served() == set()
+    assert h.built() == []
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "odd" in errors[0] and pair in errors[0] and SUPPORTED_PAIRS in errors[0]
+    assert "Tokens+(Chat|Completions), Text+Chat, Text+Completions" in errors[0]
+    await h.store.delete(key)
+    assert await h.barrier() == []
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+
+
+async def test_checksum_mismatch_is_skipped(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    good = make_card("llama", instance_id=1)
+    other = make_card("llama", instance_id=2, context_length=8192)
+    assert good.checksum() != other.checksum()
+    await h.put_card(good)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await h.put_card(other)
+    assert await h.barrier() == []
+
+    assert [c.instance_id for c in h.manager.entries_for_model("llama")] == [1]
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "llama" in error and good.checksum() in error and other.checksum() in error
+
+
+async def test_factory_error_adds_nothing(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    h.factory.fail.add(("completions", "llama"))
+    await h.serve("llama")
+    assert await h.barrier() == []
+
+    # The chat pipeline was built, then rolled back with the failed completions one.
+    assert h.built() == [("chat", "llama"), ("completions", "llama")]
+    assert not h.manager.has_model_any("llama")
+    assert h.manager.entries_for_model("llama") == []
+    assert h.manager.model_instances("llama") == []
+    (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "llama" in error.getMessage() and "namespace ns" in error.getMessage()
+    assert "cannot build completions" in error.getMessage()
+
+    # A later instance tries again, and succeeds once the factory does.
+    h.factory.fail.clear()
+    await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert h.served() == {"llama"}
+
+
+# -- namespaces ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("namespace", "seen"),
+    [
+        (None, {"m1", "m2"}),
+        ("", {"m1", "m2"}),
+        ("global", {"m1", "m2"}),
+        ("ns1", {"m1"}),
+        ("ns2", {"m2"}),
+    ],
+)
+async def test_namespace_filter(
+    make_harness: HarnessFactory,
+    namespace: str | None,
+    seen: set[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    h = await make_harness(namespace)
+    k1 = await h.put_card(make_card("m1", ep=endpoint("ns1")))
+    k2 = await h.put_card(make_card("m2", ep=endpoint("ns2")))
+    added = await h.barrier(namespace or "ns1")
+    assert added == [ModelUpdate.Added(CHAT_COMPL)] * len(seen)
+
+    assert h.served() == seen
+    assert {m for _, m in h.built()} == seen
+    # Deleting a filtered-out key is not an error.
+    await h.store.delete(k1)
+    await h.store.delete(k2)
+    await h.barrier(namespace or "ns1")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_is_global_namespace() -> None:
+    assert is_global_namespace(None)
+    assert is_global_namespace("")
+    assert is_global_namespace("global")
+    assert not is_global_namespace("dynamo")
+    assert not is_global_namespace("ns1")
+
+
+# -- removing ---------------------------------------------------------------------------------
+
+
+async def test_last_instance_leaving_removes_the_model(h: Harness) -> None:
+    a = await h.serve("llama")
+    b = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    (_, _, client), _ = h.factory.calls
+
+    await a.stop()
+    await until(lambda: len(h.manager.entries_for_model("llama")) == 1)
+    assert h.manager.get_chat_engine("llama") == FakeEngine("chat", "llama")
+    assert h.updates.empty()
+
+    await b.stop()
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Chat)
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+    assert h.manager.list_models() == []
+    assert h.manager.entries_for_model("llama") == []
+    assert h.manager.model_instances("llama") == []
+    assert client not in h.runtime._endpoint_clients  # closed
+    with pytest.raises(ModelNotFound, match="llama"):
+        h.manager.get_chat_engine("llama")
+
+
+async def test_removed_only_for_kinds_left_empty(h: Harness) -> None:
+    """Exactly the seed's rule: Removed(t) only when no model serves t any more."""
+    await h.put_card(make_card("chatty", ep=endpoint("ns", "a"), model_type=ModelType.Chat))
+    both = await h.put_card(make_card("both", ep=endpoint("ns", "b")))
+    assert await h.next_update() == ModelUpdate.Added(ModelType.Chat)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+
+    await h.store.delete(both)
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+    assert await h.barrier() == []
+    assert "chatty" in h.manager.list_chat_models()
+
+
+async def test_unknown_delete_is_logged(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    key = "v1/mdc/ns/backend/generate/abc"
+    await h.watcher.handle_event(
+        WatchEvent(WatchEventKind.DELETE, KeyValue(key=key, value=b"", revision=1))
+    )
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert error == f"Missing model entry for {key}"
+
+
+async def test_expired_lease_removes_the_card(h: Harness) -> None:
+    lease_id = await h.store.grant_lease(0.05)  # never kept alive
+    await h.put_card(make_card("brief", model_type=ModelType.Chat), lease_id=lease_id)
+    assert await h.next_update() == ModelUpdate.Added(ModelType.Chat)
+    assert h.manager.list_chat_models() == ["brief"]
+
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Chat)
+    assert h.manager.list_models() == []
+
+
+# -- waiting and lifecycle -----------------------------------------------------------------------
+
+
+async def test_wait_for_chat_model_waits_then_returns(h: Harness) -> None:
+    waiter = asyncio.create_task(h.watcher.wait_for_chat_model())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+
+    await h.put_card(make_card("plain", model_type=ModelType.Completions))
+    assert await h.next_update() == ModelUpdate.Added(ModelType.Completions)
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # a completions-only model is not a chat model
+
+    await h.put_card(make_card("talker", ep=endpoint("ns", "t"), model_type=ModelType.Chat))
+    assert await asyncio.wait_for(waiter, TIMEOUT) == "talker"
+
+
+async def test_watch_ends_when_the_store_closes(h: Harness) -> None:
+    await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await h.runtime.shutdown()
+    await h.store.close()
+    await asyncio.wait_for(h.task, TIMEOUT)
+    assert h.task.exception() is None
+
+
+async def test_cancelled_mid_build_rolls_back(h: Harness) -> None:
+    h.factory.gate = asyncio.Event()
+    await h.serve("llama")
+    await until(lambda: len(h.factory.calls) == 2)  # chat built, completions waiting
+    (_, _, client), _ = h.factory.calls
+    assert client in h.runtime._endpoint_clients
+
+    h.task.cancel()
+    await asyncio.wait([h.task])
+    assert h.task.cancelled()
+    assert not h.manager.has_model_any("llama")
+    assert client not in h.runtime._endpoint_clients  # closed
+    assert h.updates.empty()
+
+
+def test_model_update_variants() -> None:
+    added: ModelUpdate = ModelUpdate.Added(ModelType.Chat)
+    removed: ModelUpdate = ModelUpdate.Removed(ModelType.Chat)
+    assert added != removed
+    assert isinstance(added, ModelAdded) and isinstance(removed, ModelRemoved)
+    assert ModelUpdate.Removed is ModelRemoved
+    assert added == ModelAdded(ModelType.Chat)
+    match added:
+        case ModelRemoved():
+            pytest.fail("matched the wrong variant")
+        case ModelAdded(model_type=t):
+            assert t is ModelType.Chat

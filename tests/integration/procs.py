@@ -1,0 +1,91 @@
+"""Start turnout's real processes for integration tests, and clean them up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from turnout.frontend.service import free_port
+
+
+@dataclass
+class ProcessSet:
+    """A frontend and workers sharing one file store; every process is killed at the end."""
+
+    tmp: Path
+    lease_ttl: float = 2.0
+    port: int = field(default_factory=free_port)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def store_path(self) -> str:
+        return str(self.tmp / "discovery.sqlite")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, args: Sequence[str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnout", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def common(self) -> list[str]:
+        return ["--store", "file", "--store-path", self.store_path,
+                "--lease-ttl", str(self.lease_ttl)]  # fmt: skip
+
+    def frontend(self, *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn(
+            ["frontend", "--port", str(self.port), *self.common(), *extra], "frontend"
+        )
+
+    def worker(self, *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn(["worker", *self.common(), *extra], "worker")
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")
+        )
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait(timeout=10)
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str] | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(
+        f"timed out after {timeout} s waiting for {what}\n{logs() if logs else ''}"
+    )
+
+
+def health(url: str) -> dict[str, list[str]]:
+    """Model name -> live instance ids (hex), from the frontend's /health."""
+    body = httpx.get(url + "/health", timeout=5).json()
+    return {m["name"]: m["instances"] for m in body["models"]}

@@ -1,0 +1,183 @@
+"""Model cards from Hugging Face directories and GGUF files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from turnout.errors import ConfigError
+from turnout.llm.model_card import default_gguf_path, load_model_card
+from turnout.llm.tokenizer import Tokenizer, file_sha256, load_tokenizer
+from turnout.protocols.model import EndpointId, ModelInput, ModelType, RuntimeConfig
+
+EP = EndpointId(namespace="ns", component="backend", name="generate")
+
+
+def _added(i: int, content: str) -> dict[str, Any]:
+    return {
+        "id": i,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": True,
+    }
+
+
+TOKENIZER_JSON = {
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [_added(0, "<s>"), _added(1, "</s>"), _added(2, "<|eot|>")],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "Whitespace"},
+    "post_processor": None,
+    "decoder": None,
+    "model": {
+        "type": "WordLevel",
+        "vocab": {"<s>": 0, "</s>": 1, "<|eot|>": 2, "hello": 3, "world": 4, "[UNK]": 5},
+        "unk_token": "[UNK]",
+    },
+}
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def write_model(d: Path, **files: Any) -> Path:
+    """An HF model directory; each keyword is a file name (dots as '_'), None to omit."""
+    d.mkdir(parents=True, exist_ok=True)
+    defaults: dict[str, Any] = {
+        "tokenizer.json": TOKENIZER_JSON,
+        "tokenizer_config.json": {
+            "bos_token": "<s>",
+            "eos_token": {"content": "</s>", "special": True, "__type": "AddedToken"},
+            "chat_template": TEMPLATE,
+            "model_max_length": 1000000000000000019884624838656,
+        },
+        "config.json": {"max_position_embeddings": 2048, "eos_token_id": 1},
+        "generation_config.json": {"eos_token_id": [1, 2]},
+    }
+    for key, value in files.items():
+        defaults[key.replace("_json", ".json").replace("_jinja", ".jinja")] = value
+    for name, content in defaults.items():
+        if content is None:
+            continue
+        text = content if isinstance(content, str) else json.dumps(content)
+        (d / name).write_text(text)
+    return d
+
+
+def test_hf_directory(tmp_path: Path) -> None:
+    d = write_model(tmp_path / "tiny-model")
+    card = load_model_card(d, endpoint=EP, instance_id=7)
+    assert card.display_name == "tiny-model"
+    assert card.endpoint == EP
+    assert card.instance_id == 7
+    assert card.model_type == ModelType.Chat | ModelType.Completions
+    assert card.model_input is ModelInput.Tokens
+    assert card.chat_template == TEMPLATE
+    assert card.context_length == 2048
+    assert card.eos_token_ids == [1, 2]  # generation_config.json wins over config.json
+    assert (card.bos_token, card.eos_token) == ("<s>", "</s>")
+    assert card.tokenizer is not None
+    assert card.tokenizer.kind == "hf_tokenizer_json"
+    assert card.tokenizer.sha256 == file_sha256(d / "tokenizer.json")
+    tok = load_tokenizer(card.tokenizer)
+    assert tok.encode("hello world") == [3, 4]
+    assert tok.eos_token_id == 1
+
+
+def test_hf_fallbacks(tmp_path: Path) -> None:
+    """No generation_config: config.json's eos; no context in config: default, since the
+    tokenizer's model_max_length is HF's 'unknown' sentinel."""
+    d = write_model(tmp_path / "m", generation_config_json=None, config_json={"eos_token_id": 2})
+    card = load_model_card(d, endpoint=EP)
+    assert card.eos_token_ids == [2]
+    assert card.context_length == 4096
+    d2 = write_model(tmp_path / "m2", generation_config_json=None, config_json=None)
+    assert load_model_card(d2, endpoint=EP).eos_token_ids == [1]  # the tokenizer's eos token
+
+
+def test_hf_arguments_win(tmp_path: Path) -> None:
+    d = write_model(tmp_path / "m")
+    rc = RuntimeConfig(total_kv_blocks=100)
+    card = load_model_card(
+        d,
+        endpoint=EP,
+        display_name="served-name",
+        model_type=ModelType.Completions,
+        context_length=512,
+        kv_cache_block_size=32,
+        runtime_config=rc,
+    )
+    assert (card.display_name, card.context_length, card.kv_cache_block_size) == (
+        "served-name",
+        512,
+        32,
+    )
+    assert card.model_type == ModelType.Completions
+    assert card.runtime_config.total_kv_blocks == 100
+
+
+def test_chat_template_list_and_files(tmp_path: Path) -> None:
+    listed = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    cfg = {"eos_token": "</s>", "chat_template": listed}
+    d = write_model(tmp_path / "a", tokenizer_config_json=cfg)
+    assert load_model_card(d, endpoint=EP).chat_template == "D"
+
+    d = write_model(tmp_path / "b", chat_template_json={"chat_template": "J"})
+    assert load_model_card(d, endpoint=EP).chat_template == "J"
+    (d / "chat_template.jinja").write_text("JINJA")
+    assert load_model_card(d, endpoint=EP).chat_template == "JINJA"
+
+    cfg = {"chat_template": [{"name": "tool_use", "template": "T"}]}
+    d = write_model(tmp_path / "c", tokenizer_config_json=cfg)
+    with pytest.raises(ConfigError, match="without a 'default'"):
+        load_model_card(d, endpoint=EP)
+
+
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        ({"tokenizer_json": None}, "no tokenizer.json"),
+        ({"config_json": "{oops"}, "invalid JSON in .*config.json"),
+        ({"tokenizer_config_json": "[1, 2]"}, "tokenizer_config.json: expected a JSON object"),
+        ({"generation_config_json": {"eos_token_id": "x"}}, "generation_config.json: eos_token_id"),
+        ({"tokenizer_json": "{}"}, "invalid tokenizer file .*tokenizer.json"),
+    ],
+)
+def test_hf_bad_files(tmp_path: Path, files: dict[str, Any], match: str) -> None:
+    d = write_model(tmp_path / "bad", **files)
+    with pytest.raises(ConfigError, match=match):
+        load_model_card(d, endpoint=EP)
+
+
+def test_missing_and_odd_paths(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_model_card(tmp_path / "nothing", endpoint=EP)
+    odd = tmp_path / "weights.bin"
+    odd.write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"weights\.bin: expected"):
+        load_model_card(odd, endpoint=EP)
+
+
+def test_gguf_card(gguf_path: Path, smol_tokenizer: Tokenizer) -> None:
+    card = load_model_card(gguf_path, endpoint=EP)
+    assert card.display_name == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # general.name
+    assert card.context_length == 8192
+    assert card.eos_token_ids == [2]
+    assert (card.bos_token, card.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert card.chat_template is not None and "<|im_start|>" in card.chat_template
+    assert card.tokenizer is not None
+    assert card.tokenizer.kind == "gguf"
+    assert card.tokenizer.sha256 == smol_tokenizer.sha256
+    assert load_model_card(gguf_path, endpoint=EP, display_name="smol").display_name == "smol"
+
+
+def test_default_gguf_path() -> None:
+    path = default_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size > 50_000_000

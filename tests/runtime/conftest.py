@@ -1,0 +1,42 @@
+"""Fixtures for the runtime tests; every test is checked for leaks on teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from turnout.runtime.discovery import DiscoveryStore, FileStore, MemoryStore
+from turnout.runtime.request_plane import local as local_plane
+
+
+def _tcp_sockets() -> int:
+    return len(psutil.Process().net_connections(kind="tcp"))
+
+
+@pytest.fixture(autouse=True)
+async def no_leaks() -> AsyncIterator[None]:
+    """Fail a test that leaves a task, a store thread, a local server or a socket behind."""
+    sockets_before = _tcp_sockets()
+    yield
+    for _ in range(5):
+        await asyncio.sleep(0)
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    assert not tasks, f"tasks left running: {tasks}"
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("turnout-filestore")]
+    assert not threads, f"file store threads left: {threads}"
+    assert not local_plane._SERVERS, f"local servers left: {list(local_plane._SERVERS)}"
+    assert _tcp_sockets() <= sockets_before, "tcp sockets left open"
+
+
+@pytest.fixture(params=["memory", "file"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[DiscoveryStore]:
+    s: DiscoveryStore
+    s = MemoryStore() if request.param == "memory" else FileStore(tmp_path / "d.sqlite", 0.02)
+    yield s
+    await s.close()

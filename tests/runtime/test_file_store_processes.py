@@ -1,0 +1,60 @@
+"""The file store across OS processes: a SIGKILLed process's leased keys vanish for others."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from turnout.runtime.discovery import FileStore, WatchEventKind
+
+CHILD = """
+import asyncio, sys
+from turnout.runtime.discovery import FileStore
+from turnout.runtime.lease import Lease
+
+async def main() -> None:
+    store = FileStore(sys.argv[1], poll_interval=0.02)
+    lease = await Lease.grant(store, float(sys.argv[2]))
+    await store.put("w/child", b"alive", lease_id=lease.id)
+    print("ready", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+TTL = 0.5
+
+
+async def test_sigkilled_process_keys_vanish_for_watcher(tmp_path: Path) -> None:
+    path = str(tmp_path / "d.sqlite")
+    store = FileStore(path, poll_interval=0.02)
+    watch = store.watch_prefix("w/")
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD, path, str(TTL), stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        async with asyncio.timeout(20):
+            assert (await child.stdout.readline()).strip() == b"ready"
+            event = await anext(watch)
+        assert (event.kind, event.kv.key) == (WatchEventKind.PUT, "w/child")
+        # Alive well past its TTL: the child's keep-alive works across processes.
+        await asyncio.sleep(2 * TTL)
+        assert await store.get("w/child") is not None
+
+        os.kill(child.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        async with asyncio.timeout(TTL + 1.5):
+            event = await anext(watch)
+        assert (event.kind, event.kv.key) == (WatchEventKind.DELETE, "w/child")
+        assert time.monotonic() - killed_at < TTL + 1.5
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+        await watch.aclose()
+        await store.close()
