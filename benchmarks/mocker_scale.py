@@ -1,7 +1,7 @@
 """How many simulated mocker workers one Python process can run, and where the CPU goes.
 
-For each worker count (default 8, 32, 64) and speedup (default 0: as fast as possible, and
-10: ten times real time), start N ``MockerEngine`` workers in one event loop and drive them
+For each worker count (default 8, 32, 64) and speedup (default 0: as fast as possible; 1: real
+time; 10: ten times real time), start N ``MockerEngine`` workers in one event loop and drive them
 directly through ``generate`` for a fixed wall time, with a fixed number of requests in
 flight per worker. Prompts share prefixes (a few system prompts + a unique tail), so the
 prefix cache and KV events are exercised. Reported per run:
@@ -15,7 +15,7 @@ prefix cache and KV events are exercised. Reported per run:
 One extra run under cProfile (the largest worker count, speedup 0) shows where the CPU goes.
 Writes a table to stdout and JSON to ``benchmarks/results/mocker_scale.json``.
 
-    .venv/bin/python benchmarks/mocker_scale.py                # ~1.5 min
+    .venv/bin/python benchmarks/mocker_scale.py                # ~1 min
     .venv/bin/python benchmarks/mocker_scale.py --seconds 2 --workers 8 64 --speedups 0
 """
 
@@ -140,8 +140,8 @@ def profile(num_workers: int, seconds: float, args: argparse.Namespace, top: int
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workers", type=int, nargs="+", default=[8, 32, 64])
-    p.add_argument("--speedups", type=float, nargs="+", default=[0.0, 10.0])
-    p.add_argument("--seconds", type=float, default=6.0, help="wall time of each run")
+    p.add_argument("--speedups", type=float, nargs="+", default=[0.0, 1.0, 10.0])
+    p.add_argument("--seconds", type=float, default=5.0, help="wall time of each run")
     p.add_argument("--inflight", type=int, default=8, help="requests in flight per worker")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefixes", type=int, default=4)

@@ -20,6 +20,8 @@ from turnout.protocols.llm import (
 )
 from turnout.runtime.context import RequestContext
 
+pytestmark = pytest.mark.slow
+
 N_CTX = 2048
 EOS = 2  # <|im_end|>
 
@@ -81,9 +83,6 @@ async def collect(
 
 def ids_of(outs: list[LLMEngineOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
-
-
-pytestmark = pytest.mark.slow
 
 
 async def test_generates_real_tokens_for_a_chat_prompt(

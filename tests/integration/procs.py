@@ -34,13 +34,13 @@ class ProcessSet:
         return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self, args: Sequence[str], name: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "turnout", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(self.tmp / f"{name}-{len(self.procs)}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "turnout", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 

@@ -27,13 +27,13 @@ pytestmark = pytest.mark.slow
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("serve")
     port = free_port()
-    log = open(tmp / "serve.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "turnout", "serve", "--port", str(port),
-         "--store-path", str(tmp / "store.sqlite"), "--num-workers", "2",
-         "--n-ctx", "1024", "--n-parallel", "2", "--threads", "1", "--lease-ttl", "3"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    with open(tmp / "serve.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnout", "serve", "--port", str(port),
+             "--store-path", str(tmp / "store.sqlite"), "--num-workers", "2",
+             "--n-ctx", "1024", "--n-parallel", "2", "--threads", "1", "--lease-ttl", "3"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
     def logs() -> str:
@@ -114,10 +114,8 @@ def test_completions_whole_and_streamed(api: openai.OpenAI, model_name: str) -> 
         model=model_name, prompt="Once upon a time", max_tokens=16, temperature=0
     )
     assert sum(c.isalpha() for c in out.choices[0].text) >= 3
-    assert (
-        (out.usage is not None
-        and out.usage.completion_tokens == 16)
-        or (out.choices[0].finish_reason == "stop")
+    assert (out.usage is not None and out.usage.completion_tokens == 16) or (
+        out.choices[0].finish_reason == "stop"
     )
     started = time.monotonic()
     stream = api.completions.create(

@@ -66,8 +66,8 @@ def test_flush_releases_an_incomplete_character(small_tokenizer: Tokenizer) -> N
     assert det.flush() == ""
 
 
-def test_context_ids_do_not_leak_into_output(smol_tokenizer: Tokenizer) -> None:
-    prompt = smol_tokenizer.encode("The answer is")
-    det = Detokenizer(smol_tokenizer, context_ids=prompt)
+@pytest.mark.parametrize("prompt", ["The answer is", "<|im_start|>user\nQ?<|im_end|>\n"])
+def test_context_ids_do_not_leak_into_output(smol_tokenizer: Tokenizer, prompt: str) -> None:
+    det = Detokenizer(smol_tokenizer, context_ids=smol_tokenizer.encode(prompt))
     out = smol_tokenizer.encode(" 42 😀")
     assert "".join(det.step(i) for i in out) == " 42 😀"

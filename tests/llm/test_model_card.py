@@ -97,6 +97,10 @@ def test_hf_fallbacks(tmp_path: Path) -> None:
     card = load_model_card(d, endpoint=EP)
     assert card.eos_token_ids == [2]
     assert card.context_length == 4096
+    d1 = write_model(
+        tmp_path / "m1", config_json={"text_config": {"max_position_embeddings": 1024}}
+    )
+    assert load_model_card(d1, endpoint=EP).context_length == 1024  # multimodal-style config
     d2 = write_model(tmp_path / "m2", generation_config_json=None, config_json=None)
     assert load_model_card(d2, endpoint=EP).eos_token_ids == [1]  # the tokenizer's eos token
 

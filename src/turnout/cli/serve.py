@@ -20,7 +20,7 @@ import uvloop
 
 from turnout.errors import TurnoutError
 from turnout.frontend.service import Frontend
-from turnout.runtime.discovery import default_store_path
+from turnout.runtime.discovery import default_file_store_path
 
 from .flags import add_flag, add_runtime_flags, setup_logging
 from .frontend import add_frontend_flags, frontend_config, run_until_signal
@@ -70,7 +70,7 @@ class ServeTree:
         if args.store != "file" or args.request_plane != "tcp":
             log.info("serve always uses the file store and the tcp request plane")
         self.args = args
-        self.store_path = args.store_path or default_store_path()
+        self.store_path = args.store_path or default_file_store_path()
         config = frontend_config(args)
         config.store, config.store_path, config.request_plane = "file", self.store_path, "tcp"
         self.frontend = Frontend(config)

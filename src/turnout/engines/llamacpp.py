@@ -543,6 +543,13 @@ class LlamaCppEngine(Engine):
             )
             return
 
+        if ctx.is_cancelled:
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.CANCELLED,
+                usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
+            )
+            return
+
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[LLMEngineOutput | _End] = asyncio.Queue()
         stream = _Stream(loop=loop, queue=queue, request=request, vocab=self._vocab)

@@ -95,13 +95,9 @@ class TokensPipeline:
                     return
                 if delta.text:
                     yield delta
-            # The worker ended its stream without saying why: report it, don't invent "stop".
-            yield DecodedDelta(
-                text="",
-                token_ids=[],
-                finish_reason=FinishReason.ERROR,
-                error="worker stream ended without a finish reason",
-            )
+            # The worker ended its stream without saying why: report it, don't invent "stop"
+            # (``end`` also releases any text held back for a possible stop string).
+            yield decoder.end(FinishReason.ERROR, "worker stream ended without a finish reason")
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
 

@@ -161,7 +161,8 @@ def _hf_chat_template(d: Path, tok_cfg: dict[str, Any]) -> str | None:
 
 
 def _hf_context_length(config: dict[str, Any], tok_cfg: dict[str, Any]) -> int:
-    for cfg in (config, config.get("text_config") or {}):
+    text_config = config.get("text_config")
+    for cfg in (config, text_config if isinstance(text_config, dict) else {}):
         for key in _CONTEXT_KEYS:
             value = cfg.get(key)
             if isinstance(value, int) and value > 0:

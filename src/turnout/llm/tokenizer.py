@@ -218,9 +218,11 @@ def load_tokenizer(source: TokenizerSource) -> Tokenizer:
 
 
 def clear_tokenizer_cache() -> None:
-    """Forget loaded tokenizers (tests)."""
+    """Forget loaded tokenizers and memoized file digests (tests, benchmarks)."""
     with _cache_lock:
         _cache.clear()
+    with _sha_lock:
+        _sha_cache.clear()
 
 
 __all__ = [

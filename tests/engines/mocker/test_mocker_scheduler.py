@@ -80,7 +80,7 @@ def test_overload_preempts_and_finishes_everything() -> None:
 @given(
     blocks=st.integers(8, 24),
     requests=st.lists(
-        st.tuples(st.integers(0, 2), st.integers(1, 20), st.integers(1, 12)),
+        st.tuples(st.integers(0, 2), st.integers(1, 28), st.integers(1, 12)),
         min_size=1,
         max_size=12,
     ),
@@ -105,8 +105,10 @@ def test_any_load_drains_with_consistent_events(
     for i, (_, length, max_tokens) in enumerate(requests):
         seq = outs[f"r{i}"]
         last = final(seq)
-        expected = min(max_tokens, blocks * BS - min(length, 28) + 1)
+        # A request stops at max_tokens, or with LENGTH when it fills the whole pool.
+        expected = min(max_tokens, blocks * BS - length)
         assert last.usage is not None and last.usage.completion_tokens == expected
+        assert last.finish_reason is FinishReason.LENGTH
     assert sched.pool.num_used == 0
 
 

@@ -41,9 +41,10 @@ from turnout.runtime.context import RequestContext
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+
 #: How far (wall seconds) a loop may run behind its schedule before it stops catching up.
 _MAX_LAG_S = 0.05
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class KvEventSink(Protocol):
@@ -276,7 +277,8 @@ class MockerEngine(Engine):
     def model_card_template(self) -> ModelDeploymentCard:
         """The real model's card (tokenizer, template) with the mocker's KV geometry, so the
         frontend runs its real pipeline in front of simulated workers."""
-        from turnout.llm import model_card  # late: written alongside; a sibling layer
+        # Imported here: it pulls in gguf and tokenizers, which only a worker's card needs.
+        from turnout.llm import model_card
 
         path = self._model_path or model_card.default_gguf_path()
         cfg = self._config
@@ -290,7 +292,7 @@ class MockerEngine(Engine):
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 data_parallel_size=cfg.dp_size,
-                enable_kv_events=True,
+                enable_kv_events=cfg.enable_prefix_caching,
             ),
         )
 

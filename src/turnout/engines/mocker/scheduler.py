@@ -321,8 +321,12 @@ class Scheduler:
 
     def _advance(self, req: MockRequest, n: int, end: float) -> LLMEngineOutput | None:
         """Apply ``n`` computed tokens; sample and check stops when the request caught up."""
-        self._set_computed(req, req.num_computed + n)
-        if self._caching:
+        computed = req.num_computed + n
+        if req.num_computed < req.prompt_len:
+            self._set_computed(req, computed)  # moves the pending-prefill counter
+        else:
+            req.num_computed = computed  # decode: the counter does not move (hot path)
+        if self._caching and computed // self._block_size > len(req.held_hashes):
             self._commit_full_blocks(req)
         if req.num_computed < len(req.token_ids):
             return None  # mid-prefill: nothing to emit yet
