@@ -262,7 +262,8 @@ class _Stream:
         self.want_logprobs = request.output_options.logprobs is not None
         #: Set by the loop thread when the consumer is gone; the next chunk stops llama.cpp.
         self.aborted = False
-        #: Set by the pool thread once it has queued the output that ends the stream.
+        #: Set once the output that ends the stream is queued: by the pool thread (final
+        #: chunk, stop id, error), or by the loop thread (cancellation, ``stop``).
         self.finished = False
         self.num_tokens = 0
         self.cached_tokens: int | None = None

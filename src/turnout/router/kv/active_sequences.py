@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 import msgspec
@@ -84,8 +85,9 @@ class _Request:
 
 
 @dataclass(slots=True)
-class _Counters:
-    """A worker's counters; changed only by ``_transition``."""
+class WorkerCounters:
+    """A worker's counters. Changed only by ``ActiveSequences._add``/``_transition``; readers
+    (the selector, through ``ActiveSequences.counters``) must not write them."""
 
     prefill_tokens: int = 0
     decode_blocks: int = 0
@@ -115,8 +117,9 @@ class ActiveSequences:
         self._router_id = router_id
         self._publish = publish
         self._requests: dict[str, _Request] = {}
-        self._counters: dict[WorkerKey, _Counters] = {}
+        self._counters: dict[WorkerKey, WorkerCounters] = {}
         self._by_worker: dict[WorkerKey, set[str]] = {}
+        self._counters_view = MappingProxyType(self._counters)
         #: (expires_at, tie-breaker, request_id); entries go stale when a request is touched or
         #: freed and are skipped on pop.
         self._deadlines: list[tuple[float, int, str]] = []
@@ -243,7 +246,7 @@ class ActiveSequences:
         self._requests[request_id] = req
         counters = self._counters.get(key)
         if counters is None:
-            counters = self._counters[key] = _Counters()
+            counters = self._counters[key] = WorkerCounters()
             self._by_worker[key] = set()
         counters.prefill_tokens += prefill_tokens
         counters.decode_blocks += num_blocks
@@ -320,6 +323,12 @@ class ActiveSequences:
         if c is None:
             return ActiveLoad(0, 0, 0)
         return ActiveLoad(c.prefill_tokens, c.decode_blocks, c.num_requests)
+
+    @property
+    def counters(self) -> Mapping[WorkerKey, WorkerCounters]:
+        """Live read-only view of the per-worker counters (workers with requests only); the
+        selector's hot-path read, without a call or a copy per worker."""
+        return self._counters_view
 
     def get_counts(self, worker_key: WorkerKey) -> tuple[int, int]:
         """``(active_prefill_tokens, active_decode_blocks)``; the selector's hot-path read."""

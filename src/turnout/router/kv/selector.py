@@ -40,8 +40,9 @@ class SelectionStatus(enum.StrEnum):
     NO_CANDIDATES = "no_candidates"
 
 
-class CandidateCost(msgspec.Struct, kw_only=True, frozen=True):
-    """One candidate's terms in the cost (all in blocks)."""
+class CandidateCost(msgspec.Struct, frozen=True):
+    """One candidate's terms in the cost (all in blocks). Positional fields: built once per
+    candidate per decision, where keyword construction costs measurably more."""
 
     worker_id: int
     dp_rank: int
@@ -117,7 +118,7 @@ def select_worker(
         )
     bs = config.block_size
     get_overlap = overlaps.scores.get
-    get_counts = active.get_counts
+    get_counters = active.counters.get
     check_busy = loads is not None and loads.any_busy
     busy: list[WorkerKey] = []
     rows: list[CandidateCost] = []
@@ -127,24 +128,22 @@ def select_worker(
             busy.append(key)
             continue
         overlap = get_overlap(key, 0)
-        prefill_tokens, active_decode = get_counts(key)
-        active_prefill = -(-prefill_tokens // bs)
+        counters = get_counters(key)
+        if counters is None:
+            active_prefill = active_decode = 0
+        else:
+            active_prefill = -(-counters.prefill_tokens // bs)
+            active_decode = counters.decode_blocks
         prefill = active_prefill + new_blocks - overlap
         if prefill < 0:
             prefill = 0
         decode = active_decode + new_blocks
         cost = weight * prefill + decode
         costs.append(cost)
+        # Positional: worker_id, dp_rank, overlap, active prefill/decode, prefill, decode, cost.
         rows.append(
             CandidateCost(
-                worker_id=key[0],
-                dp_rank=key[1],
-                overlap_blocks=overlap,
-                active_prefill_blocks=active_prefill,
-                active_decode_blocks=active_decode,
-                prefill_blocks=prefill,
-                decode_blocks=decode,
-                cost=cost,
+                key[0], key[1], overlap, active_prefill, active_decode, prefill, decode, cost
             )
         )
     if not rows:

@@ -211,12 +211,17 @@ class EventPublisher(abc.ABC):
     component: str
 
     @abc.abstractmethod
-    async def publish(self, topic: str, payload: bytes) -> None:
-        """Send ``payload`` under ``topic`` to every joined subscriber.
+    def publish_nowait(self, topic: str, payload: bytes) -> None:
+        """Send ``payload`` under ``topic`` to every joined subscriber, synchronously.
 
-        Never waits for subscribers (slow ones lose messages; see the module docstring).
+        Never waits for subscribers (slow ones lose messages; see the module docstring), so
+        synchronous engine loops (the mocker's) may call it directly.
         Raises ``ValueError`` for an empty topic and ``RuntimeError`` after ``close``.
         """
+
+    async def publish(self, topic: str, payload: bytes) -> None:
+        """``publish_nowait`` for async callers."""
+        self.publish_nowait(topic, payload)
 
     async def publish_msg(self, topic: str, msg: Any) -> None:
         """Publish ``msg`` (a ``msgspec.Struct``) encoded as msgpack."""

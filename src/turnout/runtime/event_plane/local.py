@@ -38,7 +38,7 @@ class LocalEventPublisher(EventPublisher):
         self._closed = False
         self._num_published = 0
 
-    async def publish(self, topic: str, payload: bytes) -> None:
+    def publish_nowait(self, topic: str, payload: bytes) -> None:
         check_topic(topic)
         if self._closed:
             raise RuntimeError(f"event publisher {self.publisher_id:x} is closed")

@@ -183,7 +183,7 @@ class ZmqEventPublisher(EventPublisher):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self._plane.lease_ttl)
 
-    async def publish(self, topic: str, payload: bytes) -> None:
+    def publish_nowait(self, topic: str, payload: bytes) -> None:
         topic_bytes = self._topics.get(topic)
         if topic_bytes is None:
             check_topic(topic)
