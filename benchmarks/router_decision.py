@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import statistics
@@ -105,7 +106,17 @@ def populate(
     then applied and timed.
     """
     blocks_per_conv = corpus.conv_tokens // corpus.block_size
-    per_worker_convs = max(1, target_pairs // (len(workers) * blocks_per_conv))
+    system_blocks = len(corpus.system_prompts[0]) // corpus.block_size
+    num_system = len(corpus.system_prompts)
+    # A worker's distinct blocks: its conversations' own blocks, plus each system prompt
+    # once. Solve for the number of conversations per worker that gives target_pairs.
+    per_worker = target_pairs / len(workers)
+    per_worker_convs = int(
+        (per_worker - num_system * system_blocks) / (blocks_per_conv - system_blocks)
+    )
+    if per_worker_convs < num_system:
+        per_worker_convs = int(per_worker / blocks_per_conv)
+    per_worker_convs = max(1, per_worker_convs)
     num_convs = max(1, len(workers) * per_worker_convs // 2)
     for _ in range(num_convs - len(corpus.conversations)):
         corpus.add_conversation()
@@ -289,7 +300,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "temperature": args.temperature,
             "gc_freeze": not args.no_gc_freeze,
         },
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": os.getloadavg(),
+        },
         "runs": [],
     }
     conv_tokens = max(args.prompt_tokens)
@@ -343,9 +359,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_header() -> None:
     print(
-        f"{'workers':>7} {'tokens':>6} {'indexed':>9} {'p50 us':>8} {'p99 us':>8} "
+        f"{'workers':>7} {'tokens':>6} {'indexed':>9} {'p50 us':>8} {'p99 us':>8} {'cpu p99':>8} "
         f"{'hash p50':>8} {'match p50':>9} {'match p99':>9} {'select p50':>10} "
-        f"{'ev/s':>8} {'blocks/s':>9}"
+        f"{'ev/s':>8} {'blocks/s':>9} {'churn ev/s':>10}"
     )
 
 
@@ -354,10 +370,12 @@ def print_row(row: dict[str, Any]) -> None:
     print(
         f"{row['workers']:>7} {row['prompt_tokens']:>6} {row['blocks_indexed']:>9} "
         f"{row['route']['p50_us']:>8.0f} {row['route']['p99_us']:>8.0f} "
+        f"{row['route_cpu']['p99_us']:>8.0f} "
         f"{p['hash']['p50_us']:>8.0f} {p['find_matches']['p50_us']:>9.0f} "
         f"{p['find_matches']['p99_us']:>9.0f} {p['select']['p50_us']:>10.0f} "
         f"{row['events']['populate_events_per_s']:>8.0f} "
-        f"{row['events']['populate_blocks_per_s']:>9.0f}",
+        f"{row['events']['populate_blocks_per_s']:>9.0f} "
+        f"{row['events']['churn_events_per_s']:>10.0f}",
         flush=True,
     )
 
@@ -383,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results = run(args)
     results["wall_s"] = time.perf_counter() - t0
+    results["machine"]["loadavg_at_end"] = os.getloadavg()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     goal = [r for r in results["runs"] if r["workers"] == 64 and r["prompt_tokens"] == 8192]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import psutil
 import pytest
+import uvloop
 
 from turnout.runtime.discovery import DiscoveryStore, FileStore, MemoryStore
 from turnout.runtime.request_plane import local as local_plane
@@ -18,9 +19,18 @@ def _tcp_sockets() -> int:
     return len(psutil.Process().net_connections(kind="tcp"))
 
 
+_HERE = Path(__file__).parent
+
+
 @pytest.fixture(autouse=True)
-async def no_leaks() -> AsyncIterator[None]:
-    """Fail a test that leaves a task, a store thread, a local server or a socket behind."""
+async def no_leaks(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """Fail a test that leaves a task, a store thread, a local server or a socket behind.
+
+    Only for the modules beside this file; sub-packages (e.g. ``event_plane/``) keep their own.
+    """
+    if request.node.path.parent != _HERE:
+        yield
+        return
     sockets_before = _tcp_sockets()
     yield
     for _ in range(5):
@@ -40,3 +50,16 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     s = MemoryStore() if request.param == "memory" else FileStore(tmp_path / "d.sqlite", 0.02)
     yield s
     await s.close()
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The request-plane and component tests run on both loops: the frontend and workers use
+    uvloop, whose transports differ from asyncio's in small ways."""
+    if item.path.parent == _HERE and item.path.name in _BOTH_LOOPS:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
+
+
+_BOTH_LOOPS = {"test_request_plane.py", "test_component.py"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from turnout.errors import PeerUnavailable, StreamBroken
+from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
 from turnout.protocols.model import EndpointId, Instance, TransportAddress, instance_key, mdc_key
 from turnout.runtime import component
 from turnout.runtime.component import DistributedRuntime, EndpointClient
@@ -223,3 +223,31 @@ async def test_store_kinds_run_the_same(store: DiscoveryStore) -> None:
         assert client.instance_ids() == [served.instance_id]
     finally:
         await rt.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("store_kind", "asked", "expected"),
+    [
+        ("memory", None, "LocalEventPlane"),
+        ("file", None, "ZmqEventPlane"),
+        ("file", "local", "LocalEventPlane"),
+    ],
+)
+async def test_event_plane_follows_the_store(
+    tmp_path: Path, store_kind: str, asked: str | None, expected: str
+) -> None:
+    store = MemoryStore() if store_kind == "memory" else FileStore(tmp_path / "d.sqlite")
+    rt = await DistributedRuntime.create(store=store, event_plane=asked)
+    try:
+        assert type(rt.event_plane).__name__ == expected
+    finally:
+        await rt.shutdown()
+        await store.close()
+
+
+async def test_unknown_planes_are_config_errors() -> None:
+    store = MemoryStore()
+    with pytest.raises(ConfigError, match="request plane"):
+        await DistributedRuntime.create(store=store, request_plane="smoke-signals")
+    with pytest.raises(ConfigError, match="event plane"):
+        await DistributedRuntime.create(store=store, event_plane="smoke-signals")

@@ -58,3 +58,36 @@ async def test_sigkilled_process_keys_vanish_for_watcher(tmp_path: Path) -> None
         await child.wait()
         await watch.aclose()
         await store.close()
+
+
+WRITER = """
+import asyncio, sys
+from turnout.runtime.discovery import FileStore
+
+async def main() -> None:
+    store = FileStore(sys.argv[1])
+    lease_id = await store.grant_lease(30)
+    for i in range(20):
+        await store.put(f"k/{sys.argv[2]}/{i}", b"v", lease_id=lease_id)
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_processes_opening_one_fresh_file_concurrently(tmp_path: Path) -> None:
+    path = str(tmp_path / "fresh" / "d.sqlite")  # nobody has created it yet
+    children = [
+        await asyncio.create_subprocess_exec(sys.executable, "-c", WRITER, path, str(n))
+        for n in range(4)
+    ]
+    async with asyncio.timeout(30):
+        codes = [await child.wait() for child in children]
+    assert codes == [0, 0, 0, 0]
+    store = FileStore(path)
+    try:
+        kvs = await store.get_prefix("k/")
+        assert len(kvs) == 80
+        assert sorted(kv.revision for kv in kvs) == list(range(1, 81))  # one revision each
+    finally:
+        await store.close()

@@ -22,7 +22,14 @@ from turnout.runtime.request_plane import (
     make_client,
     make_server,
 )
-from turnout.runtime.request_plane.framing import WINDOW
+from turnout.runtime.request_plane.framing import (
+    WINDOW,
+    Frame,
+    FrameError,
+    FrameReader,
+    FrameWriter,
+    Kind,
+)
 
 
 @dataclass
@@ -273,3 +280,40 @@ def test_unknown_plane_is_config_error() -> None:
         make_server("carrier-pigeon")
     with pytest.raises(ConfigError, match="local, tcp"):
         make_client("carrier-pigeon")
+
+
+async def test_non_bytes_item_is_remote_error_not_a_broken_connection(plane: Plane) -> None:
+    async def wrong(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        yield bytearray(b"ok")
+        yield "text"  # type: ignore[misc]
+
+    plane.server.register("ns/c/wrong", wrong)
+    stream = plane.stream("ns/c/wrong")
+    assert await anext(stream) == b"ok"
+    with pytest.raises(RemoteError, match="must yield bytes, got str"):
+        await anext(stream)
+    assert await collect(plane.stream("ns/c/count", b"a:2")) == [b"a:0", b"a:1"]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_frame_reader_reassembles_any_split(chunk: int) -> None:
+    frames = [
+        Frame(Kind.REQUEST, 1, b"payload", "ns/c/e", 0, "rid"),
+        Frame(Kind.DATA, 1, b"\x00" * 300),
+        Frame(Kind.CREDIT, 1, num=16),
+        Frame(Kind.END, 1),
+    ]
+    writer = FrameWriter()
+    for frame in frames:
+        writer.append(frame)
+    wire = bytes(writer.take())
+    reader = FrameReader()
+    got = []
+    for i in range(0, len(wire), chunk):
+        got += reader.feed(wire[i : i + chunk])
+    assert got == frames
+
+
+def test_frame_reader_rejects_absurd_length() -> None:
+    with pytest.raises(FrameError, match="exceeds"):
+        FrameReader().feed(b"\xff\xff\xff\xff" + b"\x00" * 8)

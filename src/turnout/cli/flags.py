@@ -40,6 +40,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, store_default: str = "
     add_flag(parser, "--store-path", help="file store location (default: a per-user temp path)")
     add_flag(parser, "--request-plane", default="tcp", choices=["tcp", "local"],
              help="request plane between frontend and workers")  # fmt: skip
+    add_flag(parser, "--event-plane", choices=["local", "zmq"],
+             help="KV events and load reports (default: local on the memory store, "
+                  "else zmq)")  # fmt: skip
     add_flag(parser, "--lease-ttl", default=10.0, type=float,
              help="seconds a dead process's registrations outlive it")  # fmt: skip
     add_flag(parser, "--log-level", default="info",

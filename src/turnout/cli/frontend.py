@@ -45,6 +45,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         migration_limit=args.migration_limit,
         max_body_bytes=args.max_body_bytes,
         lease_ttl=args.lease_ttl,
+        event_plane=args.event_plane,
     )
 
 

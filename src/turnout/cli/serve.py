@@ -33,12 +33,19 @@ def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="start a frontend and N workers on this machine")
     add_frontend_flags(p)
     add_worker_flags(p, engine_default="llamacpp")
-    add_flag(p, "--num-workers", default=2, type=int, help="worker processes to start")
+    add_flag(
+        p,
+        "--num-workers",
+        default=2,
+        type=int,
+        help="workers to start (processes; the mocker simulates all in one)",
+    )
     add_runtime_flags(p)
     p.set_defaults(run=run)
 
 
 def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list[str]:
+    """The ``turnout worker`` command line of one child, from serve's own flags."""
     argv = [
         sys.executable, "-m", "turnout", "worker",
         "--engine", args.engine,
@@ -46,21 +53,35 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
         "--store", "file",
         "--store-path", store_path,
         "--request-plane", "tcp",
+        "--event-plane", "zmq",
         "--lease-ttl", str(args.lease_ttl),
         "--log-level", args.log_level,
-        "--n-ctx", str(args.n_ctx),
-        "--n-parallel", str(args.n_parallel),
-        "--threads", str(args.threads or threads),
-        "--echo-delay-ms", str(args.echo_delay_ms),
     ]  # fmt: skip
-    for flag, value in (
-        ("--model-path", args.model_path),
-        ("--model-name", args.model_name),
-        ("--context-length", args.context_length),
-    ):
-        if value is not None:
+    if args.engine == "mocker":
+        # One process simulates every worker: the mocker is built for many per process.
+        argv += ["--num-workers", str(args.num_workers)]
+    engine_flags = {
+        "llamacpp": ("n_ctx", "n_parallel", "threads"),
+        "echo": ("echo_delay_ms",),
+        "mocker": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                   "speedup_ratio", "seed", "dp_size", "no_prefix_caching", "no_chunked_prefill"),
+    }[args.engine]  # fmt: skip
+    values = {name: getattr(args, name) for name in engine_flags}
+    if args.engine == "llamacpp":
+        values["threads"] = args.threads or threads
+    for name in ("model_path", "model_name", "context_length"):
+        values[name] = getattr(args, name)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
             argv += [flag, str(value)]
     return argv
+
+
+def num_worker_processes(args: argparse.Namespace) -> int:
+    return 1 if args.engine == "mocker" and args.num_workers > 0 else args.num_workers
 
 
 class ServeTree:
@@ -73,6 +94,7 @@ class ServeTree:
         self.store_path = args.store_path or default_file_store_path()
         config = frontend_config(args)
         config.store, config.store_path, config.request_plane = "file", self.store_path, "tcp"
+        config.event_plane = "zmq"
         self.frontend = Frontend(config)
         self.children: list[asyncio.subprocess.Process] = []
         self._watchers: list[asyncio.Task[None]] = []
@@ -81,7 +103,7 @@ class ServeTree:
     async def start(self) -> None:
         threads = max(1, (os.cpu_count() or 2) // max(1, self.args.num_workers))
         argv = worker_argv(self.args, self.store_path, threads)
-        for _ in range(self.args.num_workers):
+        for _ in range(num_worker_processes(self.args)):
             child = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
             self.children.append(child)
             self._watchers.append(asyncio.create_task(self._watch(child)))
@@ -89,7 +111,7 @@ class ServeTree:
         log.info(
             "serving on %s with %d %s worker(s); Ctrl-C stops everything",
             self.frontend.url,
-            len(self.children),
+            self.args.num_workers,
             self.args.engine,
         )
 

@@ -11,6 +11,7 @@ from typing import Any
 import uvloop
 
 from turnout.engines.base import Engine
+from turnout.engines.events import EventPlaneSink
 from turnout.engines.worker import Worker
 from turnout.errors import ConfigError, TurnoutError
 from turnout.protocols.model import EndpointId
@@ -34,59 +35,125 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(p, "--model-name", help="served model name (default: from the model)")
     add_flag(p, "--endpoint", default=DEFAULT_ENDPOINT, help="namespace/component/endpoint")
     add_flag(p, "--context-length", type=int, help="override the model's context length")
-    add_flag(p, "--n-ctx", default=4096, type=int, help="llamacpp: context size per engine")
-    add_flag(p, "--n-parallel", default=4, type=int, help="llamacpp: concurrent sequences")
-    add_flag(p, "--threads", type=int, help="llamacpp: CPU threads (default: cores / workers)")
-    add_flag(p, "--echo-delay-ms", default=0.0, type=float, help="echo: delay between tokens")
+    g = p.add_argument_group("llamacpp engine")
+    add_flag(g, "--n-ctx", default=4096, type=int, help="context size per engine")
+    add_flag(g, "--n-parallel", default=4, type=int, help="concurrent sequences")
+    add_flag(g, "--threads", type=int, help="CPU threads (default: cores / workers)")
+    g = p.add_argument_group("echo engine")
+    add_flag(g, "--echo-delay-ms", default=0.0, type=float, help="delay between tokens")
+    g = p.add_argument_group("mocker engine (simulated vLLM)")
+    add_flag(g, "--num-gpu-blocks", default=16384, type=int, help="KV blocks per worker")
+    add_flag(g, "--block-size", default=64, type=int, help="tokens per KV block")
+    add_flag(g, "--max-num-seqs", default=256, type=int, help="most requests in a batch")
+    add_flag(g, "--max-num-batched-tokens", default=8192, type=int,
+             help="token budget of one step")  # fmt: skip
+    add_flag(g, "--speedup-ratio", default=1.0, type=float,
+             help="divide simulated times by this; 0 = no waiting")  # fmt: skip
+    add_flag(g, "--seed", default=0, type=int, help="seed of the simulated tokens")
+    add_flag(g, "--dp-size", default=1, type=int, help="data-parallel ranks per worker")
+    add_flag(g, "--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add_flag(g, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
 
 
-def make_engine(args: argparse.Namespace, *, threads: int | None = None) -> Engine:
+def mocker_config(args: argparse.Namespace) -> Any:
+    from turnout.engines.mocker import MockerConfig
+
+    return MockerConfig(
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        speedup_ratio=args.speedup_ratio,
+        seed=args.seed,
+        dp_size=args.dp_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+    )
+
+
+def make_engines(
+    args: argparse.Namespace, count: int, *, threads: int | None = None, sink: Any = None
+) -> list[Engine]:
+    """``count`` engines of ``args.engine`` for one process."""
+    if count < 1:
+        raise ConfigError(f"--num-workers must be at least 1, got {count}")
     if args.engine == "echo":
         from turnout.engines.echo import EchoEngine
 
-        return EchoEngine(
-            args.model_path, delay_ms=args.echo_delay_ms, context_length=args.context_length
-        )
+        return [
+            EchoEngine(
+                args.model_path, delay_ms=args.echo_delay_ms, context_length=args.context_length
+            )
+            for _ in range(count)
+        ]
     if args.engine == "llamacpp":
         from turnout.engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(
-            args.model_path,
-            n_ctx=args.n_ctx,
-            n_parallel=args.n_parallel,
-            n_threads=args.threads or threads,
-        )
-    raise ConfigError(f"engine {args.engine!r} is not available in this build")
+        if count != 1:
+            raise ConfigError("the llamacpp engine runs one model per process (--num-workers 1)")
+        return [
+            LlamaCppEngine(
+                args.model_path,
+                n_ctx=args.n_ctx,
+                n_parallel=args.n_parallel,
+                n_threads=args.threads or threads,
+            )
+        ]
+    if args.engine == "mocker":
+        from turnout.engines.mocker import make_mocker_engines
+
+        return list(
+            make_mocker_engines(
+                mocker_config(args), count, sink=sink, model_path=args.model_path,
+                served_model_name=args.model_name,
+            )
+        )  # fmt: skip
+    raise ConfigError(f"unknown engine {args.engine!r}; choose one of: {', '.join(ENGINES)}")
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("worker", help="run one worker (an engine behind a generate endpoint)")
+    p = sub.add_parser("worker", help="run workers (an engine behind a generate endpoint)")
     add_worker_flags(p, engine_default="echo")
+    add_flag(p, "--num-workers", default=1, type=int,
+             help="workers in this process, each its own instance (echo, mocker)")  # fmt: skip
     add_runtime_flags(p)
     p.set_defaults(run=run)
 
 
 async def run_worker(args: argparse.Namespace) -> None:
-    endpoint = EndpointId.parse(args.endpoint)
-    engine = make_engine(args, threads=max(1, (os.cpu_count() or 2)))
+    try:
+        endpoint = EndpointId.parse(args.endpoint)
+    except ValueError as exc:
+        raise ConfigError(f"--endpoint: {exc}") from None
     runtime = await DistributedRuntime.create(
         store=make_store(args.store, args.store_path),
         request_plane=args.request_plane,
         lease_ttl=args.lease_ttl,
+        event_plane=args.event_plane,
     )
-    worker = Worker(runtime, engine, endpoint, model_name=args.model_name)
-    lost = asyncio.Event()
+    workers: list[Worker] = []
     tasks: list[asyncio.Task[None]] = []
+    lost = asyncio.Event()
 
     async def start() -> None:
-        serving = await worker.start()
-        tasks.append(asyncio.create_task(_watch_lease(serving, lost)))
+        publisher = await runtime.event_plane.publisher(endpoint.namespace, endpoint.component)
+        engines = make_engines(
+            args,
+            args.num_workers,
+            threads=max(1, os.cpu_count() or 2),
+            sink=EventPlaneSink(publisher),
+        )
+        for engine in engines:
+            worker = Worker(runtime, engine, endpoint, model_name=args.model_name)
+            workers.append(worker)
+            serving = await worker.start()
+            tasks.append(asyncio.create_task(_watch_lease(serving, lost)))
 
     async def stop() -> None:
         for task in tasks:
             task.cancel()
         try:
-            await worker.stop()
+            await asyncio.gather(*(w.stop() for w in workers))
         finally:
             await runtime.shutdown()
 

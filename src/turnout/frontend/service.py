@@ -36,6 +36,8 @@ class FrontendConfig:
     migration_limit: int = 3
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     lease_ttl: float = 10.0
+    #: ``None``: zmq on the file store, local otherwise.
+    event_plane: str | None = None
 
 
 class Frontend:
@@ -63,7 +65,10 @@ class Frontend:
         if self.runtime is None:
             store = make_store(cfg.store, cfg.store_path)
             self.runtime = await DistributedRuntime.create(
-                store=store, request_plane=cfg.request_plane, lease_ttl=cfg.lease_ttl
+                store=store,
+                request_plane=cfg.request_plane,
+                lease_ttl=cfg.lease_ttl,
+                event_plane=cfg.event_plane,
             )
         self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)
         self._tasks.append(asyncio.create_task(self.watcher.watch(), name="model-watcher"))

@@ -30,6 +30,7 @@ from turnout.errors import ConfigError, PeerUnavailable
 from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import DiscoveryStore, WatchEvent, WatchEventKind
+from turnout.runtime.event_plane import EventPlane, make_event_plane
 from turnout.runtime.lease import Lease
 from turnout.runtime.request_plane import make_client, make_server
 from turnout.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
@@ -38,6 +39,8 @@ logger = logging.getLogger("turnout.runtime")
 
 #: How long an instance reported down stays set aside unless discovery re-announces it.
 DOWN_RETRY_SECONDS = 5.0
+#: Pause before re-opening a discovery watch that failed.
+WATCH_RETRY_SECONDS = 1.0
 
 RecordsFn = Callable[[int], list[tuple[str, bytes]]]
 
@@ -58,9 +61,16 @@ class DistributedRuntime:
     """One process's handle on the planes; see the module docstring."""
 
     def __init__(
-        self, store: DiscoveryStore, request_plane: str, host: str, lease_ttl: float
+        self,
+        store: DiscoveryStore,
+        request_plane: str,
+        host: str,
+        lease_ttl: float,
+        event_plane: EventPlane,
     ) -> None:
         self.store = store
+        #: KV events and load reports (``local`` or ``zmq``); closed by ``shutdown``.
+        self.event_plane = event_plane
         self.request_plane = request_plane
         self.host = host
         self.lease_ttl = lease_ttl
@@ -80,10 +90,18 @@ class DistributedRuntime:
         request_plane: str = "tcp",
         host: str = "127.0.0.1",
         lease_ttl: float = 10.0,
+        event_plane: str | None = None,
     ) -> DistributedRuntime:
-        """A runtime over ``store`` (owned by the caller: ``shutdown`` does not close it)."""
+        """A runtime over ``store`` (owned by the caller: ``shutdown`` does not close it).
+
+        ``event_plane`` defaults to ``local`` on the memory store (one process) and ``zmq``
+        on any other (several processes). Unknown plane names raise ``ConfigError``.
+        """
         make_server(request_plane, host)  # fail fast (ConfigError) on an unknown plane
-        return cls(store, request_plane, host, lease_ttl)
+        kind = event_plane or ("local" if store.kind == "memory" else "zmq")
+        options: dict[str, float] = {"lease_ttl": lease_ttl} if kind == "zmq" else {}
+        events = make_event_plane(kind, store, host, **options)
+        return cls(store, request_plane, host, lease_ttl, events)
 
     def endpoint(self, endpoint_id: EndpointId) -> Endpoint:
         return Endpoint(self, endpoint_id)
@@ -118,6 +136,7 @@ class DistributedRuntime:
             await self._server.stop()
         for client in self._clients.values():
             await client.close()
+        await self.event_plane.close()
 
 
 class Endpoint:
@@ -213,23 +232,30 @@ class EndpointClient:
         # holds is harmless (a PUT overwrites, a DELETE of an absent key is a no-op), and
         # nothing after it is missed. With no keys, a fresh watch snapshot is as good.
         start = max((kv.revision for kv in kvs), default=None)
-        watch = store.watch_prefix(self._prefix, start_revision=start)
         self._task = asyncio.get_running_loop().create_task(
-            self._watch(watch), name=f"endpoint-client-{self.endpoint.path()}"
+            self._watch(start), name=f"endpoint-client-{self.endpoint.path()}"
         )
 
-    async def _watch(self, watch: AsyncIterator[WatchEvent]) -> None:
-        try:
-            async for event in watch:
-                self._apply(event)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("instance watch of %s failed", self.endpoint.path())
-        finally:
-            aclose = getattr(watch, "aclose", None)
-            if aclose is not None:
-                await aclose()
+    async def _watch(self, revision: int | None) -> None:
+        """Apply discovery changes until closed; a failed watch resumes after the last change
+        it delivered (replays are harmless, see ``_start``)."""
+        store = self.runtime.store
+        while True:
+            watch = store.watch_prefix(self._prefix, start_revision=revision)
+            try:
+                async for event in watch:
+                    revision = max(revision or 0, event.kv.revision)
+                    self._apply(event)
+                return  # the store was closed
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("instance watch of %s failed; resuming", self.endpoint.path())
+            finally:
+                aclose = getattr(watch, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            await asyncio.sleep(WATCH_RETRY_SECONDS)
 
     def _apply(self, event: WatchEvent, notify: bool = True) -> None:
         key = event.kv.key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,15 @@ from turnout.router.kv.approx import ApproxIndexer
 from turnout.router.kv.base import EventOutcome, WorkerKey
 
 WORKERS = [WorkerKey(w, r) for w in range(3) for r in range(2)]
-HASH_LISTS = st.lists(st.integers(min_value=0, max_value=20), max_size=8)
+
+
+def chain(path: list[int]) -> list[int]:
+    """Sequence hashes of a path of blocks: one distinct value per prefix, as in a prompt."""
+    return [xxhash.xxh3_64_intdigest(repr(path[: i + 1]).encode()) for i in range(len(path))]
+
+
+# Requests are paths over a small alphabet of blocks, so prefixes are shared.
+HASH_LISTS = st.lists(st.integers(min_value=0, max_value=2), max_size=8).map(chain)
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("route"), st.sampled_from(WORKERS), HASH_LISTS),

@@ -224,3 +224,16 @@ def test_remove_worker_drops_all_ranks_and_slots_are_reused_cleanly() -> None:
     indexer.apply_event(stored(newcomer, 0, [1]))
     assert indexer.find_matches([1, 2]).scores == {other: 2, newcomer: 1}
     assert indexer.remove_worker(12345) == 0
+
+
+def test_more_workers_than_bits_in_a_word() -> None:
+    indexer = KvIndexer()
+    workers = [WorkerKey(i) for i in range(200)]
+    chain = [(i * 0x9E3779B97F4A7C15 + 7) % 2**64 for i in range(50)]
+    for depth, key in enumerate(workers):
+        indexer.apply_event(stored(key, 0, chain[: depth % 50 + 1]))
+    expected = {key: depth % 50 + 1 for depth, key in enumerate(workers)}
+    assert indexer.find_matches(chain).scores == expected
+    indexer.remove_worker(49)
+    del expected[WorkerKey(49)]
+    assert indexer.find_matches(chain).scores == expected

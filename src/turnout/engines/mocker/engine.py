@@ -181,6 +181,9 @@ class MockerEngine(Engine):
     def worker_id(self) -> int:
         return self._worker_id
 
+    def bind_instance(self, instance_id: int) -> None:
+        self.set_worker_id(instance_id)
+
     def set_worker_id(self, worker_id: int) -> None:
         """Set the id stamped on KV events and load reports (the instance id, known only
         after the worker registered). Set it before requests flow."""

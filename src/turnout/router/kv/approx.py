@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from turnout.errors import ConfigError
 from turnout.protocols.kv import KvCacheEvent
 from turnout.router.kv.base import EventOutcome, OverlapScores, WorkerKey
-from turnout.router.kv.block_index import BlockOwnerIndex
+from turnout.router.kv.block_index import ROOT, BlockOwnerIndex
 
 DEFAULT_APPROX_TTL_S = 120.0
 
@@ -54,7 +54,8 @@ class ApproxIndexer:
         if deadlines is None:
             deadlines = self._deadlines[key] = {}
         deadlines.update(dict.fromkeys(seq_hashes, deadline))
-        self._index.store(self._index.ensure_worker(key), seq_hashes)
+        # A request's hashes are a chain from the root.
+        self._index.store_chain(self._index.ensure_worker(key), seq_hashes, ROOT)
         self._queue.append((deadline, key, tuple(seq_hashes)))
         self._num_recorded += 1
 

@@ -58,7 +58,12 @@ class KvIndex(Protocol):
     """
 
     def find_matches(self, seq_hashes: Sequence[int]) -> OverlapScores:
-        """Prefix overlap, in blocks, of every worker with the request's sequence hashes."""
+        """Prefix overlap, in blocks, of every worker with the request's sequence hashes.
+
+        ``seq_hashes`` must be a chain (each hash's parent is the one before it, as
+        ``hashing.compute_sequence_hashes`` makes them): the index relies on it to skip
+        ahead along prefixes that workers hold whole.
+        """
         ...
 
     def apply_event(self, event: KvCacheEvent) -> EventOutcome:

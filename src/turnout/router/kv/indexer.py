@@ -36,7 +36,7 @@ from turnout.protocols.kv import (
     KvEventData,
 )
 from turnout.router.kv.base import EventOutcome, OverlapScores, WorkerKey
-from turnout.router.kv.block_index import BlockOwnerIndex
+from turnout.router.kv.block_index import ROOT, UNKNOWN_PARENT, BlockOwnerIndex
 
 GapCallback = Callable[[WorkerKey, int, int], None]
 
@@ -135,10 +135,16 @@ class KvIndexer:
     def _apply_data(self, slot: int, key: WorkerKey, data: KvEventData) -> None:
         index = self._index
         if isinstance(data, BlockStored):
-            # Sequence hashes chain their parent, so the parent link adds nothing to matching;
-            # a stored block whose parent the worker lacks is still a valid (unreachable by
-            # prefix) entry and is indexed as such.
-            index.store(slot, [block.block_hash for block in data.blocks])
+            blocks = data.blocks
+            if not blocks:
+                return
+            parent = data.parent_hash
+            if parent is None:
+                # A first block's sequence hash is its local hash (hashing.py); any other
+                # block stored without a parent has one we do not know.
+                first = blocks[0]
+                parent = ROOT if first.block_hash == first.tokens_hash else UNKNOWN_PARENT
+            index.store_chain(slot, [block.block_hash for block in blocks], parent)
         elif isinstance(data, BlockRemoved):
             index.remove(slot, data.block_hashes)
         elif isinstance(data, AllBlocksCleared):
@@ -208,6 +214,10 @@ class KvIndexer:
 
     def holds(self, worker_key: WorkerKey, seq_hash: int) -> bool:
         return self._index.holds(worker_key, seq_hash)
+
+    def is_prefix_closed(self, worker_key: WorkerKey) -> bool:
+        """True when the worker holds the parent of every block it holds (the fast case)."""
+        return self._index.is_prefix_closed(worker_key)
 
     def get_num_blocks(self, worker_key: WorkerKey) -> int:
         """How many blocks ``worker_key`` caches, as far as the index knows."""

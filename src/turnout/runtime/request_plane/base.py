@@ -84,3 +84,13 @@ async def drain_tasks(tasks: list[asyncio.Task[None]], drain_timeout: float) -> 
         task.cancel()
     if pending:
         await asyncio.wait(pending)
+
+
+def as_bytes(item: object) -> bytes:
+    """A handler's item as ``bytes`` (bytearray and memoryview are copied); anything else is
+    the handler's bug, raised as ``TypeError`` so the client gets a ``RemoteError`` naming it
+    (never a frame the peer cannot decode, which would break every stream on the connection).
+    """
+    if isinstance(item, bytearray | memoryview):
+        return bytes(item)
+    raise TypeError(f"handlers must yield bytes, got {type(item).__name__}")

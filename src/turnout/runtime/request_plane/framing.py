@@ -6,7 +6,7 @@ One connection carries many streams, told apart by ``stream_id`` (chosen by the 
     REQUEST(sid, text=path, data=payload, text2=request id) ──▶
                                       ◀── ACK(sid)        the handler runs: from now on a
                                                           lost connection is StreamBroken
-                                      ◀── DATA(sid, data) x n      (at most WINDOW unconsumed)
+                                      ◀── DATA(sid, item | [items]) x n  (<= WINDOW unconsumed)
     CREDIT(sid, num=k) ──▶                                after the client consumed k items
                                       ◀── END(sid) | ERROR(sid, text=message)
                                           | ABORT(sid)    (server cancelled: StreamBroken)
@@ -14,7 +14,7 @@ One connection carries many streams, told apart by ``stream_id`` (chosen by the 
     CANCEL(sid) ──▶                                       client gave up: cancel the handler
 
 Frames are msgpack arrays (``array_like``) with trailing defaults left out, so a DATA frame is
-``[2, sid, payload]``: three small headers around the payload bytes.
+``[2, sid, item]``: three small headers around the item's bytes.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class Kind(enum.IntEnum):
 class Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     kind: int
     stream_id: int
-    #: REQUEST: the payload; DATA: one response item.
-    data: bytes = b""
+    #: REQUEST: the payload; DATA: one response item, or several in order (the items a
+    #: handler produced within one event-loop iteration travel as one frame).
+    data: bytes | list[bytes] = b""
     #: REQUEST: the endpoint path; ERROR / REJECT: the message.
     text: str = ""
     #: CREDIT: how many items were consumed.

@@ -24,6 +24,7 @@ from turnout.runtime.request_plane.base import (
     Handler,
     RequestPlaneClient,
     RequestPlaneServer,
+    as_bytes,
     drain_tasks,
 )
 from turnout.runtime.request_plane.framing import WINDOW
@@ -119,30 +120,36 @@ class LocalServer(RequestPlaneServer):
         pipe = _Pipe(path, RequestContext(ctx.request_id))
         self._pipes.add(pipe)
         pipe.task = asyncio.get_running_loop().create_task(self._run(pipe, handler, payload))
+        pipe.task.add_done_callback(lambda _: self._on_done(pipe))
         return pipe
+
+    def _on_done(self, pipe: _Pipe) -> None:
+        """Bookkeeping when a handler task ends, however it ends: even a task cancelled
+        before its first step, whose ``finally`` never runs."""
+        self._pipes.discard(pipe)
+        if pipe.task is not None and pipe.task.cancelled():
+            # Client gone (terminal already set: nothing changes) or server stop past its
+            # drain: the client sees a broken stream, as if the process had died.
+            pipe.ctx.cancel()
+            pipe.finish(StreamBroken(f"local peer stopped while streaming {pipe.path!r}"))
 
     async def _run(self, pipe: _Pipe, handler: Handler, payload: bytes) -> None:
         items = pipe.items
         stream = handler(payload, pipe.ctx)
         try:
             async for item in stream:
+                if item.__class__ is not bytes:
+                    item = as_bytes(item)
                 while len(items) >= WINDOW:
                     pipe.space = asyncio.get_running_loop().create_future()
                     await pipe.space
                 items.append(item)
                 pipe._wake_consumer()
             pipe.finish(_END)
-        except asyncio.CancelledError:
-            # Client gone (nobody reads this) or server stop past its drain (the client sees
-            # a broken stream, as if the process had died).
-            pipe.ctx.cancel()
-            pipe.finish(StreamBroken(f"local peer stopped while streaming {pipe.path!r}"))
-            raise
         except Exception as exc:
             logger.warning("handler for %s raised: %r", pipe.path, exc)
             pipe.finish(RemoteError(f"{type(exc).__name__}: {exc}"))
         finally:
-            self._pipes.discard(pipe)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()

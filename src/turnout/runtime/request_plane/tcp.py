@@ -4,7 +4,8 @@ See ``framing`` for the frames and the exchange of one stream. The pieces:
 
 * ``_Connection``: an ``asyncio.Protocol`` shared by both ends. Outgoing frames are encoded
   into one buffer and written once per event-loop iteration (``call_soon``), so a burst of
-  tokens from many streams costs one ``write`` syscall, not one per frame.
+  tokens from many streams costs one ``write`` syscall, not one per frame. On the server, the
+  items one stream produced within the iteration also share one DATA frame.
 * Server side, each REQUEST runs its handler in a task that spends one credit per DATA frame
   and waits when it has none; the client returns credit as it consumes. A slow consumer thus
   stops its handler at most ``WINDOW`` items ahead, and memory stays bounded.
@@ -33,6 +34,7 @@ from turnout.runtime.request_plane.base import (
     Handler,
     RequestPlaneClient,
     RequestPlaneServer,
+    as_bytes,
     drain_tasks,
 )
 from turnout.runtime.request_plane.framing import (
@@ -69,11 +71,13 @@ class _Connection(asyncio.Protocol):
         self._writer = FrameWriter()
         self._reader = FrameReader()
         self._flush_scheduled = False
+        #: True from close() or connection loss on: frames sent after it are dropped.
+        self._closing = False
         self._loop = asyncio.get_running_loop()
 
     @property
     def is_open(self) -> bool:
-        return self.transport is not None and not self.closed.done()
+        return self.transport is not None and not self._closing
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport: no isinstance check.
@@ -83,7 +87,7 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, frame: Frame) -> None:
-        if self.closed.done():
+        if self._closing:
             return
         self._writer.append(frame)
         if not self._flush_scheduled:
@@ -99,6 +103,7 @@ class _Connection(asyncio.Protocol):
         """Flush what is queued, then close (``connection_lost`` follows)."""
         if self.transport is not None and not self.closed.done():
             self._flush()
+            self._closing = True
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -114,6 +119,7 @@ class _Connection(asyncio.Protocol):
             on_frame(frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
         if not self.closed.done():
             self.closed.set_result(None)
         self.on_lost(exc)
@@ -136,7 +142,16 @@ class _ServerStream:
     """One request being handled. ``credit`` is changed by the handler task (spends) and by
     CREDIT frames (returns); ``cancelled_by_client`` is set by CANCEL and connection loss."""
 
-    __slots__ = ("cancelled_by_client", "credit", "ctx", "path", "stream_id", "task", "waiter")
+    __slots__ = (
+        "cancelled_by_client",
+        "credit",
+        "ctx",
+        "path",
+        "pending",
+        "stream_id",
+        "task",
+        "waiter",
+    )
 
     def __init__(self, stream_id: int, path: str, ctx: RequestContext) -> None:
         self.stream_id = stream_id
@@ -146,6 +161,8 @@ class _ServerStream:
         self.waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
         self.cancelled_by_client = False
+        #: Items produced since the last flush, written as one DATA frame (in order).
+        self.pending: list[bytes] = []
 
     def add_credit(self, num: int) -> None:
         self.credit += num
@@ -155,16 +172,51 @@ class _ServerStream:
 
     def cancel(self) -> None:
         self.cancelled_by_client = True
+        self.pending = []  # nobody will read them
         self.ctx.cancel()
         if self.task is not None:
             self.task.cancel()
 
 
 class _ServerConnection(_Connection):
+    """Server end of one connection. Response items are not framed one by one: they wait in
+    their stream's ``pending`` list until the flush, which frames each stream's batch once
+    (a burst of items costs one frame; a steady token stream costs what framing each would).
+    Any other frame of a stream is preceded by its pending items (``write_pending``), so order
+    within a stream holds."""
+
     def __init__(self, server: TcpServer) -> None:
         super().__init__()
         self.server = server
         self.streams: dict[int, _ServerStream] = {}
+        #: Streams with pending items, in the order they got their first one since the flush.
+        self._dirty: list[_ServerStream] = []
+
+    def push(self, stream: _ServerStream, item: bytes) -> None:
+        """Queue one response item of ``stream`` for the next flush."""
+        pending = stream.pending
+        pending.append(item)
+        if len(pending) == 1:
+            self._dirty.append(stream)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+
+    def write_pending(self, stream: _ServerStream) -> None:
+        pending = stream.pending
+        if pending:
+            stream.pending = []
+            if not self._closing:
+                data = pending[0] if len(pending) == 1 else pending
+                self._writer.append(Frame(_DATA, stream.stream_id, data))
+
+    def _flush(self) -> None:
+        if self._dirty:
+            dirty = self._dirty
+            self._dirty = []
+            for stream in dirty:
+                self.write_pending(stream)
+        super()._flush()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -259,40 +311,50 @@ class TcpServer(RequestPlaneServer):
         if handler is None:
             conn.send(Frame(Kind.ERROR, sid, text=f"unknown endpoint {path!r}"))
             return
+        payload = frame.data
+        if not isinstance(payload, bytes):
+            conn.send(Frame(Kind.ERROR, sid, text="request payload must be bytes"))
+            return
         stream = _ServerStream(sid, path, RequestContext(frame.text2 or None))
         conn.streams[sid] = stream
         self._streams.add(stream)
         conn.send(Frame(Kind.ACK, sid))
-        stream.task = asyncio.get_running_loop().create_task(
-            self._run(conn, stream, handler, frame.data)
-        )
+        task = asyncio.get_running_loop().create_task(self._run(conn, stream, handler, payload))
+        stream.task = task
+        task.add_done_callback(lambda _: self._on_done(conn, stream))
+
+    def _on_done(self, conn: _ServerConnection, stream: _ServerStream) -> None:
+        """Bookkeeping when a handler task ends, however it ends: even a task cancelled
+        before its first step, whose ``finally`` never runs."""
+        conn.streams.pop(stream.stream_id, None)
+        self._streams.discard(stream)
+        if stream.task is not None and stream.task.cancelled() and not stream.cancelled_by_client:
+            # Cancelled by the server (drain ran out): the client must not hang.
+            stream.ctx.cancel()
+            conn.write_pending(stream)
+            conn.send(Frame(Kind.ABORT, stream.stream_id))
 
     async def _run(
         self, conn: _ServerConnection, stream: _ServerStream, handler: Handler, payload: bytes
     ) -> None:
-        sid = stream.stream_id
-        send = conn.send
+        push = conn.push
         items = handler(payload, stream.ctx)
         try:
             async for item in items:
+                if item.__class__ is not bytes:
+                    item = as_bytes(item)
                 while stream.credit <= 0:
                     stream.waiter = asyncio.get_running_loop().create_future()
                     await stream.waiter
                 stream.credit -= 1
-                send(Frame(_DATA, sid, item))
-            send(Frame(Kind.END, sid))
-        except asyncio.CancelledError:
-            if not stream.cancelled_by_client:
-                # Cancelled by the server (drain timed out): the client must not hang.
-                stream.ctx.cancel()
-                send(Frame(Kind.ABORT, sid))
-            raise
+                push(stream, item)
+            conn.write_pending(stream)
+            conn.send(Frame(Kind.END, stream.stream_id))
         except Exception as exc:
             logger.warning("handler for %s raised: %r", stream.path, exc)
-            send(Frame(Kind.ERROR, sid, text=f"{type(exc).__name__}: {exc}"))
+            conn.write_pending(stream)
+            conn.send(Frame(Kind.ERROR, stream.stream_id, text=f"{type(exc).__name__}: {exc}"))
         finally:
-            conn.streams.pop(sid, None)
-            self._streams.discard(stream)
             aclose = getattr(items, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -349,7 +411,11 @@ class _ClientConnection(_Connection):
         if inbox is None:
             return  # late frames of a stream the client cancelled
         if kind == _DATA:
-            inbox.items.append(frame.data)
+            data = frame.data
+            if isinstance(data, bytes):
+                inbox.items.append(data)
+            else:
+                inbox.items.extend(data)
             inbox.wake()
         elif kind == Kind.ACK:
             inbox.acked = True

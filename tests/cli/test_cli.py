@@ -1,0 +1,60 @@
+"""The command line: bad flags and bad settings fail at start-up with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from turnout.cli.flags import env_name
+from turnout.cli.main import build_parser
+
+
+def run(
+    *args: str, tmp: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "turnout", *args, "--store-path", str(tmp / "s.sqlite")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["worker", "--bogus"], "unrecognized arguments: --bogus"),
+        (["worker", "--engine", "mocker", "--block-size", "0"], "block_size must be a positive"),
+        (["worker", "--engine", "mocker", "--num-gpu-blocks", "999999999999"], "bookkeeping"),
+        (["worker", "--engine", "nope"], "invalid choice: 'nope'"),
+        (["frontend", "--router-mode", "magic"], "unknown router mode 'magic'"),
+        (["frontend", "--router-mode", "least-loaded"], "not yet supported"),
+        (["worker", "--endpoint", "just-one-part"], "namespace/component/endpoint"),
+    ],
+)
+def test_bad_settings_fail_clearly(args: list[str], words: str, tmp_path: Path) -> None:
+    out = run(*args, tmp=tmp_path)
+    assert out.returncode == 2, out
+    assert words in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_every_flag_has_an_environment_variable() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, command in sub.choices.items():  # type: ignore[union-attr]
+        for action in command._actions:
+            flag = next((o for o in action.option_strings if o.startswith("--")), None)
+            if flag in (None, "--help"):
+                continue
+            assert env_name(flag) in (action.help or ""), f"{name} {flag}"
+
+
+def test_environment_sets_a_default(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "TURNOUT_ROUTER_MODE": "magic"}
+    out = run("frontend", tmp=tmp_path, env=env)
+    assert out.returncode == 2
+    assert "unknown router mode 'magic'" in out.stderr

@@ -1,0 +1,64 @@
+"""The mocker behind the real frontend, driven by the official OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+
+from tests.frontend.stack import Stack, make_stack
+from tests.helpers import assert_no_leaked_tasks
+from turnout.engines.mocker import MockerConfig, make_mocker_engines
+from turnout.engines.mocker.engine import MockerEngine
+
+
+@pytest.fixture
+async def mocker_stack(gguf_path: str) -> AsyncIterator[tuple[Stack, list[MockerEngine]]]:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=0)
+    engines = make_mocker_engines(config, 2, model_path=gguf_path)
+    for engine in engines:
+        await stack.add_worker(engine, model_name="mock")
+    await stack.wait_for_model("mock", instances=2)
+    yield stack, engines
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+async def test_mocker_chat_and_completions(mocker_stack: tuple[Stack, list[MockerEngine]]) -> None:
+    stack, _ = mocker_stack
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    chat = await api.chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": "hello"}], max_tokens=12
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 12
+    assert chat.choices[0].finish_reason == "length"
+    stream = await api.completions.create(
+        model="mock", prompt="a b c d", max_tokens=9, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+    assert usage is not None and usage.completion_tokens == 9
+    await api.close()
+
+
+async def test_repeated_prompt_reports_cached_tokens(
+    mocker_stack: tuple[Stack, list[MockerEngine]],
+) -> None:
+    stack, _ = mocker_stack
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    prompt = list(range(1000, 1000 + 200))  # 12 full blocks of 16
+    cached = []
+    for _ in range(4):  # round-robin over 2 workers: each sees the prompt twice
+        out = await api.completions.create(model="mock", prompt=prompt, max_tokens=2)
+        assert out.usage is not None
+        details = out.usage.prompt_tokens_details
+        cached.append(details.cached_tokens if details else 0)
+    assert cached[:2] == [0, 0]
+    assert cached[2] >= 192 and cached[3] >= 192, cached
+    await api.close()
