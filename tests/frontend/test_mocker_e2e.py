@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
-
 from tests.frontend.stack import Stack, make_stack
 from tests.helpers import assert_no_leaked_tasks
+
 from turnout.engines.mocker import MockerConfig, make_mocker_engines
 from turnout.engines.mocker.engine import MockerEngine
 
