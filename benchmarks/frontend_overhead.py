@@ -1,4 +1,4 @@
-"""Frontend overhead: CPU per request, requests/s and RSS of the frontend process.
+"""Frontend overhead: CPU per request, requests/s, latency and RSS of the frontend process.
 
 The frontend runs in its own process in front of ``echo`` workers (separate processes, file
 store, TCP request plane), so the frontend's CPU time (read from /proc through psutil) is its
@@ -8,10 +8,19 @@ detokenization and SSE. Scenarios, each at several concurrencies:
 * ``short``: a short prompt, ``max_tokens=1``, not streamed;
 * ``long_stream``: a 512-token prompt, 64 tokens streamed back.
 
+Method: the load generator is ``bench_http`` (raw asyncio HTTP/1.1 keep-alive, several times
+cheaper than httpx, so on a 2-core machine it does not starve the frontend). Every
+(scenario, concurrency) gets a warm-up run first, then ``--repeat`` measured runs; the row
+kept is the run with the median frontend CPU/request. Reported per row: the frontend's CPU
+per request, split into the event-loop thread (all the Python) and its other threads
+(granian's Rust I/O threads, tokenizers' pool), requests/s, client-side p50/p99 latency (and
+p50 time to the first SSE chunk), RSS, and the CPU the client and the workers spent.
+
 Usage::
 
-    python benchmarks/frontend_overhead.py                 # defaults, JSON to results/
-    python benchmarks/frontend_overhead.py --profile       # also a cProfile of the frontend
+    python benchmarks/frontend_overhead.py                    # defaults, JSON to results/
+    python benchmarks/frontend_overhead.py --profile py-spy   # sampled CPU profile (py-spy)
+    python benchmarks/frontend_overhead.py --profile cprofile # cProfile in thread CPU time
 
 For scale (issue #2): Dynamo 1.6.1's Rust frontend spends ~0.6 ms CPU/request on ``short``
 and 1.4-2.1 ms on ``long_stream`` on this kind of machine.
@@ -21,40 +30,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import pstats
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
-import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_http import percentile, render_post, run_load  # noqa: E402
 
 from turnout.frontend.service import free_port  # noqa: E402
 
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "the",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "hum",
-]
+WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hum".split()
 
 
 def long_prompt(tokens: int = 512) -> str:
@@ -70,49 +71,111 @@ def long_prompt(tokens: int = 512) -> str:
     return " ".join(words)
 
 
-async def drive(url: str, body: dict, stream: bool, total: int, concurrency: int) -> float:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(total):
-            queue.put_nowait(i)
-        errors = 0
-
-        async def one() -> None:
-            nonlocal errors
-            while True:
-                try:
-                    queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                if stream:
-                    async with client.stream("POST", "/v1/completions", json=body) as r:
-                        async for _ in r.aiter_raw():
-                            pass
-                        errors += r.status_code != 200
-                else:
-                    r = await client.post("/v1/completions", json=body)
-                    errors += r.status_code != 200
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-        if errors:
-            raise RuntimeError(f"{errors} requests failed")
-        return elapsed
-
-
 def wait_ready(url: str, workers: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            body = httpx.get(url + "/health", timeout=2).json()
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                body = json.loads(r.read())
             if body["models"] and len(body["models"][0]["instances"]) >= workers:
                 return
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError):
             pass
         time.sleep(0.2)
     raise TimeoutError("stack did not come up")
+
+
+def thread_cpu(proc: psutil.Process) -> tuple[float, float]:
+    """(CPU seconds of the main thread, of all other threads) of ``proc``."""
+    main = other = 0.0
+    for t in proc.threads():
+        if t.id == proc.pid:
+            main += t.user_time + t.system_time
+        else:
+            other += t.user_time + t.system_time
+    return main, other
+
+
+def procs_cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        c = p.cpu_times()
+        total += c.user + c.system
+    return total
+
+
+def measure(
+    front: psutil.Process,
+    workers: list[psutil.Process],
+    port: int,
+    raw: bytes,
+    total: int,
+    conc: int,
+    streamed: bool,
+) -> dict[str, Any]:
+    main0, other0 = thread_cpu(front)
+    work0 = procs_cpu(workers)
+    client0 = time.process_time()
+    res = asyncio.run(run_load("127.0.0.1", port, raw, total, conc, streamed=streamed))
+    client1 = time.process_time()
+    main1, other1 = thread_cpu(front)
+    work1 = procs_cpu(workers)
+    if res.errors:
+        raise RuntimeError(f"{res.errors} of {total} requests failed: {res.sample_body[:300]!r}")
+    if streamed and not res.sample_body.rstrip().endswith(b"data: [DONE]"):
+        raise RuntimeError(f"stream did not end with [DONE]: {res.sample_body[-300:]!r}")
+    main, other = main1 - main0, other1 - other0
+    ms = 1000 / total
+    row: dict[str, Any] = {
+        "requests": total,
+        "requests_per_s": round(total / res.elapsed_s, 1),
+        "frontend_cpu_ms_per_request": round((main + other) * ms, 3),
+        "frontend_loop_thread_cpu_ms_per_request": round(main * ms, 3),
+        "frontend_other_threads_cpu_ms_per_request": round(other * ms, 3),
+        "latency_p50_ms": round(1000 * percentile(res.latencies_s, 0.5), 2),
+        "latency_p99_ms": round(1000 * percentile(res.latencies_s, 0.99), 2),
+    }
+    if streamed:
+        row["first_chunk_p50_ms"] = round(1000 * percentile(res.first_chunk_s, 0.5), 2)
+    row["frontend_rss_mib"] = round(front.memory_info().rss / 2**20, 1)
+    row["client_cpu_ms_per_request"] = round((client1 - client0) * ms, 3)
+    row["workers_cpu_ms_per_request"] = round((work1 - work0) * ms, 3)
+    return row
+
+
+def summarize_pyspy(raw_path: Path, main_tid: int, top: int = 30) -> dict[str, Any]:
+    """Self and inclusive sample counts per function from py-spy's raw (collapsed) output,
+    for the event-loop thread (``main_tid``) and for all threads together."""
+    self_counts: collections.Counter[str] = collections.Counter()
+    incl_counts: collections.Counter[str] = collections.Counter()
+    per_thread: collections.Counter[str] = collections.Counter()
+    main_total = 0
+    for line in raw_path.read_text().splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        if not count_s.isdigit():
+            continue
+        count = int(count_s)
+        frames = stack.split(";")
+        thread = frames[0] if frames and frames[0].startswith("thread") else "?"
+        per_thread[thread] += count
+        if f"{main_tid:#x}" not in thread and str(main_tid) not in thread:
+            continue
+        main_total += count
+        frames = [f for f in frames[1:] if not f.startswith("process ")]
+        if frames:
+            self_counts[frames[-1]] += count
+        for f in set(frames):
+            incl_counts[f] += count
+
+    def table(c: collections.Counter[str]) -> list[tuple[str, float]]:
+        return [(f, round(100 * n / max(main_total, 1), 1)) for f, n in c.most_common(top)]
+
+    return {
+        "samples_by_thread": dict(per_thread.most_common(10)),
+        "loop_thread_samples": main_total,
+        "self_pct": table(self_counts),
+        "inclusive_pct": table(incl_counts),
+    }
 
 
 def main() -> None:
@@ -121,78 +184,100 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--short-requests", type=int, default=2000)
     ap.add_argument("--stream-requests", type=int, default=400)
-    ap.add_argument("--profile", action="store_true", help="cProfile the frontend process")
+    ap.add_argument("--repeat", type=int, default=1, help="measured runs per row (median kept)")
+    ap.add_argument("--scenarios", nargs="+", default=["short", "long_stream"])
+    ap.add_argument("--profile", choices=["py-spy", "cprofile"],
+                    help="profile the frontend: py-spy (sampled, CPU only, low overhead) or "
+                         "cprofile (deterministic, thread CPU time, slow)")  # fmt: skip
+    ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/frontend_overhead.json"))
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="turnout-bench-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    common = [
-        "--store",
-        "file",
-        "--store-path",
-        str(tmp / "store.sqlite"),
-        "--log-level",
-        "warning",
-    ]
-    py = [sys.executable]
-    front_cmd = [*py, "-m", "turnout", "frontend", "--port", str(port), *common]
-    if args.profile:
-        front_cmd = [*py, "-m", "cProfile", "-o", str(tmp / "frontend.prof"), "-m", "turnout",
-                     "frontend", "--port", str(port), *common]  # fmt: skip
+    common = ["--store", "file", "--store-path", str(tmp / "store.sqlite"),
+              "--log-level", "warning"]  # fmt: skip
+    py = sys.executable
+    front_args = ["frontend", "--port", str(port), *common]
+    front_cmd = [py, "-m", "turnout", *front_args]
+    prof_out = tmp / ("frontend.prof" if args.profile == "cprofile" else "frontend.pyspy.txt")
+    if args.profile == "cprofile":
+        front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
+    elif args.profile == "py-spy":
+        pyspy = shutil.which("py-spy") or str(Path(py).parent / "py-spy")
+        front_cmd = [pyspy, "record", "--nonblocking", "--threads", "-r", "200", "-f", "raw",
+                     "-o", str(prof_out), "--", *front_cmd]  # fmt: skip
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
     for _ in range(args.workers):
         procs.append(subprocess.Popen(
-            [*py, "-m", "turnout", "worker", "--engine", "echo", "--model-name", "echo", *common],
+            [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name", "echo", *common],
             start_new_session=True,
         ))  # fmt: skip
-    results: dict = {
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    results: dict[str, Any] = {
+        "label": args.label,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        },
         "workers": args.workers,
+        "client": "bench_http (raw asyncio HTTP/1.1 keep-alive)",
         "scenarios": [],
     }
+    front_pid = procs[0].pid
     try:
         wait_ready(url, args.workers)
-        front = psutil.Process(procs[0].pid)
-        scenarios = [
-            ("short", {"model": "echo", "prompt": "Hello, how are you?", "max_tokens": 1},
-             False, args.short_requests),
-            ("long_stream", {"model": "echo", "prompt": long_prompt(512), "max_tokens": 64,
+        front = psutil.Process(front_pid)
+        if args.profile == "py-spy":  # the frontend is py-spy's child
+            front = front.children()[0]
+        workers = [psutil.Process(p.pid) for p in procs[1:]]
+        host = f"127.0.0.1:{port}"
+        bodies = {
+            "short": ({"model": "echo", "prompt": "Hello, how are you?", "max_tokens": 1},
+                      False, args.short_requests),
+            "long_stream": ({"model": "echo", "prompt": long_prompt(512), "max_tokens": 64,
                              "stream": True}, True, args.stream_requests),
-        ]  # fmt: skip
-        for name, body, stream, total in scenarios:
-            asyncio.run(drive(url, body, stream, min(total, 100), 8))  # warm-up
+        }  # fmt: skip
+        for name in args.scenarios:
+            body, streamed, total = bodies[name]
+            raw = render_post(host, "/v1/completions", json.dumps(body).encode())
             for conc in args.concurrency:
-                cpu0 = front.cpu_times()
-                elapsed = asyncio.run(drive(url, body, stream, total, conc))
-                cpu1 = front.cpu_times()
-                cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
-                row = {
-                    "scenario": name,
-                    "concurrency": conc,
-                    "requests": total,
-                    "requests_per_s": round(total / elapsed, 1),
-                    "frontend_cpu_ms_per_request": round(1000 * cpu / total, 3),
-                    "frontend_rss_mib": round(front.memory_info().rss / 2**20, 1),
-                }
+                asyncio.run(run_load("127.0.0.1", port, raw, max(total // 5, 2 * conc), conc,
+                                     streamed=streamed))  # warm-up  # fmt: skip
+                runs = [measure(front, workers, port, raw, total, conc, streamed)
+                        for _ in range(args.repeat)]  # fmt: skip
+                key = "frontend_cpu_ms_per_request"
+                med = statistics.median_low([r[key] for r in runs])
+                row = {"scenario": name, "concurrency": conc,
+                       **next(r for r in runs if r[key] == med)}  # fmt: skip
+                if args.repeat > 1:
+                    row["cpu_ms_per_request_runs"] = [r[key] for r in runs]
                 results["scenarios"].append(row)
-                print(json.dumps(row))
+                print(json.dumps(row), flush=True)
+        front_tid = front.pid
     finally:
-        procs[0].send_signal(signal.SIGINT)
+        os.killpg(front_pid, signal.SIGINT)
         try:
-            procs[0].wait(timeout=20)
+            procs[0].wait(timeout=30)
         except subprocess.TimeoutExpired:
-            procs[0].kill()
+            os.killpg(front_pid, signal.SIGKILL)
+            procs[0].wait()
         for p in procs[1:]:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    if args.profile and (tmp / "frontend.prof").exists():
-        stats = pstats.Stats(str(tmp / "frontend.prof"))
-        stats.sort_stats("tottime").print_stats(25)
-        results["profile_file"] = str(tmp / "frontend.prof")
+    if args.profile == "cprofile" and prof_out.exists():
+        stats = pstats.Stats(str(prof_out))
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(30)
+        results["profile_file"] = str(prof_out)
+    elif args.profile == "py-spy" and prof_out.exists():
+        summary = summarize_pyspy(prof_out, front_tid)
+        results["profile_file"] = str(prof_out)
+        results["profile"] = summary
+        print(json.dumps(summary, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

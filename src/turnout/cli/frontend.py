@@ -13,6 +13,7 @@ import uvloop
 from turnout.errors import TurnoutError
 from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.service import Frontend, FrontendConfig
+from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 
 from .flags import add_flag, add_runtime_flags, setup_logging
@@ -24,13 +25,42 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--host", default="127.0.0.1", help="HTTP bind address")
     add_flag(p, "--port", default=8000, type=int, help="HTTP port")
     add_flag(p, "--router-mode", default="round-robin",
-             help="round-robin | random | direct (power-of-two, least-loaded, "
-                  "device-aware-weighted, kv: not yet supported)")  # fmt: skip
+             help="round-robin | random | direct | kv (power-of-two, least-loaded, "
+                  "device-aware-weighted: not yet supported)")  # fmt: skip
     add_flag(p, "--migration-limit", default=3, type=int,
              help="times a request may move to another worker when its worker dies")  # fmt: skip
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
     add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
              help="largest accepted request body (413 above)")  # fmt: skip
+
+
+def add_kv_router_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV-aware routing (--router-mode kv)")
+    add_flag(g, "--kv-overlap-score-weight", default=1.0, type=float,
+             help="weight of the prefill term in the cost (higher: favour cache hits)")  # fmt: skip
+    add_flag(g, "--router-temperature", default=0.0, type=float,
+             help="0: cheapest worker (ties at random); > 0: softmax sampling")  # fmt: skip
+    add_flag(g, "--no-kv-events", action="store_true",
+             help="approximate mode: predict caches from routing, no KV events")  # fmt: skip
+    add_flag(g, "--kv-approx-ttl", default=120.0, type=float,
+             help="approximate mode: seconds a routed prefix is assumed cached")  # fmt: skip
+    add_flag(g, "--busy-kv-usage-threshold", type=float,
+             help="leave out workers whose reported KV usage is above this (0-1)")  # fmt: skip
+    add_flag(g, "--busy-num-waiting-threshold", type=int,
+             help="leave out workers with more waiting requests than this")  # fmt: skip
+    add_flag(g, "--no-router-replica-sync", action="store_true",
+             help="do not share in-flight request state with other router replicas")  # fmt: skip
+
+
+def kv_router_config(args: argparse.Namespace) -> KvRouterConfig:
+    return KvRouterConfig(
+        overlap_score_weight=args.kv_overlap_score_weight,
+        router_temperature=args.router_temperature,
+        use_kv_events=not args.no_kv_events,
+        approx_ttl_s=args.kv_approx_ttl,
+        busy_kv_usage_threshold=args.busy_kv_usage_threshold,
+        busy_num_waiting_threshold=args.busy_num_waiting_threshold,
+    )
 
 
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
@@ -46,12 +76,15 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         max_body_bytes=args.max_body_bytes,
         lease_ttl=args.lease_ttl,
         event_plane=args.event_plane,
+        kv=kv_router_config(args),
+        kv_share_active=not args.no_router_replica_sync,
     )
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
     add_frontend_flags(p)
+    add_kv_router_flags(p)
     add_runtime_flags(p)
     p.set_defaults(run=run)
 

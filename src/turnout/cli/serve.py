@@ -23,7 +23,7 @@ from turnout.frontend.service import Frontend
 from turnout.runtime.discovery import default_file_store_path
 
 from .flags import add_flag, add_runtime_flags, setup_logging
-from .frontend import add_frontend_flags, frontend_config, run_until_signal
+from .frontend import add_frontend_flags, add_kv_router_flags, frontend_config, run_until_signal
 from .worker import add_worker_flags
 
 log = logging.getLogger("turnout.serve")
@@ -32,6 +32,7 @@ log = logging.getLogger("turnout.serve")
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="start a frontend and N workers on this machine")
     add_frontend_flags(p)
+    add_kv_router_flags(p)
     add_worker_flags(p, engine_default="llamacpp")
     add_flag(
         p,

@@ -11,7 +11,6 @@ from typing import Any
 import uvloop
 
 from turnout.engines.base import Engine
-from turnout.engines.events import EventPlaneSink
 from turnout.engines.worker import Worker
 from turnout.errors import ConfigError, TurnoutError
 from turnout.protocols.model import EndpointId
@@ -72,7 +71,7 @@ def mocker_config(args: argparse.Namespace) -> Any:
 
 
 def make_engines(
-    args: argparse.Namespace, count: int, *, threads: int | None = None, sink: Any = None
+    args: argparse.Namespace, count: int, *, threads: int | None = None
 ) -> list[Engine]:
     """``count`` engines of ``args.engine`` for one process."""
     if count < 1:
@@ -104,7 +103,7 @@ def make_engines(
 
         return list(
             make_mocker_engines(
-                mocker_config(args), count, sink=sink, model_path=args.model_path,
+                mocker_config(args), count, model_path=args.model_path,
                 served_model_name=args.model_name,
             )
         )  # fmt: skip
@@ -136,13 +135,7 @@ async def run_worker(args: argparse.Namespace) -> None:
     lost = asyncio.Event()
 
     async def start() -> None:
-        publisher = await runtime.event_plane.publisher(endpoint.namespace, endpoint.component)
-        engines = make_engines(
-            args,
-            args.num_workers,
-            threads=max(1, os.cpu_count() or 2),
-            sink=EventPlaneSink(publisher),
-        )
+        engines = make_engines(args, args.num_workers, threads=max(1, os.cpu_count() or 2))
         for engine in engines:
             worker = Worker(runtime, engine, endpoint, model_name=args.model_name)
             workers.append(worker)

@@ -8,21 +8,26 @@ frontend's model watcher sees the model appear and, when the lease ends, disappe
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
 from turnout.engines.base import Engine
+from turnout.engines.events import EventPlaneSink
+from turnout.protocols.kv import KV_SNAPSHOT_HANDLER, KvSnapshot, KvSnapshotRequest
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import EndpointId, ModelDeploymentCard, mdc_key
 from turnout.runtime.component import DistributedRuntime, ServingInstance
 from turnout.runtime.context import RequestContext
+from turnout.runtime.event_plane import EventPublisher
+from turnout.runtime.request_plane.base import Handler
 
 log = logging.getLogger("turnout.worker")
 
 _request_decoder = msgspec.msgpack.Decoder(PreprocessedRequest)
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder()
+_snapshot_request_decoder = msgspec.msgpack.Decoder(KvSnapshotRequest)
 
 
 class Worker:
@@ -42,8 +47,18 @@ class Worker:
         self.migration_limit = migration_limit
         self.card: ModelDeploymentCard | None = None
         self.serving: ServingInstance | None = None
+        self._publisher: EventPublisher | None = None
 
     async def start(self) -> ServingInstance:
+        set_sink = getattr(self.engine, "set_event_sink", None)
+        if set_sink is not None:
+            # Engines that publish KV events and load reports get the event plane, on the
+            # namespace/component the routers of this endpoint subscribe to.
+            publisher = await self.runtime.event_plane.publisher(
+                self.endpoint.namespace, self.endpoint.component
+            )
+            self._publisher = publisher
+            set_sink(EventPlaneSink(publisher))
         await self.engine.start()
         template = self.engine.model_card_template()
         overrides: dict[str, object] = {"endpoint": self.endpoint}
@@ -61,6 +76,9 @@ class Worker:
         self.serving = await self.runtime.endpoint(self.endpoint).serve(
             self._handle, records=records
         )
+        snapshot = getattr(self.engine, "kv_snapshot", None)
+        if snapshot is not None:
+            self.serving.add_handler(KV_SNAPSHOT_HANDLER, self._snapshot_handler(snapshot))
         log.info(
             "worker %x serving model %r at %s",
             self.serving.instance_id,
@@ -78,8 +96,19 @@ class Worker:
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
+    @staticmethod
+    def _snapshot_handler(snapshot: Callable[[int], KvSnapshot]) -> Handler:
+        async def handle(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+            request = _snapshot_request_decoder.decode(payload)
+            yield _encode(snapshot(request.dp_rank))
+
+        return handle
+
     async def stop(self, drain_timeout: float = 5.0) -> None:
         if self.serving is not None:
             await self.serving.stop(drain_timeout)
             self.serving = None
         await self.engine.stop()
+        if self._publisher is not None:
+            await self._publisher.close()
+            self._publisher = None

@@ -7,9 +7,13 @@ one test process). Per-token work is one histogram observation for inter-token l
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -80,6 +84,10 @@ class FrontendMetrics:
             ["model", "reason"], registry=r,
         )  # fmt: skip
 
+    def watch_kv_routers(self, routers: Mapping[str, Any]) -> None:
+        """Expose the KV routers' own counters (read at scrape time: no hot-path cost)."""
+        self.registry.register(_KvRouterCollector(routers))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -104,3 +112,74 @@ class StreamTimer:
         else:
             self._itl.observe(now - self._last)
         self._last = now
+
+
+class _KvRouterCollector(Collector):
+    """``turnout_kv_*``: what each model's KV router predicted, and what workers reported.
+
+    ``turnout_kv_hit_rate_gap`` is predicted minus reported hit rate: a router whose index
+    drifts from the workers' real caches shows it here.
+    """
+
+    def __init__(self, routers: Mapping[str, Any]) -> None:
+        self._routers = routers
+
+    def collect(self) -> Iterator[Any]:
+        predicted = GaugeMetricFamily(
+            "turnout_kv_predicted_hit_rate",
+            "Share of routed prompt blocks the KV router expected cached", labels=["model"],
+        )  # fmt: skip
+        reported = GaugeMetricFamily(
+            "turnout_kv_reported_hit_rate",
+            "Share of prompt tokens workers reported served from cache (KV-routed requests)",
+            labels=["model"],
+        )
+        gap = GaugeMetricFamily(
+            "turnout_kv_hit_rate_gap", "Predicted minus reported KV hit rate", labels=["model"]
+        )
+        predicted_tokens = CounterMetricFamily(
+            "turnout_kv_predicted_cached_tokens", "Prompt tokens predicted cached",
+            labels=["model"],
+        )  # fmt: skip
+        reported_tokens = CounterMetricFamily(
+            "turnout_kv_reported_cached_tokens", "Prompt tokens reported cached by workers",
+            labels=["model"],
+        )  # fmt: skip
+        silent = CounterMetricFamily(
+            "turnout_kv_silent_workers",
+            "Times a worker served KV-routed requests but sent no KV events for too long",
+            labels=["model"],
+        )
+        resyncs = CounterMetricFamily(
+            "turnout_kv_resyncs", "Worker caches re-read after a gap in KV event ids",
+            labels=["model", "result"],
+        )  # fmt: skip
+        events = CounterMetricFamily(
+            "turnout_kv_events_applied", "KV events applied to the index", labels=["model"]
+        )
+        gaps = CounterMetricFamily(
+            "turnout_kv_event_gaps", "Gaps found in workers' KV event ids", labels=["model"]
+        )
+        for model, router in list(self._routers.items()):
+            stats = router.core.get_stats()
+            p = stats.predicted_hit_rate
+            r = (
+                router.reported_cached_tokens / router.reported_prompt_tokens
+                if router.reported_prompt_tokens
+                else 0.0
+            )
+            predicted.add_metric([model], p)
+            reported.add_metric([model], r)
+            gap.add_metric([model], p - r)
+            predicted_tokens.add_metric([model], router.predicted_cached_tokens)
+            reported_tokens.add_metric([model], router.reported_cached_tokens)
+            silent.add_metric([model], router.num_silent_warnings)
+            resyncs.add_metric([model, "ok"], router.num_resyncs)
+            resyncs.add_metric([model, "failed"], router.num_resync_failures)
+            if stats.indexer is not None:
+                events.add_metric([model], stats.indexer.events_applied)
+                gaps.add_metric([model], stats.indexer.gaps)
+        yield from (
+            predicted, reported, gap, predicted_tokens, reported_tokens, silent, resyncs,
+            events, gaps,
+        )  # fmt: skip

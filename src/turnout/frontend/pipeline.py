@@ -25,10 +25,14 @@ from turnout.llm.tokenizer import load_tokenizer
 from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.push import KvPushRouter
+from turnout.router.kv.router import KvRouter
 from turnout.router.mode import RouterMode
 from turnout.router.push_router import InstanceSource, PushRouter
 from turnout.router.selectors import make_selector
 from turnout.runtime.context import RequestContext
+from turnout.runtime.event_plane import EventPlane
 
 from .metrics import FrontendMetrics
 
@@ -130,21 +134,61 @@ class PipelineFactory:
         migration_limit: int = 3,
         metrics: FrontendMetrics | None = None,
         router_seed: int | None = None,
+        kv_config: KvRouterConfig | None = None,
+        kv_share_active: bool = True,
+        event_plane: EventPlane | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
-        make_selector(router_mode, seed=router_seed)
+        if router_mode is not RouterMode.KV:
+            make_selector(router_mode, seed=router_seed)
+        elif event_plane is None:
+            raise ValueError("router mode kv needs the event plane")
         self.router_mode = router_mode
         self.migration_limit = migration_limit
         self.metrics = metrics
         self.router_seed = router_seed
+        self.kv_config = kv_config or KvRouterConfig()
+        self.kv_share_active = kv_share_active
+        self.event_plane = event_plane
+        #: One KV router per model, shared by its chat and completions pipelines.
+        self.kv_routers: dict[str, KvRouter] = {}
 
     def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
+        mode = self.router_mode
+        if mode is RouterMode.KV:
+            # Text-input models send no tokens to hash: spread them round-robin.
+            mode = RouterMode.ROUND_ROBIN
         return PushRouter(
             client,
-            make_selector(self.router_mode, seed=self.router_seed),
+            make_selector(mode, seed=self.router_seed),
             endpoint_name=card.endpoint.path(),
             **codec,
         )
+
+    async def _kv_router(self, card: ModelDeploymentCard, client: Any) -> KvRouter:
+        router = self.kv_routers.get(card.display_name)
+        if router is not None and router.client is client:
+            return router
+        if router is not None:  # the model came back with a new client: start afresh
+            await router.close()
+        assert self.event_plane is not None
+        config = msgspec.structs.replace(self.kv_config, block_size=card.kv_cache_block_size)
+        router = KvRouter(
+            config,
+            client,
+            self.event_plane,
+            card.endpoint,
+            dp_size=card.runtime_config.data_parallel_size,
+            share_active=self.kv_share_active,
+        )
+        await router.start()
+        self.kv_routers[card.display_name] = router
+        return router
+
+    async def close(self) -> None:
+        for router in self.kv_routers.values():
+            await router.close()
+        self.kv_routers.clear()
 
     async def _tokens_pipeline(
         self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
@@ -157,7 +201,12 @@ class PipelineFactory:
             if not card.chat_template:
                 raise ValueError(f"chat model {card.display_name!r} has no chat template")
             template = ChatTemplate(card.chat_template, card.bos_token, card.eos_token)
-        router = self._router(card, client, encode=_msgpack_encode, decode=_output_decoder.decode)
+        if self.router_mode is RouterMode.KV:
+            router: Any = KvPushRouter(await self._kv_router(card, client))
+        else:
+            router = self._router(
+                card, client, encode=_msgpack_encode, decode=_output_decoder.decode
+            )
         migrations = self.metrics.migrations.labels(card.display_name) if self.metrics else None
         migration = Migration(
             router.generate,

@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from granian.constants import Interfaces
 from granian.server.embed import Server
 
+from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.discovery import make_store
@@ -36,8 +37,12 @@ class FrontendConfig:
     migration_limit: int = 3
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     lease_ttl: float = 10.0
-    #: ``None``: zmq on the file store, local otherwise.
+    #: ``None``: local on the memory store, zmq otherwise.
     event_plane: str | None = None
+    #: KV routing settings (``--router-mode kv``); ``block_size`` comes from each model card.
+    kv: KvRouterConfig = field(default_factory=KvRouterConfig)
+    #: Share in-flight request state with other router replicas over the event plane.
+    kv_share_active: bool = True
 
 
 class Frontend:
@@ -52,6 +57,7 @@ class Frontend:
         self._tasks: list[asyncio.Task[None]] = []
         self._server: Server | None = None
         self.watcher: ModelWatcher | None = None
+        self.factory: PipelineFactory | None = None
 
     @property
     def url(self) -> str:
@@ -59,9 +65,6 @@ class Frontend:
 
     async def start(self) -> None:
         cfg = self.config
-        factory = PipelineFactory(
-            router_mode=cfg.router_mode, migration_limit=cfg.migration_limit, metrics=self.metrics
-        )
         if self.runtime is None:
             store = make_store(cfg.store, cfg.store_path)
             self.runtime = await DistributedRuntime.create(
@@ -70,6 +73,15 @@ class Frontend:
                 lease_ttl=cfg.lease_ttl,
                 event_plane=cfg.event_plane,
             )
+        factory = self.factory = PipelineFactory(
+            router_mode=cfg.router_mode,
+            migration_limit=cfg.migration_limit,
+            metrics=self.metrics,
+            kv_config=cfg.kv,
+            kv_share_active=cfg.kv_share_active,
+            event_plane=self.runtime.event_plane,
+        )
+        self.metrics.watch_kv_routers(factory.kv_routers)
         self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)
         self._tasks.append(asyncio.create_task(self.watcher.watch(), name="model-watcher"))
         service = HttpService(self.manager, self.metrics, max_body_bytes=cfg.max_body_bytes)
@@ -121,6 +133,8 @@ class Frontend:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, timeout=10)
         self._tasks.clear()
+        if self.factory is not None:
+            await self.factory.close()
         await self.manager.close()
         if self.runtime is not None and self._owns_runtime:
             await self.runtime.shutdown()

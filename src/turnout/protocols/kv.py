@@ -73,3 +73,23 @@ class LoadReport(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     num_running: int = 0
     total_kv_blocks: int = 0
+
+
+KV_SNAPSHOT_HANDLER = "kv_snapshot"
+
+
+class KvSnapshotRequest(msgspec.Struct, kw_only=True):
+    dp_rank: int = 0
+
+
+class KvSnapshot(msgspec.Struct, kw_only=True):
+    """A worker's whole resident cache, for a router that lost events (a gap) or joined late.
+
+    ``events`` rebuild the cache when applied in order to an empty worker; ``next_event_id``
+    is the id of the first live event not already reflected in them.
+    """
+
+    worker_id: int
+    dp_rank: int
+    next_event_id: int
+    events: list[KvCacheEvent]

@@ -60,7 +60,9 @@ def make_selector(mode: RouterMode, *, seed: int | None = None) -> InstanceSelec
         return RandomSelector(seed)
     if mode is RouterMode.DIRECT:
         return DirectSelector()
+    if mode is RouterMode.KV:
+        raise ConfigError("router mode 'kv' is built by the KV router, not as a selector")
     raise NotYetSupported(
         f"router mode {mode.value!r} is not yet supported; supported now: "
-        "round-robin, random, direct"
+        "round-robin, random, direct, kv"
     )

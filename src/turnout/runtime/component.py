@@ -190,7 +190,15 @@ class ServingInstance:
         self._runtime = runtime
         self._server = server
         self._path = path
+        self._extra_paths: list[str] = []
         self._stopped = False
+
+    def add_handler(self, name: str, handler: Handler) -> None:
+        """Serve a side handler of this instance (e.g. ``kv_snapshot``), reachable with
+        ``EndpointClient.call(instance_id, name, ...)``; it goes away with the instance."""
+        path = f"{self._path}#{name}"
+        self._server.register(path, handler)
+        self._extra_paths.append(path)
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Leave: revoke the lease (records vanish, clients stop choosing us), refuse new
@@ -200,6 +208,8 @@ class ServingInstance:
         self._stopped = True
         self._runtime._instances.discard(self)
         await self.lease.revoke()
+        for path in self._extra_paths:
+            self._server.unregister(path)
         self._server.unregister(self._path)
         await self._server.drain(self._path, drain_timeout)
         logger.info("stopped %s instance %x", self.instance.endpoint.path(), self.instance_id)
@@ -355,6 +365,22 @@ class EndpointClient:
         ``PeerUnavailable`` (unknown instance, or nothing reached it) sets the instance aside.
         """
         return _InstanceStream(self, instance_id, payload, ctx)
+
+    async def call(
+        self, instance_id: int, name: str, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]:
+        """Call the side handler ``name`` of an instance (see ``ServingInstance.add_handler``)."""
+        instance = self.get_instance(instance_id)
+        if instance is None:
+            raise PeerUnavailable(f"no instance {instance_id:x} of {self.endpoint.path()}")
+        client = self.runtime.request_plane_client(instance.transport.kind)
+        path = f"{handler_path(self.endpoint, instance_id)}#{name}"
+        stream = client.stream(instance.transport, path, payload, ctx)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     async def close(self) -> None:
         self.runtime._endpoint_clients.discard(self)

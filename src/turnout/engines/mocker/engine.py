@@ -33,7 +33,7 @@ from turnout.engines.mocker.kv_pool import KvBlockPool
 from turnout.engines.mocker.scheduler import Scheduler, StepResult
 from turnout.engines.mocker.timing import TimingModel
 from turnout.engines.mocker.tokens import TokenSampler
-from turnout.protocols.kv import KvEventBatch, LoadReport
+from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport
 from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import EndpointId, ModelDeploymentCard, RuntimeConfig
 from turnout.runtime.context import RequestContext
@@ -180,6 +180,19 @@ class MockerEngine(Engine):
     @property
     def worker_id(self) -> int:
         return self._worker_id
+
+    def kv_snapshot(self, dp_rank: int = 0) -> KvSnapshot:
+        """The resident cache of one rank, for a router's resync."""
+        pool = self._ranks[dp_rank].scheduler.pool
+        events, next_event_id = pool.snapshot()
+        return KvSnapshot(
+            worker_id=self._worker_id, dp_rank=dp_rank, next_event_id=next_event_id,
+            events=events,
+        )  # fmt: skip
+
+    def set_event_sink(self, sink: KvEventSink) -> None:
+        """Where KV events and load reports go from now on (the worker wires the plane)."""
+        self._sink = sink
 
     def bind_instance(self, instance_id: int) -> None:
         self.set_worker_id(instance_id)

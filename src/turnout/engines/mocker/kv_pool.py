@@ -249,6 +249,28 @@ class KvBlockPool:
         self._pending = []
         return out
 
+    def snapshot(self) -> tuple[list[KvCacheEvent], int]:
+        """The resident cache as ``BlockStored`` events, and the id of the first event not
+        reflected in them (pending events describe changes already in the snapshot).
+
+        A scan, for a router's resync, never on the hot path. Parents come before children:
+        a child is committed after its parent, and a parent is never evicted while a child
+        is resident, so the dict's insertion order is a topological order.
+        """
+        events = [
+            KvCacheEvent(
+                worker_id=self.worker_id,
+                event_id=-1,
+                dp_rank=self.dp_rank,
+                data=BlockStored(
+                    parent_hash=block.parent,
+                    blocks=[StoredBlock(block.seq_hash, block.local_hash, self._block_size)],
+                ),
+            )
+            for block in self._blocks.values()
+        ]
+        return events, self._next_event_id + len(self._pending)
+
     # ---- internals ------------------------------------------------------------------------
 
     def _evict(self, count: int) -> None:

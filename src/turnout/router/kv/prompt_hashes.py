@@ -4,7 +4,8 @@ Hashing is most of the cost of a routing decision (an 8K-token prompt is 512 blo
 xxh3 calls each), so the router does not go through numpy for a token *list*: converting a
 list of Python ints with ``np.asarray`` costs more than hashing it. Instead the list is
 packed with ``array('I')`` (native u32, which is little-endian here, checked at import), and
-the chain is computed with positional-argument calls. The results are the same numbers as
+local hashes are computed by ``map`` over cached slice objects (the loop runs in C), and
+the chain with positional-argument calls. The results are the same numbers as
 ``hashing.compute_block_hashes`` (a test checks it); anything unusual (numpy input,
 multimodal extras, a big-endian host) goes through ``hashing.py`` itself.
 """
@@ -15,6 +16,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 import xxhash
@@ -52,17 +54,35 @@ def compute_prompt_seq_hashes(
     if num_blocks == 0:
         return []
     # array('I') raises OverflowError for ids outside u32, as numpy does.
-    raw = memoryview(array("I", token_ids[: num_blocks * block_size])).cast("B")
-    seed = hash_seed(lora_name)
-    stride = block_size * 4
+    raw = array("I", token_ids[: num_blocks * block_size]).tobytes()
     xxh3 = _xxh3
+    # Local hashes with the loop in C: map over cached slice objects.
+    block_hashes: list[int] = list(
+        map(
+            xxh3,
+            map(raw.__getitem__, _block_slices(block_size * 4, num_blocks)),
+            repeat(hash_seed(lora_name)),
+        )
+    )
     pack = _pack_pair
     chain_seed = KV_HASH_SEED
-    out: list[SequenceHash] = []
+    prev = block_hashes[0]
+    out: list[SequenceHash] = [SequenceHash(prev)]
     append = out.append
-    prev = xxh3(raw[0:stride], seed)
-    append(SequenceHash(prev))
-    for start in range(stride, num_blocks * stride, stride):
-        prev = xxh3(pack(prev, xxh3(raw[start : start + stride], seed)), chain_seed)
+    for i in range(1, num_blocks):
+        prev = xxh3(pack(prev, block_hashes[i]), chain_seed)
         append(prev)  # type: ignore[arg-type]  # NewType call skipped on the hot path
     return out
+
+
+_slices: dict[int, list[slice]] = {}
+
+
+def _block_slices(stride: int, num_blocks: int) -> list[slice]:
+    """``[slice(0, stride), slice(stride, 2 * stride), ...]``, ``num_blocks`` long; one
+    list per stride is kept and grown, so a prompt costs a list slice, not new objects."""
+    cached = _slices.get(stride)
+    if cached is None or len(cached) < num_blocks:
+        size = max(num_blocks, 2 * len(cached) if cached else 1024)
+        cached = _slices[stride] = [slice(i * stride, (i + 1) * stride) for i in range(size)]
+    return cached[:num_blocks]

@@ -1,0 +1,106 @@
+"""Dispatch with KV-aware routing: route, pin the request to the chosen worker, stream, and
+keep the router's books (first token, end of stream, what the worker said it had cached).
+
+A worker that cannot be reached is set aside and the request re-routed among the others,
+like the plain push router; a stream that breaks mid-way propagates to migration, which
+re-issues the request through here (re-routed, re-booked under the same request id).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from turnout.errors import NoInstanceAvailable, PeerUnavailable
+from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
+from turnout.router.kv.router import KvRouter
+from turnout.router.kv.selector import Selection, SelectionStatus
+from turnout.runtime.context import RequestContext
+
+log = logging.getLogger("turnout.router.kv")
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(LLMEngineOutput).decode
+_to_builtins = msgspec.to_builtins
+
+
+def explain(selection: Selection, block_size: int) -> dict[str, object]:
+    """The routing decision as the client sees it (``nvext.extra_fields: ["routing"]``)."""
+    out = _to_builtins(selection)
+    out["block_size"] = block_size
+    if selection.worker_id is not None:
+        out["worker_id"] = f"{selection.worker_id:x}"
+    for candidate in out.get("candidates", []):
+        candidate["worker_id"] = f"{candidate['worker_id']:x}"
+    out["busy"] = [f"{w[0]:x}" for w in out.get("busy", [])]
+    return out
+
+
+class KvPushRouter:
+    def __init__(self, router: KvRouter, *, max_attempts: int = 3) -> None:
+        self.router = router
+        self._max_attempts = max_attempts
+
+    async def generate(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        router = self.router
+        client = router.client
+        request_id = ctx.request_id
+        excluded: list[int] = []
+        while True:
+            if request.backend_instance_id is not None:
+                target, dp_rank, pinned = request.backend_instance_id, 0, request
+                booked = False
+            else:
+                selection = router.route(
+                    request_id, request.token_ids, lora_name=request.lora_name, excluded=excluded
+                )
+                if not selection.ok or selection.worker_id is None:
+                    raise NoInstanceAvailable(_why(selection, router.endpoint.path()))
+                target, dp_rank = selection.worker_id, selection.dp_rank or 0
+                ctx.metadata["routing"] = explain(selection, router.config.block_size)
+                extra = dict(request.extra_args or {})
+                extra["dp_rank"] = dp_rank
+                pinned = msgspec.structs.replace(
+                    request, backend_instance_id=target, extra_args=extra
+                )
+                booked = True
+            ctx.metadata["worker_instance_id"] = target
+            stream = client.stream(target, _encode(pinned), ctx)
+            first = True
+            cached: int | None = None
+            try:
+                async for raw in stream:
+                    output = _decode(raw)
+                    if first and output.token_ids:
+                        first = False
+                        if booked:
+                            router.on_first_token(request_id)
+                    if output.usage is not None and output.usage.cached_tokens is not None:
+                        cached = output.usage.cached_tokens
+                    yield output
+                return
+            except PeerUnavailable as exc:
+                excluded.append(target)
+                log.warning(
+                    "request %s: worker %x unreachable (%s); re-routing", request_id, target, exc
+                )
+                if not booked or len(excluded) >= self._max_attempts:
+                    raise NoInstanceAvailable(
+                        f"worker {target:x} of {router.endpoint.path()} is unreachable: {exc}"
+                    ) from exc
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+                if booked:
+                    router.on_finished(
+                        request_id, prompt_tokens=len(request.token_ids), cached_tokens=cached
+                    )
+
+
+def _why(selection: Selection, endpoint: str) -> str:
+    if selection.status is SelectionStatus.ALL_BUSY:
+        return f"every worker of {endpoint} is busy ({len(selection.busy)} over threshold)"
+    return f"no live instance of {endpoint}"

@@ -1,0 +1,276 @@
+"""The KV router of one model, alive: ``KvRouterCore`` fed from the planes.
+
+What this adds to the core:
+
+* subscriptions on the event plane to the workers' ``kv_events`` and ``load`` topics
+  (namespace/component of the model's endpoint), applied to the core as they arrive;
+* resynchronisation: when the indexer sees a gap in a worker's event ids (lost events, or a
+  router that joined late), the worker's resident cache is fetched through its
+  ``kv_snapshot`` side handler and replaces what the index holds for it;
+* membership: a worker that leaves discovery is forgotten (its blocks, requests, load);
+* replicas: with ``share_active`` on, every local change to the in-flight requests is
+  published on the ``kv_router_active`` topic and the other replicas' changes are applied,
+  so several frontends (or ``turnout router`` services) see the same load;
+* a watchdog for silent workers: a worker in exact mode that keeps getting requests but sends
+  no KV event for ``silence_warn_s`` is logged once and counted (a misconfigured engine
+  without KV events otherwise degrades routing silently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from turnout.protocols.kv import (
+    KV_EVENTS_TOPIC,
+    KV_SNAPSHOT_HANDLER,
+    LOAD_TOPIC,
+    KvEventBatch,
+    KvSnapshot,
+    KvSnapshotRequest,
+    LoadReport,
+)
+from turnout.protocols.model import EndpointId
+from turnout.router.kv.active_sequences import ActiveSequenceEvent
+from turnout.router.kv.base import WorkerKey
+from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.core import KvRouterCore
+from turnout.router.kv.selector import Selection
+from turnout.runtime.component import EndpointClient
+from turnout.runtime.context import RequestContext
+from turnout.runtime.event_plane import EventPlane, EventPublisher, EventSubscription
+
+log = logging.getLogger("turnout.router.kv")
+
+ACTIVE_TOPIC = "kv_router_active"
+_encode = msgspec.msgpack.Encoder().encode
+_snapshot_decoder = msgspec.msgpack.Decoder(KvSnapshot)
+
+
+class KvRouter:
+    def __init__(
+        self,
+        config: KvRouterConfig,
+        client: EndpointClient,
+        event_plane: EventPlane,
+        endpoint: EndpointId,
+        *,
+        dp_size: int = 1,
+        share_active: bool = True,
+        silence_warn_s: float = 30.0,
+        router_id: str | None = None,
+    ) -> None:
+        self.router_id = router_id or uuid.uuid4().hex[:12]
+        self.client = client
+        self.endpoint = endpoint
+        self.dp_size = max(1, dp_size)
+        self._plane = event_plane
+        self._share_active = share_active
+        self._publisher: EventPublisher | None = None
+        self._subscriptions: list[EventSubscription] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._resyncing: set[WorkerKey] = set()
+        self._known_workers: set[int] = set()
+        self._silence_warn_s = silence_warn_s
+        #: worker id -> (monotonic time of its last KV event, requests routed since then)
+        self._last_event: dict[int, float] = {}
+        self._routed_since_event: dict[int, int] = {}
+        self._silent_warned: set[int] = set()
+        #: Counters for metrics (read by the frontend's collector).
+        self.num_silent_warnings = 0
+        self.num_resyncs = 0
+        self.num_resync_failures = 0
+        self.predicted_cached_tokens = 0
+        self.reported_cached_tokens = 0
+        self.reported_prompt_tokens = 0
+        self.core = KvRouterCore(
+            config,
+            router_id=self.router_id,
+            publish_active=self._publish_active if share_active else None,
+            on_gap=self._on_gap,
+        )
+
+    @property
+    def config(self) -> KvRouterConfig:
+        return self.core.config
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        ns, comp = self.endpoint.namespace, self.endpoint.component
+        plane = self._plane
+        feeds: list[tuple[str, Any]] = [(LOAD_TOPIC, self._consume_load)]
+        if self.config.use_kv_events:
+            feeds.append((KV_EVENTS_TOPIC, self._consume_kv))
+        if self._share_active:
+            self._publisher = await plane.publisher(ns, comp)
+            feeds.append((ACTIVE_TOPIC, self._consume_active))
+        for topic, consume in feeds:
+            sub = await plane.subscribe(ns, comp, topic)
+            self._subscriptions.append(sub)
+            self._tasks.append(asyncio.create_task(consume(sub), name=f"kv-router-{topic}"))
+        self._known_workers = set(self.client.instance_ids())
+        self.client.add_listener(self._on_instances_changed)
+
+    async def close(self) -> None:
+        self.client.remove_listener(self._on_instances_changed)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for sub in self._subscriptions:
+            await sub.close()
+        self._subscriptions.clear()
+        if self._publisher is not None:
+            await self._publisher.close()
+            self._publisher = None
+
+    # --- the decision ------------------------------------------------------------------------
+
+    def candidates(self, excluded: Sequence[int] = ()) -> list[WorkerKey]:
+        ranks = range(self.dp_size)
+        return [
+            WorkerKey(worker, rank)
+            for worker in self.client.instance_ids()
+            if worker not in excluded
+            for rank in ranks
+        ]
+
+    def route(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        excluded: Sequence[int] = (),
+        book: bool = True,
+    ) -> Selection:
+        """Choose a worker; with ``book`` (the default) the request is counted on it until
+        ``on_finished``. ``book=False`` only answers the question (``turnout router``)."""
+        candidates = self.candidates(excluded)
+        if not book:
+            return self.core.preview(request_id, token_ids, candidates, lora_name=lora_name)
+        selection = self.core.route(request_id, token_ids, candidates, lora_name=lora_name)
+        if selection.ok and selection.worker_id is not None:
+            worker = selection.worker_id
+            self.predicted_cached_tokens += selection.overlap_blocks * self.config.block_size
+            if self.config.use_kv_events:
+                self._routed_since_event[worker] = self._routed_since_event.get(worker, 0) + 1
+                self._check_silence(worker)
+        return selection
+
+    def on_first_token(self, request_id: str) -> None:
+        self.core.on_first_token(request_id)
+
+    def on_finished(
+        self, request_id: str, *, prompt_tokens: int = 0, cached_tokens: int | None = None
+    ) -> None:
+        self.core.on_finished(request_id)
+        if cached_tokens is not None:
+            self.reported_cached_tokens += cached_tokens
+            self.reported_prompt_tokens += prompt_tokens
+
+    # --- feeds -------------------------------------------------------------------------------
+
+    async def _consume_kv(self, sub: EventSubscription) -> None:
+        core = self.core
+        last_event = self._last_event
+        routed = self._routed_since_event
+        async for batch in sub.messages(KvEventBatch):
+            now = time.monotonic()
+            for event in batch.events:
+                core.on_kv_event(event)
+                worker = event.worker_id
+                last_event[worker] = now
+                routed.pop(worker, None)
+                self._silent_warned.discard(worker)
+
+    async def _consume_load(self, sub: EventSubscription) -> None:
+        async for report in sub.messages(LoadReport):
+            self.core.on_load(report)
+
+    async def _consume_active(self, sub: EventSubscription) -> None:
+        own = self.router_id
+        async for event in sub.messages(ActiveSequenceEvent):
+            if event.router_id != own:
+                self.core.on_active_event(event)
+
+    def _publish_active(self, event: ActiveSequenceEvent) -> None:
+        if self._publisher is not None:
+            self._publisher.publish_nowait(ACTIVE_TOPIC, _encode(event))
+
+    # --- membership and resync ---------------------------------------------------------------
+
+    def _on_instances_changed(self) -> None:
+        # Only discovery's view matters here: an instance set aside (unreachable) keeps its
+        # cache; one that left discovery is forgotten.
+        live = {i.instance_id for i in self.client.instances()}
+        for gone in self._known_workers - live:
+            self.core.on_worker_removed(gone)
+            self._last_event.pop(gone, None)
+            self._routed_since_event.pop(gone, None)
+            log.info("kv router %s: worker %x left; its cache is forgotten", self.router_id, gone)
+        self._known_workers = live
+
+    def _on_gap(self, worker_key: WorkerKey, expected: int, got: int) -> None:
+        if worker_key in self._resyncing:
+            return
+        log.warning(
+            "kv router %s: worker %x rank %d skipped KV events %d..%d; resynchronising",
+            self.router_id, worker_key.worker_id, worker_key.dp_rank, expected, got - 1,
+        )  # fmt: skip
+        self._resyncing.add(worker_key)
+        self._tasks.append(asyncio.create_task(self._resync(worker_key), name="kv-resync"))
+
+    async def _resync(self, worker_key: WorkerKey) -> None:
+        ctx = RequestContext()
+        payload = _encode(KvSnapshotRequest(dp_rank=worker_key.dp_rank))
+        try:
+            async for raw in self.client.call(
+                worker_key.worker_id, KV_SNAPSHOT_HANDLER, payload, ctx
+            ):
+                snapshot = _snapshot_decoder.decode(raw)
+                self.core.on_kv_snapshot(
+                    worker_key, snapshot.events, next_event_id=snapshot.next_event_id
+                )
+                self.num_resyncs += 1
+                log.info(
+                    "kv router %s: worker %x rank %d resynchronised (%d blocks)",
+                    self.router_id, worker_key.worker_id, worker_key.dp_rank,
+                    len(snapshot.events),
+                )  # fmt: skip
+        except Exception as exc:  # a worker without snapshots, or gone: keep going
+            self.num_resync_failures += 1
+            log.warning(
+                "kv router %s: resync of worker %x failed: %s",
+                self.router_id, worker_key.worker_id, exc,
+            )  # fmt: skip
+        finally:
+            self._resyncing.discard(worker_key)
+            self._tasks = [t for t in self._tasks if not t.done()]
+
+    def _check_silence(self, worker: int) -> None:
+        if worker in self._silent_warned or self._routed_since_event.get(worker, 0) < 3:
+            return
+        last = self._last_event.get(worker)
+        now = time.monotonic()
+        if last is None:
+            self._last_event[worker] = last = now  # silence is counted from first sight
+        if now - last >= self._silence_warn_s:
+            self._silent_warned.add(worker)
+            self.num_silent_warnings += 1
+            log.warning(
+                "kv router %s: worker %x got %d requests but sent no KV event for %.0f s; "
+                "is KV event publishing enabled on it? Routing for it runs blind (consider "
+                "--no-kv-events)",
+                self.router_id, worker, self._routed_since_event[worker], now - last,
+            )  # fmt: skip

@@ -1,0 +1,85 @@
+"""KV-aware routing end to end: 4 mocker workers behind the real frontend in kv mode."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from tests.frontend.stack import Stack, make_stack
+from tests.helpers import assert_no_leaked_tasks
+
+from turnout.engines.mocker import MockerConfig, make_mocker_engines
+from turnout.router.mode import RouterMode
+
+BLOCK = 16
+
+
+@pytest.fixture
+async def kv_stack(gguf_path: str) -> AsyncIterator[Stack]:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack(router_mode=RouterMode.KV)
+    config = MockerConfig(num_gpu_blocks=1024, block_size=BLOCK, speedup_ratio=1.0)
+    for engine in make_mocker_engines(config, 4, model_path=gguf_path):
+        await stack.add_worker(engine, model_name="mock")
+    await stack.wait_for_model("mock", instances=4)
+    yield stack
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+async def complete(http: httpx.AsyncClient, prompt: list[int], max_tokens: int = 4) -> Any:
+    r = await http.post(
+        "/v1/completions",
+        json={"model": "mock", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+              "nvext": {"extra_fields": ["worker_id", "routing"]}},
+        timeout=30,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prompt_of(seed: int, tokens: int = 512) -> list[int]:
+    return [1000 + (seed * 7919 + i * 31) % 30000 for i in range(tokens)]
+
+
+async def test_repeated_prompts_go_where_their_prefix_is(kv_stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=kv_stack.url) as http:
+        homes = {}
+        for seed in range(3):
+            first = await complete(http, prompt_of(seed))
+            homes[seed] = first["nvext"]["worker_id"]
+            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await asyncio.sleep(0.2)  # let the KV events of the first runs arrive
+        for _ in range(3):
+            for seed in range(3):
+                # Same prefix, different tail: only the shared blocks can hit.
+                prompt = prompt_of(seed)[:480] + [5, 6, 7] * 10
+                out = await complete(http, prompt)
+                assert out["nvext"]["worker_id"] == homes[seed]
+                routing = out["nvext"]["routing"]
+                # The shared 30 blocks, and from the second pass on the tail block too.
+                assert routing["overlap_blocks"] >= 480 // BLOCK
+                assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 480 - BLOCK
+                # The explanation lists every candidate with its cost terms.
+                assert len(routing["candidates"]) == 4
+                chosen = min(routing["candidates"], key=lambda c: c["cost"])
+                assert chosen["cost"] <= min(c["cost"] for c in routing["candidates"])
+        metrics = (await http.get("/metrics")).text
+        assert 'turnout_kv_predicted_hit_rate{model="mock"}' in metrics
+        assert "turnout_kv_events_applied_total" in metrics
+
+
+async def test_a_flood_of_one_prefix_spreads_once_its_worker_is_loaded(kv_stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=kv_stack.url) as http:
+        await complete(http, prompt_of(42))
+        await asyncio.sleep(0.2)
+        flood = [complete(http, prompt_of(42), max_tokens=40) for _ in range(16)]
+        outs = await asyncio.gather(*flood)
+        used = Counter(o["nvext"]["worker_id"] for o in outs)
+        assert len(used) >= 3, used
+        home = outs[0]["nvext"]["worker_id"]
+        assert used[home] >= 2
