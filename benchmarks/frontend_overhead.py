@@ -52,10 +52,24 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_http import percentile, render_post, run_load  # noqa: E402
-
 from turnout.frontend.service import free_port  # noqa: E402
 
-WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hum".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hum",
+]
 
 
 def long_prompt(tokens: int = 512) -> str:
@@ -161,7 +175,9 @@ def summarize_pyspy(raw_path: Path, main_tid: int, top: int = 30) -> dict[str, A
         if f"{main_tid:#x}" not in thread and str(main_tid) not in thread:
             continue
         main_total += count
-        frames = [f for f in frames[1:] if not f.startswith("process ")]
+        # "func (file:line)" -> "func (file)": aggregate per function, not per line
+        frames = [f.rsplit(":", 1)[0] + ")" if f.endswith(")") else f
+                  for f in frames[1:] if not f.startswith("process ")]  # fmt: skip
         if frames:
             self_counts[frames[-1]] += count
         for f in set(frames):
@@ -204,10 +220,6 @@ def main() -> None:
     prof_out = tmp / ("frontend.prof" if args.profile == "cprofile" else "frontend.pyspy.txt")
     if args.profile == "cprofile":
         front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
-    elif args.profile == "py-spy":
-        pyspy = shutil.which("py-spy") or str(Path(py).parent / "py-spy")
-        front_cmd = [pyspy, "record", "--nonblocking", "--threads", "-r", "200", "-f", "raw",
-                     "-o", str(prof_out), "--", *front_cmd]  # fmt: skip
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
     for _ in range(args.workers):
         procs.append(subprocess.Popen(
@@ -229,8 +241,6 @@ def main() -> None:
     try:
         wait_ready(url, args.workers)
         front = psutil.Process(front_pid)
-        if args.profile == "py-spy":  # the frontend is py-spy's child
-            front = front.children()[0]
         workers = [psutil.Process(p.pid) for p in procs[1:]]
         host = f"127.0.0.1:{port}"
         bodies = {
@@ -239,6 +249,15 @@ def main() -> None:
             "long_stream": ({"model": "echo", "prompt": long_prompt(512), "max_tokens": 64,
                              "stream": True}, True, args.stream_requests),
         }  # fmt: skip
+        spy = None
+        if args.profile == "py-spy":
+            # Attached once the stack is up, so start-up (imports, tokenizer load) stays out
+            # of the profile; the per-row warm-ups below are steady state and stay in.
+            pyspy = shutil.which("py-spy") or str(Path(py).parent / "py-spy")
+            spy = subprocess.Popen([pyspy, "record", "--pid", str(front_pid), "--nonblocking",
+                                    "--threads", "-r", "250", "-f", "raw", "-o", str(prof_out)],
+                                   start_new_session=True)  # fmt: skip
+            time.sleep(1.0)
         for name in args.scenarios:
             body, streamed, total = bodies[name]
             raw = render_post(host, "/v1/completions", json.dumps(body).encode())
@@ -255,7 +274,9 @@ def main() -> None:
                     row["cpu_ms_per_request_runs"] = [r[key] for r in runs]
                 results["scenarios"].append(row)
                 print(json.dumps(row), flush=True)
-        front_tid = front.pid
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=30)
     finally:
         os.killpg(front_pid, signal.SIGINT)
         try:
@@ -272,7 +293,7 @@ def main() -> None:
         stats.sort_stats("cumulative").print_stats(30)
         results["profile_file"] = str(prof_out)
     elif args.profile == "py-spy" and prof_out.exists():
-        summary = summarize_pyspy(prof_out, front_tid)
+        summary = summarize_pyspy(prof_out, front_pid)
         results["profile_file"] = str(prof_out)
         results["profile"] = summary
         print(json.dumps(summary, indent=1))

@@ -39,8 +39,7 @@ from turnout.protocols.kv import BlockRemoved, BlockStored, KvCacheEvent, Stored
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
-from turnout.router.kv.hashing import compute_block_hashes
-from turnout.router.kv.prompt_hashes import compute_prompt_seq_hashes
+from turnout.router.kv.hashing import compute_block_hashes, compute_seq_hashes
 from turnout.router.kv.selector import select_worker
 
 RESULTS = Path(__file__).parent / "results" / "router_decision.json"
@@ -271,7 +270,7 @@ def time_pieces(
     selecting: list[int] = []
     for _, tokens in queries:
         t0 = clock()
-        seq = compute_prompt_seq_hashes(tokens, config.block_size)
+        seq = compute_seq_hashes(tokens, config.block_size)
         t1 = clock()
         overlaps = core.index.find_matches(seq)
         t2 = clock()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -61,6 +62,7 @@ from benchmarks.traces import (  # noqa: E402
     load_mooncake,
     oracle_hit_rate,
 )
+
 from turnout.frontend.service import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -137,7 +139,13 @@ def _on_event(event: bytes, scheduled: float, result: RequestResult) -> None:
         result.error = f"in-stream error: {obj['error'].get('message')}"
         return
     choices = obj.get("choices") or []
-    if choices and result.ttft_s is None and choices[0].get("text"):
+    # The first token is the first non-empty text; a stream whose only token decoded to
+    # nothing (a partial UTF-8 sequence) gets its TTFT at the finish chunk.
+    if (
+        choices
+        and result.ttft_s is None
+        and (choices[0].get("text") or choices[0].get("finish_reason"))
+    ):
         result.ttft_s = time.perf_counter() - scheduled
     if choices and (nvext := obj.get("nvext")):
         result.worker_id = nvext.get("worker_id")
@@ -266,16 +274,12 @@ class Stack:
                 proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 10
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         for proc in self.procs:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait(timeout=10)
 
 
@@ -402,6 +406,7 @@ def make_trace(args: argparse.Namespace) -> Trace:
             args.mooncake_file,
             max_requests=args.max_requests,
             max_input_length=args.max_input_length,
+            max_output_length=args.max_output_length,
             token_seed=args.seed,
         )
         return trace
@@ -465,13 +470,27 @@ def run_mode(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES,
-                    help="router modes; a mode may carry frontend flags: 'kv --no-kv-events'")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=DEFAULT_MODES,
+        help="router modes; a mode may carry frontend flags: 'kv --no-kv-events'",
+    )
     ap.add_argument("--trace", choices=["synthetic", "mooncake"], default="synthetic")
     ap.add_argument("--mooncake-file", help="Mooncake JSONL trace (with --trace mooncake)")
     ap.add_argument("--max-requests", type=int, help="replay only the first N requests")
-    ap.add_argument("--max-input-length", type=int, default=7168,
-                    help="mooncake: cut longer prompts (the SmolLM2 card's context is 8192)")
+    ap.add_argument(
+        "--max-input-length",
+        type=int,
+        default=7168,
+        help="mooncake: cut longer prompts (the SmolLM2 card's context is 8192)",
+    )
+    ap.add_argument(
+        "--max-output-length",
+        type=int,
+        default=512,
+        help="mooncake: cap output lengths (prompt + output must fit the context)",
+    )
     g = ap.add_argument_group("synthetic trace (times in simulated seconds)")
     g.add_argument("--sessions", type=int, default=96)
     g.add_argument("--system-prompts", type=int, default=16)
@@ -485,11 +504,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = ap.add_argument_group("workers and replay")
     g.add_argument("--workers", type=int, default=8)
     g.add_argument("--speedup-ratio", type=float, default=4.0)
-    g.add_argument("--time-scale", type=float,
-                   help="wall seconds per trace second (default: 1 / speedup ratio)")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        help="wall seconds per trace second (default: 1 / speedup ratio)",
+    )
     g.add_argument("--block-size", type=int, default=64)
-    g.add_argument("--num-gpu-blocks", type=int, default=256,
-                   help="KV blocks per worker: small, so caches fill and routing matters")
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=256,
+        help="KV blocks per worker: small, so caches fill and routing matters",
+    )
     g.add_argument("--concurrency", type=int, default=64, help="most requests in flight")
     g.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "routing_quality.json")
@@ -507,8 +533,10 @@ def main(argv: list[str] | None = None) -> None:
     pool_tokens = args.num_gpu_blocks * args.block_size
     biggest = max((r.input_length + r.output_length for r in trace.requests), default=0)
     if biggest > pool_tokens:
-        raise SystemExit(f"a request needs {biggest} tokens of KV cache, more than a worker's "
-                         f"{pool_tokens}; raise --num-gpu-blocks or lower --max-input-length")  # fmt: skip
+        raise SystemExit(
+            f"a request needs {biggest} tokens of KV cache, more than a worker's {pool_tokens}; "
+            "raise --num-gpu-blocks or lower --max-input-length"
+        )
     oracle = oracle_hit_rate(trace, args.block_size)
     print(f"trace: {json.dumps(summary)}")
     print(f"oracle hit rate: {oracle.hit_rate:.1%}; expected wall time per mode: "

@@ -245,6 +245,7 @@ def load_mooncake(
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     max_requests: int | None = None,
     max_input_length: int | None = None,
+    max_output_length: int | None = None,
     token_seed: int = 0,
 ) -> Trace:
     """Load a Mooncake JSONL trace (one request a line).
@@ -252,8 +253,9 @@ def load_mooncake(
     Each line has ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``
     (one id per ``block_tokens`` tokens of the prompt; equal ids are equal blocks). Arrivals
     are taken relative to the earliest timestamp. ``max_input_length`` cuts long prompts
-    (keeping their prefixes, so sharing is preserved); tokens the hash ids do not cover are
-    filled with tokens unique to the request. Raises ``ValueError`` naming the bad line.
+    (keeping their prefixes, so sharing is preserved) and ``max_output_length`` caps outputs;
+    tokens the hash ids do not cover are filled with tokens unique to the request; an output
+    length of 0 becomes 1. Raises ``ValueError`` naming the bad line.
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
@@ -287,7 +289,7 @@ def load_mooncake(
                 session_id=f"r{i}",
                 turn=0,
                 input_length=input_length,
-                output_length=max(1, output_length),
+                output_length=max(1, min(output_length, max_output_length or output_length)),
                 segments=tuple(segments),
             )
         )
@@ -297,6 +299,7 @@ def load_mooncake(
         "block_tokens": block_tokens,
         "max_requests": max_requests,
         "max_input_length": max_input_length,
+        "max_output_length": max_output_length,
         "token_seed": token_seed,
         "num_truncated": num_truncated,
         "num_padded": num_padded,

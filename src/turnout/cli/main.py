@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import frontend, serve, worker
+from . import frontend, router, serve, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     frontend.register(sub)
     worker.register(sub)
+    router.register(sub)
     return parser
 
 

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from turnout.protocols.kv import (
     BlockStored,
     KvCacheEvent,
@@ -18,8 +14,7 @@ from turnout.router.kv.active_sequences import ActiveLoad, ActiveSequenceEvent
 from turnout.router.kv.base import EventOutcome, WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
-from turnout.router.kv.hashing import compute_block_hashes
-from turnout.router.kv.prompt_hashes import compute_prompt_seq_hashes
+from turnout.router.kv.hashing import compute_block_hashes, compute_seq_hashes
 from turnout.router.kv.selector import SelectionStatus
 
 BS = 16
@@ -133,7 +128,7 @@ def test_worker_removed_forgets_cache_requests_and_load() -> None:
     core.route("r1", tokens, [A, B])
     core.on_worker_removed(A.worker_id)
     assert "r1" not in core.active
-    assert core.index.find_matches(compute_prompt_seq_hashes(tokens, BS)).scores == {}
+    assert core.index.find_matches(compute_seq_hashes(tokens, BS)).scores == {}
 
 
 def test_gap_is_reported_and_snapshot_resyncs() -> None:
@@ -163,18 +158,3 @@ def test_replicas_share_active_sequences() -> None:
     assert two.active.get_load(A) == one.active.get_load(A) == ActiveLoad(64, 4, 1)
     # Seeing A loaded, replica two sends the next request to B.
     assert two.route("r2", prompt(9, 64), [A, B]).worker_key == B
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
-    block_size=st.sampled_from([1, 4, 16, 32]),
-    lora_name=st.sampled_from([None, "", "adapter-a"]),
-)
-def test_fast_prompt_hashes_equal_hashing_module(
-    tokens: list[int], block_size: int, lora_name: str | None
-) -> None:
-    expected = compute_block_hashes(tokens, block_size, lora_name=lora_name)[1]
-    assert compute_prompt_seq_hashes(tokens, block_size, lora_name=lora_name) == expected
-    as_array = np.asarray(tokens, dtype=np.uint32)
-    assert compute_prompt_seq_hashes(as_array, block_size, lora_name=lora_name) == expected

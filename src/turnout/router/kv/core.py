@@ -31,8 +31,8 @@ from turnout.router.kv.active_sequences import (
 from turnout.router.kv.approx import ApproxIndexer
 from turnout.router.kv.base import EventOutcome, KvIndex, WorkerKey
 from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.hashing import compute_seq_hashes
 from turnout.router.kv.indexer import GapCallback, KvIndexer, KvIndexerStats
-from turnout.router.kv.prompt_hashes import compute_prompt_seq_hashes
 from turnout.router.kv.selector import Selection, SelectionStatus, select_worker
 from turnout.router.kv.worker_load import WorkerLoads
 
@@ -109,18 +109,21 @@ class KvRouterCore:
         lora_name: str | None = None,
         block_extra: Sequence[bytes | None] | None = None,
         now: float | None = None,
+        book: bool = True,
     ) -> Selection:
         """Choose a worker for the request and book it there (when one is chosen).
 
         ``candidates`` are the live workers allowed for this request (e.g. those holding
-        ``lora_name``). A request id already in flight is re-booked (migration).
+        ``lora_name``). A request id already in flight is re-booked (migration). With
+        ``book=False`` the question is only answered: no state changes (``turnout router``'s
+        query, or a dry run).
         """
         if now is None:
             now = self._clock()
         config = self.config
         self._index.expire(now)
         self.active.expire(now)
-        seq_hashes = compute_prompt_seq_hashes(
+        seq_hashes = compute_seq_hashes(
             token_ids, config.block_size, lora_name=lora_name, block_extra=block_extra
         )
         overlaps = self._index.find_matches(seq_hashes)
@@ -138,6 +141,8 @@ class KvRouterCore:
             request_id=request_id,
         )
         status = selection.status
+        if not book:
+            return selection
         if status is SelectionStatus.SELECTED:
             key = selection.worker_key
             assert key is not None, "a SELECTED selection names its worker"

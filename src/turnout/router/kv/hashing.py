@@ -7,20 +7,29 @@ A prompt is cut into blocks of ``block_size`` tokens; a trailing partial block i
   seed is ``KV_HASH_SEED``, or derived from it and the LoRA adapter's name, so the same tokens
   under an adapter hash apart. ``extra`` carries multimodal item hashes that belong to a block.
 * sequence hash: the first block's sequence hash is its local hash; every later one is
-  ``xxh3_64(parent_sequence_hash as u64 LE ++ local_hash as u64 LE, seed)``. It names the
-  whole prefix up to and including the block.
+  ``xxh3_64(parent_sequence_hash as u64 LE ++ local_hash as u64 LE, KV_HASH_SEED)``. It
+  names the whole prefix up to and including the block.
 
 ::
 
     tokens   [t0 .. t15][t16 .. t31][t32 .. t40]      block_size = 16
     local        L0         L1        (partial: not hashed)
     sequence     S0=L0      S1=h(S0,L1)
+
+Hashing is most of the cost of a KV routing decision (an 8K-token prompt is 512 blocks, two
+xxh3 calls each), so the common case is tuned: a token *list* is packed with ``array('I')``
+(converting a list of Python ints with ``np.asarray`` costs more than hashing it), local
+hashes run with the loop in C (``map`` over cached slice objects), and the chain uses
+positional calls. numpy arrays, multimodal extras and big-endian hosts take the plain path.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 import xxhash
@@ -30,7 +39,9 @@ from turnout.protocols.kv import LocalBlockHash, SequenceHash
 KV_HASH_SEED = 1337
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_pair = struct.Struct("<QQ")
+_pack_pair = struct.Struct("<QQ").pack
+#: ``array('I')`` is native-endian; the fast packing is valid only where that is little-endian.
+_ARRAY_IS_LE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def hash_seed(lora_name: str | None = None) -> int:
@@ -38,6 +49,27 @@ def hash_seed(lora_name: str | None = None) -> int:
     if not lora_name:
         return KV_HASH_SEED
     return _xxh3(lora_name.encode(), seed=KV_HASH_SEED)
+
+
+def _pack_tokens(token_ids: Sequence[int] | np.ndarray, count: int) -> bytes:
+    """The first ``count`` tokens as little-endian u32 bytes (OverflowError/ValueError when an
+    id does not fit in u32)."""
+    if _ARRAY_IS_LE_U32 and not isinstance(token_ids, np.ndarray):
+        return array("I", token_ids[:count]).tobytes()
+    return np.asarray(token_ids[:count], dtype="<u4").tobytes()
+
+
+_slices: dict[int, list[slice]] = {}
+
+
+def _block_slices(stride: int, num_blocks: int) -> list[slice]:
+    """``[slice(0, stride), slice(stride, 2 * stride), ...]``, ``num_blocks`` long; one list
+    per stride is kept and grown, so a prompt costs a list slice, not new slice objects."""
+    cached = _slices.get(stride)
+    if cached is None or len(cached) < num_blocks:
+        size = max(num_blocks, 2 * len(cached) if cached else 1024)
+        cached = _slices[stride] = [slice(i * stride, (i + 1) * stride) for i in range(size)]
+    return cached[:num_blocks]
 
 
 def compute_local_block_hashes(
@@ -56,14 +88,13 @@ def compute_local_block_hashes(
     num_blocks = len(token_ids) // block_size
     if num_blocks == 0:
         return []
-    raw = np.asarray(token_ids[: num_blocks * block_size], dtype="<u4").tobytes()
+    raw = _pack_tokens(token_ids, num_blocks * block_size)
     seed = hash_seed(lora_name)
     stride = block_size * 4
     if block_extra is None:
-        return [
-            LocalBlockHash(_xxh3(raw[i : i + stride], seed=seed))
-            for i in range(0, len(raw), stride)
-        ]
+        return list(
+            map(_xxh3, map(raw.__getitem__, _block_slices(stride, num_blocks)), repeat(seed))
+        )
     out: list[LocalBlockHash] = []
     for b in range(num_blocks):
         chunk = raw[b * stride : (b + 1) * stride]
@@ -76,12 +107,15 @@ def compute_sequence_hashes(
     local_hashes: Sequence[int], parent: int | None = None
 ) -> list[SequenceHash]:
     """Chain local hashes into sequence hashes, optionally continuing from ``parent``."""
-    out: list[SequenceHash] = []
-    prev = parent
-    for local in local_hashes:
-        seq = local if prev is None else _xxh3(_pair.pack(prev, local), seed=KV_HASH_SEED)
-        out.append(SequenceHash(seq))
-        prev = seq
+    if not local_hashes:
+        return []
+    xxh3, pack, seed = _xxh3, _pack_pair, KV_HASH_SEED
+    prev = local_hashes[0] if parent is None else xxh3(pack(parent, local_hashes[0]), seed)
+    out: list[SequenceHash] = [prev]  # type: ignore[list-item]  # NewType call skipped
+    append = out.append
+    for i in range(1, len(local_hashes)):
+        prev = xxh3(pack(prev, local_hashes[i]), seed)
+        append(prev)  # type: ignore[arg-type]
     return out
 
 
@@ -97,3 +131,16 @@ def compute_block_hashes(
         token_ids, block_size, lora_name=lora_name, block_extra=block_extra
     )
     return local, compute_sequence_hashes(local)
+
+
+def compute_seq_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    block_extra: Sequence[bytes | None] | None = None,
+) -> list[SequenceHash]:
+    """The sequence hashes of a prompt's full blocks (what the router looks up)."""
+    return compute_block_hashes(
+        token_ids, block_size, lora_name=lora_name, block_extra=block_extra
+    )[1]

@@ -157,10 +157,10 @@ class KvRouter:
         """Choose a worker; with ``book`` (the default) the request is counted on it until
         ``on_finished``. ``book=False`` only answers the question (``turnout router``)."""
         candidates = self.candidates(excluded)
-        if not book:
-            return self.core.preview(request_id, token_ids, candidates, lora_name=lora_name)
-        selection = self.core.route(request_id, token_ids, candidates, lora_name=lora_name)
-        if selection.ok and selection.worker_id is not None:
+        selection = self.core.route(
+            request_id, token_ids, candidates, lora_name=lora_name, book=book
+        )
+        if book and selection.ok and selection.worker_id is not None:
             worker = selection.worker_id
             self.predicted_cached_tokens += selection.overlap_blocks * self.config.block_size
             if self.config.use_kv_events:

@@ -1,0 +1,81 @@
+"""``turnout router``: the KV router as a standalone service (see ``router.service``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+import uvloop
+
+from turnout.errors import ConfigError, TurnoutError
+from turnout.protocols.model import EndpointId
+from turnout.router.service import RouterService
+from turnout.runtime.component import DistributedRuntime
+from turnout.runtime.discovery import make_store
+
+from .flags import add_flag, add_runtime_flags, setup_logging
+from .frontend import add_kv_router_flags, kv_router_config, run_until_signal
+from .worker import DEFAULT_ENDPOINT
+
+log = logging.getLogger("turnout.cli")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("router", help="run the KV router as a service that answers best_worker")
+    add_flag(p, "--endpoint", default=DEFAULT_ENDPOINT, help="the workers' endpoint")
+    add_flag(p, "--router-endpoint", default="turnout/router/best_worker",
+             help="where this service registers (namespace/component/endpoint)")  # fmt: skip
+    add_flag(p, "--block-size", type=int,
+             help="KV block size (default: from the workers' model cards)")  # fmt: skip
+    add_kv_router_flags(p)
+    add_runtime_flags(p)
+    p.set_defaults(run=run)
+
+
+def _endpoint(flag: str, text: str) -> EndpointId:
+    try:
+        return EndpointId.parse(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+async def run_router(args: argparse.Namespace) -> None:
+    workers = _endpoint("--endpoint", args.endpoint)
+    endpoint = _endpoint("--router-endpoint", args.router_endpoint)
+    config = kv_router_config(args)
+    runtime = await DistributedRuntime.create(
+        store=make_store(args.store, args.store_path),
+        request_plane=args.request_plane,
+        lease_ttl=args.lease_ttl,
+        event_plane=args.event_plane,
+    )
+    service = RouterService(
+        runtime, workers, endpoint, config,
+        block_size=args.block_size, share_active=not args.no_router_replica_sync,
+    )  # fmt: skip
+
+    async def start() -> None:
+        await service.start()
+
+    async def stop() -> None:
+        try:
+            await service.stop()
+        finally:
+            await runtime.shutdown()
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    await run_until_signal(start, stop, forever)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        uvloop.run(run_router(args))
+    except TurnoutError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
