@@ -29,20 +29,24 @@ def add_flag(
                 raise SystemExit(f"turnout: bad value {value!r} in ${env}: {exc}") from None
     help_text = kwargs.pop("help", "")
     kwargs["help"] = f"{help_text} [env {env}]" + (
-        f" (default: {default})" if default not in (None, False) else ""
+        f" (default: {default})" if default is not None and default is not False else ""
     )
     parser.add_argument(flag, default=default, **kwargs)
 
 
-def add_runtime_flags(parser: argparse.ArgumentParser, *, store_default: str = "file") -> None:
-    add_flag(parser, "--store", default=store_default, choices=["memory", "file"],
-             help="discovery store")  # fmt: skip
+def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -> None:
+    """Discovery, planes, leases, logs. ``planes=False`` (``serve``, which always runs the
+    file store, tcp and zmq) keeps only the settings that still mean something there."""
+    if planes:
+        add_flag(parser, "--store", default="file", choices=["memory", "file"],
+                 help="discovery store")  # fmt: skip
     add_flag(parser, "--store-path", help="file store location (default: a per-user temp path)")
-    add_flag(parser, "--request-plane", default="tcp", choices=["tcp", "local"],
-             help="request plane between frontend and workers")  # fmt: skip
-    add_flag(parser, "--event-plane", choices=["local", "zmq"],
-             help="KV events and load reports (default: local on the memory store, "
-                  "else zmq)")  # fmt: skip
+    if planes:
+        add_flag(parser, "--request-plane", default="tcp", choices=["tcp", "local"],
+                 help="request plane between frontend and workers")  # fmt: skip
+        add_flag(parser, "--event-plane", choices=["local", "zmq"],
+                 help="KV events and load reports (default: local on the memory store, "
+                      "else zmq)")  # fmt: skip
     add_flag(parser, "--lease-ttl", default=10.0, type=float,
              help="seconds a dead process's registrations outlive it")  # fmt: skip
     add_flag(parser, "--log-level", default="info",

@@ -41,7 +41,8 @@ def register(sub: Any) -> None:
         type=int,
         help="workers to start (processes; the mocker simulates all in one)",
     )
-    add_runtime_flags(p)
+    add_runtime_flags(p, planes=False)
+    p.set_defaults(store="file", request_plane="tcp", event_plane="zmq")
     p.set_defaults(run=run)
 
 
@@ -89,13 +90,10 @@ class ServeTree:
     def __init__(self, args: argparse.Namespace) -> None:
         if args.num_workers < 0:
             raise TurnoutError("--num-workers must be 0 or more")
-        if args.store != "file" or args.request_plane != "tcp":
-            log.info("serve always uses the file store and the tcp request plane")
         self.args = args
         self.store_path = args.store_path or default_file_store_path()
         config = frontend_config(args)
-        config.store, config.store_path, config.request_plane = "file", self.store_path, "tcp"
-        config.event_plane = "zmq"
+        config.store_path = self.store_path
         self.frontend = Frontend(config)
         self.children: list[asyncio.subprocess.Process] = []
         self._watchers: list[asyncio.Task[None]] = []
