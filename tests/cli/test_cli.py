@@ -58,3 +58,17 @@ def test_environment_sets_a_default(tmp_path: Path) -> None:
     out = run("frontend", tmp=tmp_path, env=env)
     assert out.returncode == 2
     assert "unknown router mode 'magic'" in out.stderr
+
+
+def test_readme_documents_every_flag() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    missing = []
+    for name, command in sub.choices.items():  # type: ignore[union-attr]
+        assert f"turnout {name}" in readme, name
+        for action in command._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help" and f"`{flag}" not in readme:
+                    missing.append(f"{name} {flag}")
+    assert not missing, f"README lacks: {missing}"

@@ -170,7 +170,7 @@ def test_missing_and_odd_paths(tmp_path: Path) -> None:
 
 def test_gguf_card(gguf_path: Path, smol_tokenizer: Tokenizer) -> None:
     card = load_model_card(gguf_path, endpoint=EP)
-    assert card.display_name == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # general.name
+    assert card.display_name == "SmolLM2-135M-Instruct.Q4_1"  # the file's stem
     assert card.context_length == 8192
     assert card.eos_token_ids == [2]
     assert (card.bos_token, card.eos_token) == ("<|im_start|>", "<|im_end|>")

@@ -12,7 +12,7 @@ context_length ``config.json`` ``max_position_embeddings`` (or       ``{arch}.co
                ``n_positions``, ...), else ``model_max_length``
 eos_token_ids  ``generation_config.json`` > ``config.json`` >        eos (+ eot, eom) ids
                the tokenizer's eos token
-display_name   the directory's name                                  ``general.name`` / stem
+display_name   the directory's name                                  the file's stem
 ============== ===================================================== =========================
 
 An explicit ``context_length`` argument wins over the files. Missing or invalid files raise
@@ -227,9 +227,10 @@ def _from_gguf(p: Path) -> dict[str, Any]:
     arch = meta.get(gguf.Keys.General.ARCHITECTURE)
     ctx = meta.get(gguf.Keys.LLM.CONTEXT_LENGTH.format(arch=arch)) if arch else None
     template = meta.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
-    name = meta.get(gguf.Keys.General.NAME)
     return {
-        "display_name": name if isinstance(name, str) and name else p.stem,
+        # The file's stem, as llama.cpp's server names a model: ``general.name`` is often a
+        # training-run label ("Smollm2 135M 8k Lc100K Mix1 Ep2"), not what users type.
+        "display_name": p.stem,
         "tokenizer": TokenizerSource(kind=KIND_GGUF, path=str(p), sha256=file_sha256(p)),
         "chat_template": template if isinstance(template, str) else None,
         "context_length": ctx if isinstance(ctx, int) and ctx > 0 else DEFAULT_CONTEXT_LENGTH,
