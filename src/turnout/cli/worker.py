@@ -104,6 +104,7 @@ def make_engines(
         return list(
             make_mocker_engines(
                 mocker_config(args), count, model_path=args.model_path,
+                context_length=args.context_length,
                 served_model_name=args.model_name,
             )
         )  # fmt: skip

@@ -18,6 +18,7 @@ closed generator aborts its request at once; either way the request's blocks go 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -26,6 +27,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+import msgspec
 
 from turnout.engines.base import Engine
 from turnout.engines.mocker.config import MockerConfig
@@ -143,6 +146,7 @@ class MockerEngine(Engine):
         sleep: Sleep = asyncio.sleep,
         model_path: str | Path | None = None,
         served_model_name: str | None = None,
+        context_length: int | None = None,
         validate: bool = True,
     ) -> None:
         if validate:
@@ -153,6 +157,7 @@ class MockerEngine(Engine):
         self._sleep = sleep
         self._model_path = model_path
         self._served_model_name = served_model_name
+        self._context_length = context_length
         self._worker_id = worker_id
         self._ids = itertools.count()
         self._ranks = [
@@ -293,15 +298,13 @@ class MockerEngine(Engine):
     def model_card_template(self) -> ModelDeploymentCard:
         """The real model's card (tokenizer, template) with the mocker's KV geometry, so the
         frontend runs its real pipeline in front of simulated workers."""
-        # Imported here: it pulls in gguf and tokenizers, which only a worker's card needs.
-        from turnout.llm import model_card
-
-        path = self._model_path or model_card.default_gguf_path()
         cfg = self._config
-        return model_card.load_model_card(
-            path,
-            endpoint=EndpointId(namespace="placeholder", component="placeholder", name="generate"),
-            display_name=self._served_model_name,
+        base = _load_base_card(
+            str(self._model_path) if self._model_path else None, self._context_length
+        )
+        return msgspec.structs.replace(
+            base,
+            display_name=self._served_model_name or base.display_name,
             kv_cache_block_size=cfg.block_size,
             runtime_config=RuntimeConfig(
                 total_kv_blocks=cfg.num_gpu_blocks,
@@ -464,3 +467,17 @@ def make_mocker_engines(
         )
         for i in range(num_workers)
     ]
+
+
+@functools.lru_cache(maxsize=8)
+def _load_base_card(model_path: str | None, context_length: int | None) -> ModelDeploymentCard:
+    """The model's card, read once per process: 64 simulated workers share one model, and
+    reading a GGUF's metadata costs a noticeable fraction of a second."""
+    # Imported here: it pulls in gguf and tokenizers, which only a worker's card needs.
+    from turnout.llm import model_card
+
+    return model_card.load_model_card(
+        model_path or model_card.default_gguf_path(),
+        endpoint=EndpointId(namespace="placeholder", component="placeholder", name="generate"),
+        context_length=context_length,
+    )
