@@ -7,6 +7,7 @@ frontend's model watcher sees the model appear and, when the lease ends, disappe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -88,13 +89,28 @@ class Worker:
         return self.serving
 
     async def _handle(self, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        """Run one request on the engine and stream its outputs, merging bursts.
+
+        The engine runs in its own task, filling an ``_OutputBuffer``; this generator sends
+        whatever accumulated since it last ran, with consecutive token-only outputs folded
+        into one (``merge_outputs``). An engine faster than the frontend (echo, or a burst
+        of speculative tokens) thus costs the request plane and the frontend one item per
+        burst instead of one per token; an engine slower than the event loop still gets one
+        output, so one SSE event, per token. Cancelling this generator cancels the engine.
+        """
         request = _request_decoder.decode(payload)
-        stream: AsyncIterator[LLMEngineOutput] = self.engine.generate(request, ctx)
+        buffer = _OutputBuffer()
+        producer = asyncio.get_running_loop().create_task(
+            buffer.fill(self.engine.generate(request, ctx))
+        )
         try:
-            async for output in stream:
-                yield _encode(output)
+            while outputs := await buffer.take():
+                for output in merge_outputs(outputs):
+                    yield _encode(output)
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            if not producer.done():
+                producer.cancel()
+                await asyncio.wait([producer])
 
     @staticmethod
     def _snapshot_handler(snapshot: Callable[[int], KvSnapshot]) -> Handler:
@@ -112,3 +128,99 @@ class Worker:
         if self._publisher is not None:
             await self._publisher.close()
             self._publisher = None
+
+
+#: Outputs the engine may run ahead of the handler before it is paused (back-pressure: the
+#: request plane's credit window stops the handler, this stops the engine behind it).
+_MAX_BUFFERED = 64
+
+
+class _OutputBuffer:
+    """Outputs handed from the engine task (``fill``) to the handler (``take``).
+
+    ``items`` is appended by ``fill`` and swapped out whole by ``take``; ``done`` and
+    ``error`` are set once, by ``fill``, when the engine stream ends. Each side parks on its
+    own future (``_taker`` / ``_filler``) only when it cannot proceed.
+    """
+
+    __slots__ = ("_filler", "_taker", "done", "error", "items")
+
+    def __init__(self) -> None:
+        self.items: list[LLMEngineOutput] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self._taker: asyncio.Future[None] | None = None
+        self._filler: asyncio.Future[None] | None = None
+
+    async def fill(self, stream: AsyncIterator[LLMEngineOutput]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for output in stream:
+                self.items.append(output)
+                _wake(self._taker)
+                if len(self.items) >= _MAX_BUFFERED:
+                    self._filler = loop.create_future()
+                    await self._filler
+        except Exception as exc:  # handed to the handler, which raises it (ERROR frame)
+            self.error = exc
+        finally:
+            self.done = True
+            _wake(self._taker)
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def take(self) -> list[LLMEngineOutput]:
+        """Everything buffered (waiting for at least one); ``[]`` at the end of the stream."""
+        while not self.items:
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return []
+            self._taker = asyncio.get_running_loop().create_future()
+            await self._taker
+        items = self.items
+        self.items = []
+        _wake(self._filler)
+        return items
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+def _is_plain(output: LLMEngineOutput) -> bool:
+    """Only new token ids: nothing that a merge could misplace or lose."""
+    return (
+        bool(output.token_ids)
+        and output.finish_reason is None
+        and output.usage is None
+        and output.text is None
+        and output.log_probs is None
+        and output.cum_log_probs is None
+        and output.error is None
+        and output.extra is None
+    )
+
+
+def merge_outputs(outputs: list[LLMEngineOutput]) -> list[LLMEngineOutput]:
+    """Fold runs of token-only outputs into one output (outputs are deltas, so their ids
+    concatenate); such a run also joins the next output when that one carries no text or
+    log probs (e.g. the last output's finish reason and usage). Order is kept."""
+    if len(outputs) == 1:
+        return outputs
+    merged: list[LLMEngineOutput] = []
+    held: list[int] = []
+    for output in outputs:
+        if _is_plain(output):
+            held.extend(output.token_ids)
+            continue
+        if held:
+            if output.text is None and output.log_probs is None:
+                output = msgspec.structs.replace(output, token_ids=held + output.token_ids)
+            else:
+                merged.append(LLMEngineOutput(token_ids=held))
+            held = []
+        merged.append(output)
+    if held:
+        merged.append(LLMEngineOutput(token_ids=held))
+    return merged

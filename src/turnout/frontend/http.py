@@ -34,7 +34,15 @@ from .http_errors import HttpError, to_http_error
 from .metrics import CONTENT_TYPE, FrontendMetrics, StreamTimer
 from .model_manager import ModelManager
 from .pipeline import Generation, TextPipeline, TokensPipeline
-from .responses import SSE_DONE, ChunkWriter, aggregate_chunks, make_usage, sse, whole_response
+from .responses import (
+    SSE_DONE,
+    ChunkWriter,
+    aggregate_chunks,
+    make_usage,
+    new_request_id,
+    sse,
+    whole_response,
+)
 
 log = logging.getLogger("turnout.frontend")
 
@@ -159,7 +167,7 @@ class HttpService:
         model = "unknown"
         stream = False
         status = 200
-        ctx = RequestContext(scope.headers.get("x-request-id"))
+        ctx = RequestContext(scope.headers.get("x-request-id") or new_request_id())
         task = asyncio.current_task()
         assert task is not None
         client_gone = False
@@ -183,7 +191,7 @@ class HttpService:
                 if is_chat
                 else self.manager.get_completions_engine(model)
             )
-            inflight = self.metrics.inflight.labels(model)
+            inflight = self.metrics.model(model).inflight
             inflight.inc()
             try:
                 if isinstance(pipeline, TextPipeline):
@@ -207,7 +215,7 @@ class HttpService:
         finally:
             disconnect.remove_done_callback(on_disconnect)
             disconnect.cancel()
-            self.metrics.requests.labels(model, endpoint, str(stream).lower(), str(status)).inc()
+            self.metrics.count_request(model, endpoint, stream, status)
 
     async def _serve_tokens(
         self,
@@ -217,10 +225,9 @@ class HttpService:
         ctx: RequestContext,
     ) -> None:
         pre = await pipeline.preprocess(request)
-        model = request.model
-        metrics = self.metrics
-        metrics.input_tokens.labels(model).observe(len(pre.token_ids))
-        timer = StreamTimer(metrics, model)
+        metrics = self.metrics.model(request.model)
+        metrics.input_tokens.observe(len(pre.token_ids))
+        timer = StreamTimer(metrics)
         generation = pipeline.generate(pre, ctx)
         try:
             deltas = generation.__aiter__()
@@ -236,11 +243,11 @@ class HttpService:
                 await self._whole_tokens(proto, request, generation, first, timer, ctx)
         finally:
             await generation.aclose()
-            metrics.output_tokens.labels(model).observe(generation.decoder.num_output_tokens)
+            metrics.output_tokens.observe(generation.decoder.num_output_tokens)
             cached = generation.decoder.cached_tokens
             if cached:
-                metrics.cached_tokens.labels(model).inc(cached)
-            metrics.duration.labels(model).observe(time.perf_counter() - timer.start)
+                metrics.cached_tokens.inc(cached)
+            metrics.duration.observe(time.perf_counter() - timer.start)
 
     def _nvext(
         self, request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext

@@ -2,18 +2,30 @@
 
 One ``FrontendMetrics`` per frontend, with its own registry (several frontends can live in
 one test process). Per-token work is one histogram observation for inter-token latency.
+
+Hot-path costs: ``prometheus_client``'s ``labels()`` takes a lock and builds a key on every
+call, and its ``Histogram.observe`` takes a lock per bucket and sum. The frontend observes
+from one thread (the event loop, which also renders ``/metrics``), so the histograms here are
+``LoopHistogram`` (plain integer increments, no lock) and the per-model children are looked up
+once and cached in a ``ModelMetrics`` record (``FrontendMetrics.model``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from bisect import bisect_left
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -21,6 +33,70 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _HistogramChild:
+    """One label set of a ``LoopHistogram``: ``counts[i]`` observations fell in bucket ``i``
+    (not cumulative; the last bucket is +Inf). Written only by ``observe``."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, i.e. Prometheus' "le" bucket.
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class LoopHistogram(Collector):
+    """A Prometheus histogram for one thread: the same exposition as ``prometheus_client``'s
+    ``Histogram`` (``_bucket``/``_count``/``_sum``; no ``_created``), without its locks.
+
+    Not thread-safe by design: observe and collect from the event loop thread only.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = list(labelnames)
+        self._bounds = tuple(float(b) for b in buckets)
+        self._les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
+        self._children: dict[tuple[str, ...], _HistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self._name}: expected labels {self._labelnames}")
+            child = self._children[values] = _HistogramChild(self._bounds)
+        return child
+
+    def describe(self) -> Iterator[Any]:
+        yield HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def collect(self) -> Iterator[Any]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for values, child in list(self._children.items()):
+            cumulative = 0
+            buckets = []
+            for le, n in zip(self._les, child.counts, strict=True):
+                cumulative += n
+                buckets.append((le, cumulative))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
 
 
 class FrontendMetrics:
@@ -36,35 +112,35 @@ class FrontendMetrics:
         self.inflight = Gauge(
             "turnout_inflight_requests", "Requests in flight", ["model"], registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "turnout_time_to_first_token_seconds",
             "Time from request arrival to the first generated token",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             "turnout_inter_token_latency_seconds",
             "Time between consecutive token deliveries of one stream",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.duration = Histogram(
+        self.duration = LoopHistogram(
             "turnout_request_duration_seconds",
             "Time from request arrival to its last byte",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.input_tokens = Histogram(
+        self.input_tokens = LoopHistogram(
             "turnout_input_sequence_tokens",
             "Prompt tokens per request",
             ["model"],
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
-        self.output_tokens = Histogram(
+        self.output_tokens = LoopHistogram(
             "turnout_output_sequence_tokens",
             "Generated tokens per request",
             ["model"],
@@ -84,6 +160,23 @@ class FrontendMetrics:
             ["model", "reason"], registry=r,
         )  # fmt: skip
 
+        self._models: dict[str, ModelMetrics] = {}
+        self._requests: dict[tuple[str, str, str, str], Any] = {}
+
+    def model(self, model: str) -> ModelMetrics:
+        """The per-model children, looked up once per model (``labels()`` costs a lock)."""
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = ModelMetrics(self, model)
+        return m
+
+    def count_request(self, model: str, endpoint: str, stream: bool, status: int) -> None:
+        key = (model, endpoint, "true" if stream else "false", str(status))
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(*key)
+        child.inc()
+
     def watch_kv_routers(self, routers: Mapping[str, Any]) -> None:
         """Expose the KV routers' own counters (read at scrape time: no hot-path cost)."""
         self.registry.register(_KvRouterCollector(routers))
@@ -92,15 +185,32 @@ class FrontendMetrics:
         return generate_latest(self.registry)
 
 
+class ModelMetrics:
+    """The label children of one model (read-only after construction)."""
+
+    __slots__ = (
+        "cached_tokens", "duration", "inflight", "input_tokens", "itl", "output_tokens", "ttft",
+    )  # fmt: skip
+
+    def __init__(self, metrics: FrontendMetrics, model: str) -> None:
+        self.inflight = metrics.inflight.labels(model)
+        self.ttft = metrics.ttft.labels(model)
+        self.itl = metrics.itl.labels(model)
+        self.duration = metrics.duration.labels(model)
+        self.input_tokens = metrics.input_tokens.labels(model)
+        self.output_tokens = metrics.output_tokens.labels(model)
+        self.cached_tokens = metrics.cached_tokens.labels(model)
+
+
 class StreamTimer:
     """Per-request latency bookkeeping: TTFT at the first token, ITL between later ones."""
 
-    __slots__ = ("_itl", "_last", "_model", "_ttft", "start", "ttft_s")
+    __slots__ = ("_itl", "_last", "_ttft", "start", "ttft_s")
 
-    def __init__(self, metrics: FrontendMetrics, model: str) -> None:
+    def __init__(self, metrics: ModelMetrics) -> None:
         self.start = time.perf_counter()
-        self._ttft = metrics.ttft.labels(model)
-        self._itl = metrics.itl.labels(model)
+        self._ttft = metrics.ttft
+        self._itl = metrics.itl
         self._last = 0.0
         self.ttft_s: float | None = None
 

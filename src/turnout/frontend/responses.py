@@ -7,8 +7,9 @@ first and last chunks, rare, go through the typed structs.
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -30,8 +31,20 @@ _json = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+#: Ids are a random per-process prefix and a counter: unique within the process (and across
+#: processes with overwhelming odds), the shape of ``uuid4().hex``, at a tenth of its cost
+#: (``uuid4`` is a syscall plus an int round trip, twice per request on the hot path).
+_ID_PREFIX = os.urandom(8).hex()
+_id_counter = itertools.count()
+
+
+def new_request_id() -> str:
+    """A fresh 32-hex-digit id (see ``_ID_PREFIX``)."""
+    return f"{_ID_PREFIX}{next(_id_counter):016x}"
+
+
 def new_response_id(is_chat: bool) -> str:
-    return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+    return ("chatcmpl-" if is_chat else "cmpl-") + new_request_id()
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> Usage:

@@ -151,6 +151,26 @@ class StreamDecoder:
                 if not matched:
                     return DecodedDelta(text, ids)
                 return self._finish([text], ids, FinishReason.STOP, matched=True)
+        elif (
+            len(ids) > 1
+            and not self._stops
+            and self._stop_ids.keys().isdisjoint(ids)
+            and (self._max_tokens < 0 or self.num_output_tokens + len(ids) < self._max_tokens)
+        ):
+            # Fast path for a burst (a worker merges the outputs its engine produced in one
+            # event-loop turn): no id can stop it, so the ids go to the detokenizer in one
+            # Rust call; it yields the same text as one step per id.
+            self.num_output_tokens += len(ids)
+            text = self._detok.step_many(ids)
+            reason = output.finish_reason
+            if reason is None:
+                return DecodedDelta(text, ids)
+            error = (
+                (output.error or "the engine reported an error")
+                if reason is FinishReason.ERROR
+                else None
+            )
+            return self._finish([text] if text else [], ids, reason, matched=False, error=error)
 
         accepted: list[int] = []
         pieces: list[str] = []
