@@ -62,3 +62,16 @@ async def test_repeated_prompt_reports_cached_tokens(
     assert cached[:2] == [0, 0]
     assert cached[2] >= 192 and cached[3] >= 192, cached
     await api.close()
+
+
+async def test_prompt_longer_than_the_pool_is_400(
+    mocker_stack: tuple[Stack, list[MockerEngine]],
+) -> None:
+    stack, _ = mocker_stack
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    pool_tokens = 256 * 16
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        await api.completions.create(model="mock", prompt=[1000] * pool_tokens, max_tokens=1)
+    ok = await api.completions.create(model="mock", prompt=[1000] * 100, max_tokens=1)
+    assert ok.choices[0].finish_reason == "length"
+    await api.close()

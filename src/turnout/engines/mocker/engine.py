@@ -305,6 +305,9 @@ class MockerEngine(Engine):
         return msgspec.structs.replace(
             base,
             display_name=self._served_model_name or base.display_name,
+            # A prompt must fit in the pool: saying so in the card lets the frontend refuse a
+            # longer one with a 400 before it reaches a worker.
+            context_length=min(base.context_length, cfg.max_context_tokens),
             kv_cache_block_size=cfg.block_size,
             runtime_config=RuntimeConfig(
                 total_kv_blocks=cfg.num_gpu_blocks,
