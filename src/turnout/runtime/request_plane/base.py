@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
@@ -29,21 +30,49 @@ from turnout.runtime.context import RequestContext
 Handler = Callable[[bytes, RequestContext], AsyncIterator[bytes]]
 
 
+class InflightStream(Protocol):
+    """What a server keeps of each stream it runs: its path and its handler task."""
+
+    path: str
+    task: asyncio.Task[None] | None
+
+
 class RequestPlaneServer(abc.ABC):
+    """The handler table and drain logic every transport shares; a transport adds I/O.
+
+    Transports keep ``_accepting`` (false before ``start`` and after ``stop``) and add every
+    stream they run to ``_inflight`` (removing it when its task ends).
+    """
+
     kind: str
 
-    @abc.abstractmethod
-    def register(self, endpoint_path: str, handler: Handler) -> None: ...
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+        #: Paths unregistered while the server runs: refused as PeerUnavailable, not unknown.
+        self._retired: set[str] = set()
+        self._inflight: set[Any] = set()
+        self._accepting = False
+
+    def register(self, endpoint_path: str, handler: Handler) -> None:
+        self._handlers[endpoint_path] = handler
+        self._retired.discard(endpoint_path)
 
     def unregister(self, endpoint_path: str) -> None:
         """Stop taking requests for ``endpoint_path``: new ones are refused as ``PeerUnavailable``
         (the instance is leaving; retry elsewhere). Streams in flight go on; see ``drain``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot unregister handlers")
+        if self._handlers.pop(endpoint_path, None) is not None:
+            self._retired.add(endpoint_path)
+
+    def _takes(self, endpoint_path: str) -> bool:
+        """Whether a new request for ``endpoint_path`` may start (else: refuse it)."""
+        return self._accepting and endpoint_path not in self._retired
 
     async def drain(self, endpoint_path: str, drain_timeout: float = 5.0) -> None:
         """Wait up to ``drain_timeout`` seconds for the in-flight streams of ``endpoint_path``
         to finish, then cancel the rest (their clients see ``StreamBroken``)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot drain a handler")
+        streams: set[InflightStream] = self._inflight
+        tasks = [s.task for s in streams if s.path == endpoint_path and s.task]
+        await drain_tasks(tasks, drain_timeout)
 
     @abc.abstractmethod
     async def start(self) -> TransportAddress:

@@ -80,23 +80,9 @@ class LocalServer(RequestPlaneServer):
     kind = "local"
 
     def __init__(self) -> None:
-        self._handlers: dict[str, Handler] = {}
-        self._retired: set[str] = set()
-        self._pipes: set[_Pipe] = set()
+        super().__init__()
+        self._inflight: set[_Pipe] = set()
         self._address: str | None = None
-        self._accepting = False
-
-    def register(self, endpoint_path: str, handler: Handler) -> None:
-        self._handlers[endpoint_path] = handler
-        self._retired.discard(endpoint_path)
-
-    def unregister(self, endpoint_path: str) -> None:
-        if self._handlers.pop(endpoint_path, None) is not None:
-            self._retired.add(endpoint_path)
-
-    async def drain(self, endpoint_path: str, drain_timeout: float = 5.0) -> None:
-        tasks = [p.task for p in self._pipes if p.path == endpoint_path and p.task]
-        await drain_tasks(tasks, drain_timeout)
 
     async def start(self) -> TransportAddress:
         if self._address is None:
@@ -109,16 +95,16 @@ class LocalServer(RequestPlaneServer):
         self._accepting = False
         if self._address is not None:
             _SERVERS.pop(self._address, None)
-        await drain_tasks([p.task for p in self._pipes if p.task], drain_timeout)
+        await drain_tasks([p.task for p in self._inflight if p.task], drain_timeout)
 
     def _open(self, address: str, path: str, payload: bytes, ctx: RequestContext) -> _Pipe:
-        if not self._accepting or path in self._retired:
+        if not self._takes(path):
             raise PeerUnavailable(f"local peer {address} no longer takes requests for {path!r}")
         handler = self._handlers.get(path)
         if handler is None:
             raise RemoteError(f"unknown endpoint {path!r} at local peer {address}")
         pipe = _Pipe(path, RequestContext(ctx.request_id))
-        self._pipes.add(pipe)
+        self._inflight.add(pipe)
         pipe.task = asyncio.get_running_loop().create_task(self._run(pipe, handler, payload))
         pipe.task.add_done_callback(lambda _: self._on_done(pipe))
         return pipe
@@ -126,7 +112,7 @@ class LocalServer(RequestPlaneServer):
     def _on_done(self, pipe: _Pipe) -> None:
         """Bookkeeping when a handler task ends, however it ends: even a task cancelled
         before its first step, whose ``finally`` never runs."""
-        self._pipes.discard(pipe)
+        self._inflight.discard(pipe)
         if pipe.task is not None and pipe.task.cancelled():
             # Client gone (terminal already set: nothing changes) or server stop past its
             # drain: the client sees a broken stream, as if the process had died.

@@ -249,27 +249,13 @@ class TcpServer(RequestPlaneServer):
     kind = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__()
         self.host = host
         self.port = port
-        self._handlers: dict[str, Handler] = {}
-        self._retired: set[str] = set()
-        self._streams: set[_ServerStream] = set()
+        self._inflight: set[_ServerStream] = set()
         self._conns: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
         self._address: TransportAddress | None = None
-        self._accepting = False
-
-    def register(self, endpoint_path: str, handler: Handler) -> None:
-        self._handlers[endpoint_path] = handler
-        self._retired.discard(endpoint_path)
-
-    def unregister(self, endpoint_path: str) -> None:
-        if self._handlers.pop(endpoint_path, None) is not None:
-            self._retired.add(endpoint_path)
-
-    async def drain(self, endpoint_path: str, drain_timeout: float = 5.0) -> None:
-        tasks = [s.task for s in self._streams if s.path == endpoint_path and s.task]
-        await drain_tasks(tasks, drain_timeout)
 
     async def start(self) -> TransportAddress:
         if self._address is not None:
@@ -288,7 +274,7 @@ class TcpServer(RequestPlaneServer):
         self._accepting = False
         if self._server is not None:
             self._server.close()
-        await drain_tasks([s.task for s in self._streams if s.task], drain_timeout)
+        await drain_tasks([s.task for s in self._inflight if s.task], drain_timeout)
         conns = list(self._conns)
         for conn in conns:
             conn.close()
@@ -304,7 +290,7 @@ class TcpServer(RequestPlaneServer):
     def _open(self, conn: _ServerConnection, frame: Frame) -> None:
         sid = frame.stream_id
         path = frame.text
-        if not self._accepting or path in self._retired:
+        if not self._takes(path):
             conn.send(Frame(Kind.REJECT, sid, text=f"not taking requests for {path!r}"))
             return
         handler = self._handlers.get(path)
@@ -317,7 +303,7 @@ class TcpServer(RequestPlaneServer):
             return
         stream = _ServerStream(sid, path, RequestContext(frame.text2 or None))
         conn.streams[sid] = stream
-        self._streams.add(stream)
+        self._inflight.add(stream)
         conn.send(Frame(Kind.ACK, sid))
         task = asyncio.get_running_loop().create_task(self._run(conn, stream, handler, payload))
         stream.task = task
@@ -327,7 +313,7 @@ class TcpServer(RequestPlaneServer):
         """Bookkeeping when a handler task ends, however it ends: even a task cancelled
         before its first step, whose ``finally`` never runs."""
         conn.streams.pop(stream.stream_id, None)
-        self._streams.discard(stream)
+        self._inflight.discard(stream)
         if stream.task is not None and stream.task.cancelled() and not stream.cancelled_by_client:
             # Cancelled by the server (drain ran out): the client must not hang.
             stream.ctx.cancel()
