@@ -26,6 +26,7 @@ What we ask llama.cpp for, and why:
   match over token byte strings): exact when one token is missing, as is usual; when several
   are, the ids may be segmented differently from the model's, but they decode to the same
   bytes. Tokens held back when the generation ends mid-character are lost (they are not text).
+  The vocabulary side of this lives in ``llamacpp_vocab`` (``VocabBytes``).
 * ``timings_per_token``: every chunk reports ``cache_n`` (prompt tokens served from the
   slot's prompt cache), so usage is right even when we stop the stream ourselves.
 * ``kv_unified``: one KV pool shared by the slots, so any request may use the whole
@@ -45,14 +46,11 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
-import gguf
 import msgspec
 
-from turnout.llm.gguf_tokenizer import read_gguf_metadata
 from turnout.llm.model_card import default_gguf_path, load_model_card
 from turnout.protocols.llm import (
     CompletionUsage,
@@ -65,6 +63,7 @@ from turnout.runtime.context import RequestContext
 
 from .base import Engine
 from .echo import PLACEHOLDER_ENDPOINT
+from .llamacpp_vocab import VocabBytes
 
 log = logging.getLogger(__name__)
 
@@ -132,88 +131,6 @@ class _Chunk(msgspec.Struct):
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
-
-
-# ----------------------------------------------------------------- vocabulary bytes
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {chr(b): b for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shift)] = b
-            shift += 1
-    return table
-
-
-class VocabBytes:
-    """The bytes of each token and the id of each byte string, to recover held-back tokens.
-
-    Only normal and byte tokens take part (control tokens render as nothing). Supports the
-    byte-level BPE (``gpt2``) and SentencePiece (``llama``) vocabularies; for others it is
-    empty and recovery is skipped.
-    """
-
-    __slots__ = ("_ids", "_max_len", "_pieces")
-
-    def __init__(self, pieces: Iterable[tuple[bytes, int]]) -> None:
-        self._pieces: dict[int, bytes] = {}
-        self._ids: dict[bytes, int] = {}
-        for piece, token_id in pieces:
-            self._pieces[token_id] = piece
-            if piece and piece not in self._ids:
-                self._ids[piece] = token_id
-        self._max_len = max(map(len, self._ids), default=0)
-
-    @classmethod
-    def from_gguf(cls, path: str | Path) -> VocabBytes:
-        meta = read_gguf_metadata(path)
-        model = meta.get(gguf.Keys.Tokenizer.MODEL)
-        tokens: list[str] = meta.get(gguf.Keys.Tokenizer.LIST) or []
-        types: list[int] = meta.get(gguf.Keys.Tokenizer.TOKEN_TYPE) or [1] * len(tokens)
-        wanted = (gguf.TokenType.NORMAL, gguf.TokenType.BYTE)
-        pieces: list[tuple[bytes, int]] = []
-        if model == "gpt2":
-            dec = _gpt2_byte_decoder()
-            for i, (tok, typ) in enumerate(zip(tokens, types, strict=False)):
-                if typ in wanted and all(c in dec for c in tok):
-                    pieces.append((bytes(dec[c] for c in tok), i))
-        elif model == "llama":
-            for i, (tok, typ) in enumerate(zip(tokens, types, strict=False)):
-                if typ == gguf.TokenType.BYTE and len(tok) == 6 and tok.startswith("<0x"):
-                    pieces.append((bytes([int(tok[3:5], 16)]), i))
-                elif typ == gguf.TokenType.NORMAL:
-                    pieces.append((tok.replace("\u2581", " ").encode(), i))
-        else:
-            log.info("llamacpp: no byte table for tokenizer model %r", model)
-        return cls(pieces)
-
-    def piece(self, token_id: int) -> bytes | None:
-        """The bytes ``token_id`` renders as; None for control tokens and unknown models."""
-        return self._pieces.get(token_id)
-
-    def fill(self, data: bytes) -> list[int]:
-        """Ids whose byte strings concatenate to ``data`` (greedy longest match); ``[]`` when
-        some byte has no token."""
-        ids: list[int] = []
-        pos, end = 0, len(data)
-        while pos < end:
-            for n in range(min(self._max_len, end - pos), 0, -1):
-                token_id = self._ids.get(data[pos : pos + n])
-                if token_id is not None:
-                    ids.append(token_id)
-                    pos += n
-                    break
-            else:
-                return []
-        return ids
 
 
 # ----------------------------------------------------------------- one stream

@@ -1,0 +1,256 @@
+"""Client end of the ``tcp`` request plane: ``TcpClient``, its connections and streams.
+
+A stream's frames land in an ``_Inbox`` owned by the connection; the iterator handed to the
+caller (``_TcpStream``) reads it and returns credit as it consumes, so dropping the iterator
+can cancel the stream. Error mapping: nothing sent or REJECT -> ``PeerUnavailable``;
+connection lost before ACK -> ``PeerUnavailable``, after ACK or ABORT -> ``StreamBroken``;
+ERROR -> ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+
+from turnout.errors import PeerUnavailable, RemoteError, StreamBroken
+from turnout.protocols.model import TransportAddress
+from turnout.runtime.context import RequestContext
+from turnout.runtime.request_plane.base import RequestPlaneClient
+from turnout.runtime.request_plane.framing import CREDIT_BATCH, Frame, Kind
+from turnout.runtime.request_plane.tcp.connection import _CREDIT, _DATA, _Connection
+
+_CONNECT_TIMEOUT = 5.0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise PeerUnavailable(f"bad tcp address {address!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+class _Inbox:
+    """What the connection delivers to one client stream. ``terminal`` is set once, by the
+    connection (END, ERROR, REJECT, ABORT, loss) or by the consumer (cancel)."""
+
+    __slots__ = ("acked", "items", "terminal", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[bytes] = collections.deque()
+        self.acked = False
+        self.terminal: type[StopAsyncIteration] | BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def finish(self, terminal: type[StopAsyncIteration] | BaseException) -> None:
+        if self.terminal is None:
+            self.terminal = terminal
+            self.wake()
+
+
+class _ClientConnection(_Connection):
+    def __init__(self, client: TcpClient, address: str) -> None:
+        super().__init__()
+        self.client = client
+        self.address = address
+        self.inboxes: dict[int, _Inbox] = {}
+        self._ids = itertools.count(1)
+
+    def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, _Inbox]:
+        sid = next(self._ids)
+        inbox = _Inbox()
+        self.inboxes[sid] = inbox
+        self.send(Frame(Kind.REQUEST, sid, payload, path, 0, request_id))
+        return sid, inbox
+
+    def cancel_stream(self, sid: int) -> None:
+        if self.inboxes.pop(sid, None) is not None:
+            self.send(Frame(Kind.CANCEL, sid))
+
+    def on_frame(self, frame: Frame) -> None:
+        kind = frame.kind
+        inbox = self.inboxes.get(frame.stream_id)
+        if inbox is None:
+            return  # late frames of a stream the client cancelled
+        if kind == _DATA:
+            data = frame.data
+            if isinstance(data, bytes):
+                inbox.items.append(data)
+            else:
+                inbox.items.extend(data)
+            inbox.wake()
+        elif kind == Kind.ACK:
+            inbox.acked = True
+        else:
+            del self.inboxes[frame.stream_id]
+            if kind == Kind.END:
+                inbox.finish(StopAsyncIteration)
+            elif kind == Kind.ERROR:
+                inbox.finish(RemoteError(frame.text))
+            elif kind == Kind.REJECT:
+                inbox.finish(PeerUnavailable(f"tcp peer {self.address}: {frame.text}"))
+            else:  # ABORT
+                inbox.finish(StreamBroken(f"tcp peer {self.address} aborted the stream"))
+
+    def on_lost(self, exc: Exception | None) -> None:
+        self.client._forget(self)
+        inboxes = list(self.inboxes.values())
+        self.inboxes.clear()
+        reason = f": {exc}" if exc else ""
+        for inbox in inboxes:
+            if inbox.acked:
+                inbox.finish(StreamBroken(f"connection to tcp peer {self.address} lost{reason}"))
+            else:
+                inbox.finish(PeerUnavailable(f"connection to tcp peer {self.address} lost{reason}"))
+
+
+class _TcpStream:
+    """The caller's iterator over one stream; sends the REQUEST on the first ``__anext__``."""
+
+    __slots__ = ("_address", "_client", "_conn", "_consumed", "_ctx", "_inbox", "_path",
+                 "_payload", "_sid")  # fmt: skip
+
+    def __init__(
+        self, client: TcpClient, address: str, path: str, payload: bytes, ctx: RequestContext
+    ) -> None:
+        self._client = client
+        self._address = address
+        self._path = path
+        self._payload = payload
+        self._ctx = ctx
+        self._conn: _ClientConnection | None = None
+        self._inbox: _Inbox | None = None
+        self._sid = 0
+        self._consumed = 0
+
+    def __aiter__(self) -> _TcpStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        inbox = self._inbox
+        if inbox is None:
+            conn = await self._client._connection(self._address)
+            self._sid, inbox = conn.open_stream(self._path, self._payload, self._ctx.request_id)
+            self._conn, self._inbox = conn, inbox
+            self._payload = b""
+        items = inbox.items
+        while not items:
+            terminal = inbox.terminal
+            if terminal is not None:
+                inbox.terminal = StopAsyncIteration  # an error is raised once
+                raise terminal
+            inbox.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await inbox.waiter
+            except asyncio.CancelledError:
+                self._cancel()
+                raise
+            finally:
+                inbox.waiter = None
+        self._consumed += 1
+        if self._consumed >= CREDIT_BATCH and inbox.terminal is None:
+            assert self._conn is not None
+            self._conn.send(Frame(_CREDIT, self._sid, num=self._consumed))
+            self._consumed = 0
+        return items.popleft()
+
+    def _cancel(self) -> None:
+        inbox = self._inbox
+        if inbox is not None and inbox.terminal is None:
+            inbox.terminal = StopAsyncIteration
+            assert self._conn is not None
+            self._conn.cancel_stream(self._sid)
+
+    async def aclose(self) -> None:
+        self._cancel()
+
+    def __del__(self) -> None:
+        inbox = self._inbox
+        if inbox is not None and inbox.terminal is None and self._conn is not None:
+            # Dropped without aclose(): cancel at the next loop iteration (not from inside
+            # __del__, which may run in the middle of a frame being written).
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                self._conn._loop.call_soon(self._conn.cancel_stream, self._sid)
+
+
+class TcpClient(RequestPlaneClient):
+    """Streams to tcp peers over one connection per peer address, opened on first use."""
+
+    kind = "tcp"
+
+    def __init__(self) -> None:
+        self._conns: dict[str, _ClientConnection] = {}
+        self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
+        self._closed = False
+
+    def stream(
+        self,
+        address: TransportAddress,
+        endpoint_path: str,
+        payload: bytes,
+        ctx: RequestContext,
+    ) -> _TcpStream:
+        if address.kind != self.kind:
+            raise PeerUnavailable(f"tcp client cannot reach a {address.kind!r} address")
+        return _TcpStream(self, address.address, endpoint_path, payload, ctx)
+
+    async def _connection(self, address: str) -> _ClientConnection:
+        conn = self._conns.get(address)
+        if conn is not None and conn.is_open:
+            return conn
+        if self._closed:
+            raise PeerUnavailable("tcp request plane client is closed")
+        task = self._connecting.get(address)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._connect(address))
+            self._connecting[address] = task
+            task.add_done_callback(self._connected)
+        # shield: one caller giving up must not abort the connect the others wait for.
+        return await asyncio.shield(task)
+
+    def _connected(self, task: asyncio.Task[_ClientConnection]) -> None:
+        for address, pending in list(self._connecting.items()):
+            if pending is task:
+                del self._connecting[address]
+        if not task.cancelled():
+            task.exception()  # retrieved here, so an abandoned failure is not logged as lost
+
+    async def _connect(self, address: str) -> _ClientConnection:
+        host, port = split_address(address)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(_CONNECT_TIMEOUT):
+                _, conn = await loop.create_connection(
+                    lambda: _ClientConnection(self, address), host, port
+                )
+        except (OSError, TimeoutError) as exc:
+            raise PeerUnavailable(f"cannot connect to tcp peer {address}: {exc}") from exc
+        if self._closed:
+            conn.close()
+            raise PeerUnavailable("tcp request plane client is closed")
+        self._conns[address] = conn
+        return conn
+
+    def _forget(self, conn: _ClientConnection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._connecting.values()):
+            task.cancel()
+        conns = list(self._conns.values())
+        for conn in conns:
+            conn.close()
+        if conns:
+            await asyncio.wait([conn.closed for conn in conns], timeout=1.0)
+            for conn in conns:
+                if conn.transport is not None and not conn.closed.done():
+                    conn.transport.abort()
