@@ -75,3 +75,19 @@ async def test_prompt_longer_than_the_pool_is_400(
     ok = await api.completions.create(model="mock", prompt=[1000] * 100, max_tokens=1)
     assert ok.choices[0].finish_reason == "length"
     await api.close()
+
+
+async def test_model_waits_for_min_initial_workers(gguf_path: str) -> None:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack(router_min_initial_workers=2)
+    try:
+        config = MockerConfig(num_gpu_blocks=64, block_size=16, speedup_ratio=0)
+        first, second = make_mocker_engines(config, 2, model_path=gguf_path)
+        await stack.add_worker(first, model_name="mock")
+        await asyncio.sleep(0.5)
+        assert stack.frontend.manager.list_models() == []  # one worker is not enough
+        await stack.add_worker(second, model_name="mock")
+        await stack.wait_for_model("mock", instances=2)
+    finally:
+        await stack.close()
+    await assert_no_leaked_tasks(before)

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from turnout.errors import ConfigError
 from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
 from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.migration import Migration
@@ -137,12 +138,20 @@ class PipelineFactory:
         kv_config: KvRouterConfig | None = None,
         kv_share_active: bool = True,
         event_plane: EventPlane | None = None,
+        min_initial_workers: int = 0,
+        min_initial_workers_timeout: float = 120.0,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
             make_selector(router_mode, seed=router_seed)
         elif event_plane is None:
             raise ValueError("router mode kv needs the event plane")
+        if min_initial_workers < 0:
+            raise ConfigError(
+                f"--router-min-initial-workers must be >= 0, got {min_initial_workers}"
+            )
+        self.min_initial_workers = min_initial_workers
+        self.min_initial_workers_timeout = min_initial_workers_timeout
         self.router_mode = router_mode
         self.migration_limit = migration_limit
         self.metrics = metrics
@@ -164,6 +173,16 @@ class PipelineFactory:
             endpoint_name=card.endpoint.path(),
             **codec,
         )
+
+    async def _wait_for_workers(self, card: ModelDeploymentCard, client: Any) -> None:
+        """Serve a model only once ``min_initial_workers`` of its instances are up, so the
+        first requests are not all piled on the first worker to register (seed:
+        ``wait_for_min_initial_workers``). A timeout keeps the model out, with the reason in
+        the watcher's log; its next instance tries again."""
+        if self.min_initial_workers > 1:
+            await client.wait_for_instances(
+                self.min_initial_workers, timeout=self.min_initial_workers_timeout
+            )
 
     async def _kv_router(self, card: ModelDeploymentCard, client: Any) -> KvRouter:
         router = self.kv_routers.get(card.display_name)
@@ -195,6 +214,7 @@ class PipelineFactory:
     ) -> TokensPipeline:
         if card.tokenizer is None:
             raise ValueError(f"model {card.display_name!r} has Tokens input but no tokenizer")
+        await self._wait_for_workers(card, client)
         tokenizer = await asyncio.to_thread(load_tokenizer, card.tokenizer)
         template = None
         if is_chat:
@@ -230,9 +250,11 @@ class PipelineFactory:
         return await self._tokens_pipeline(card, client, is_chat=False)
 
     async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+        await self._wait_for_workers(card, client)
         router = self._router(card, client, encode=_identity, decode=_identity)
         return TextPipeline(card.display_name, card, router, client, is_chat=True)
 
     async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+        await self._wait_for_workers(card, client)
         router = self._router(card, client, encode=_identity, decode=_identity)
         return TextPipeline(card.display_name, card, router, client, is_chat=False)

@@ -43,6 +43,8 @@ class FrontendConfig:
     kv: KvRouterConfig = field(default_factory=KvRouterConfig)
     #: Share in-flight request state with other router replicas over the event plane.
     kv_share_active: bool = True
+    #: Serve a model only once this many of its instances are up (0 or 1: at the first).
+    router_min_initial_workers: int = 0
 
 
 class Frontend:
@@ -80,6 +82,7 @@ class Frontend:
             kv_config=cfg.kv,
             kv_share_active=cfg.kv_share_active,
             event_plane=self.runtime.event_plane,
+            min_initial_workers=cfg.router_min_initial_workers,
         )
         self.metrics.watch_kv_routers(factory.kv_routers)
         self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)
