@@ -7,6 +7,9 @@ detokenization and SSE. Scenarios, each at several concurrencies:
 
 * ``short``: a short prompt, ``max_tokens=1``, not streamed;
 * ``long_stream``: a 512-token prompt, 64 tokens streamed back.
+* ``paced_stream``: the same against echo workers that wait ``--paced-delay-ms`` before each
+  token, as a real engine does: every token then travels alone (one frame, one pass through
+  the pipeline, one SSE event), the per-token path a GPU engine exercises.
 
 Method: the load generator is ``bench_http`` (raw asyncio HTTP/1.1 keep-alive, several times
 cheaper than httpx, so on a 2-core machine it does not starve the frontend). Every
@@ -85,13 +88,15 @@ def long_prompt(tokens: int = 512) -> str:
     return " ".join(words)
 
 
-def wait_ready(url: str, workers: int, timeout: float = 120) -> None:
+def wait_ready(url: str, workers: int, models: int = 1, timeout: float = 120) -> None:
+    """Until ``models`` models each have ``workers`` live instances."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 body = json.loads(r.read())
-            if body["models"] and len(body["models"][0]["instances"]) >= workers:
+            ready = [m for m in body["models"] if len(m["instances"]) >= workers]
+            if len(ready) >= models:
                 return
         except (OSError, ValueError, KeyError):
             pass
@@ -201,7 +206,8 @@ def main() -> None:
     ap.add_argument("--short-requests", type=int, default=2000)
     ap.add_argument("--stream-requests", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=1, help="measured runs per row (median kept)")
-    ap.add_argument("--scenarios", nargs="+", default=["short", "long_stream"])
+    ap.add_argument("--scenarios", nargs="+", default=["short", "long_stream", "paced_stream"])
+    ap.add_argument("--paced-delay-ms", type=float, default=2.0)
     ap.add_argument("--profile", choices=["py-spy", "cprofile"],
                     help="profile the frontend: py-spy (sampled, CPU only, low overhead) or "
                          "cprofile (deterministic, thread CPU time, slow)")  # fmt: skip
@@ -221,11 +227,19 @@ def main() -> None:
     if args.profile == "cprofile":
         front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
+    paced = "paced_stream" in args.scenarios
     for _ in range(args.workers):
         procs.append(subprocess.Popen(
             [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name", "echo", *common],
             start_new_session=True,
         ))  # fmt: skip
+        if paced:
+            procs.append(subprocess.Popen(
+                [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name",
+                 "echo-paced", "--echo-delay-ms", str(args.paced_delay_ms),
+                 "--endpoint", "turnout/paced/generate", *common],
+                start_new_session=True,
+            ))  # fmt: skip
     results: dict[str, Any] = {
         "label": args.label,
         "machine": {
@@ -239,7 +253,7 @@ def main() -> None:
     }
     front_pid = procs[0].pid
     try:
-        wait_ready(url, args.workers)
+        wait_ready(url, args.workers, models=2 if paced else 1)
         front = psutil.Process(front_pid)
         workers = [psutil.Process(p.pid) for p in procs[1:]]
         host = f"127.0.0.1:{port}"
@@ -248,6 +262,8 @@ def main() -> None:
                       False, args.short_requests),
             "long_stream": ({"model": "echo", "prompt": long_prompt(512), "max_tokens": 64,
                              "stream": True}, True, args.stream_requests),
+            "paced_stream": ({"model": "echo-paced", "prompt": long_prompt(512),
+                              "max_tokens": 64, "stream": True}, True, args.stream_requests),
         }  # fmt: skip
         spy = None
         if args.profile == "py-spy":
