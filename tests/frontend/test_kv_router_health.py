@@ -87,6 +87,9 @@ async def test_worker_leaving_is_forgotten(mocker_stack: Stack) -> None:
                 break
             await asyncio.sleep(0.02)
         assert router.core.index.find_matches(seq).get(WorkerKey(home, 0)) == 4
+        # Unreachable for a moment is not gone: the cache stays indexed.
+        client.report_instance_down(home)
+        assert router.core.index.find_matches(seq).get(WorkerKey(home, 0)) == 4
         leaving = next(w for w in stack.workers if w.serving and w.serving.instance_id == home)
         await leaving.stop(drain_timeout=0.5)
         stack.workers.remove(leaving)

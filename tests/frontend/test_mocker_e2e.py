@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import httpx
 import openai
 import pytest
 from tests.frontend.stack import Stack, make_stack
@@ -84,10 +85,16 @@ async def test_model_waits_for_min_initial_workers(gguf_path: str) -> None:
         config = MockerConfig(num_gpu_blocks=64, block_size=16, speedup_ratio=0)
         first, second = make_mocker_engines(config, 2, model_path=gguf_path)
         await stack.add_worker(first, model_name="mock")
-        await asyncio.sleep(0.5)
-        assert stack.frontend.manager.list_models() == []  # one worker is not enough
-        await stack.add_worker(second, model_name="mock")
-        await stack.wait_for_model("mock", instances=2)
+        await stack.wait_for_model("mock", instances=1)
+        body = {"model": "mock", "prompt": "hi", "max_tokens": 1}
+        async with httpx.AsyncClient(base_url=stack.url) as http:
+            early = await http.post("/v1/completions", json=body)
+            assert early.status_code == 503  # one worker is not enough yet
+            assert "2 workers" in early.json()["error"]["message"]
+            assert early.headers["retry-after"]
+            await stack.add_worker(second, model_name="mock")
+            await stack.wait_for_model("mock", instances=2)
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
     finally:
         await stack.close()
     await assert_no_leaked_tasks(before)

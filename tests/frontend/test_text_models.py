@@ -69,3 +69,40 @@ async def test_text_chat_is_relayed(text_stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError, match="completions"):
         await api.completions.create(model="shout", prompt="x")
     await api.close()
+
+
+async def failing_worker(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+    choice = {"index": 0, "delta": {"content": "partial"}, "finish_reason": None}
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "flaky",
+             "choices": [choice]}  # fmt: skip
+    yield msgspec.json.encode(chunk)
+    raise RuntimeError("the engine fell over")
+
+
+async def test_text_stream_failing_midway_ends_with_an_error_event() -> None:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    endpoint = EndpointId(namespace="test", component="flaky", name="generate")
+
+    def records(instance_id: int) -> list[tuple[str, bytes]]:
+        card = ModelDeploymentCard(
+            display_name="flaky", endpoint=endpoint, instance_id=instance_id,
+            model_type=ModelType.Chat, model_input=ModelInput.Text,
+        )  # fmt: skip
+        return [(mdc_key(endpoint, instance_id), msgspec.json.encode(card))]
+
+    serving = await stack.runtime.endpoint(endpoint).serve(failing_worker, records=records)
+    await stack.wait_for_model("flaky")
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=10)
+    try:
+        stream = await api.chat.completions.create(
+            model="flaky", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        with pytest.raises(openai.APIError, match="fell over"):
+            async for _ in stream:
+                pass
+    finally:
+        await api.close()
+        await serving.stop(drain_timeout=0.5)
+        await stack.close()
+    await assert_no_leaked_tasks(before)

@@ -30,7 +30,7 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--migration-limit", default=3, type=int,
              help="times a request may move to another worker when its worker dies")  # fmt: skip
     add_flag(p, "--router-min-initial-workers", default=0, type=int,
-             help="serve a model only once this many of its workers are up")  # fmt: skip
+             help="a model answers 503 until this many of its workers are up")  # fmt: skip
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
     add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
              help="largest accepted request body (413 above)")  # fmt: skip

@@ -167,7 +167,10 @@ class HttpService:
         model = "unknown"
         stream = False
         status = 200
-        ctx = RequestContext(scope.headers.get("x-request-id") or new_request_id())
+        # A client's x-request-id is kept for logs but never trusted to be unique: ids key the
+        # router's bookings, and two requests sharing one would share (and free) one booking.
+        client_id = scope.headers.get("x-request-id")
+        ctx = RequestContext(f"{client_id}.{new_request_id()}" if client_id else new_request_id())
         task = asyncio.current_task()
         assert task is not None
         client_gone = False
@@ -377,8 +380,11 @@ class HttpService:
                 return
             transport = proto.response_stream(200, _SSE)
             await transport.send_bytes(sse(first))
-            async for chunk in chunks:
-                await transport.send_bytes(sse(chunk))
+            try:
+                async for chunk in chunks:
+                    await transport.send_bytes(sse(chunk))
+            except Exception as exc:  # mid-stream failure: tell the client in-band
+                await transport.send_bytes(sse(to_http_error(exc).body()))
             await transport.send_bytes(SSE_DONE)
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]

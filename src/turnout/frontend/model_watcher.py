@@ -137,6 +137,10 @@ class PipelineFactory(Protocol):
         """Text + Completions: router only."""
         ...
 
+    async def release(self, name: str) -> None:
+        """The model's last instance left: free what its pipelines hold (e.g. a KV router)."""
+        ...
+
 
 class _Outcome(enum.Enum):
     """What became of a PUT; the watcher's only state transition per key."""
@@ -385,6 +389,9 @@ class ModelWatcher:
                 emptied.append(kind)
         for client in m.take_model_clients(name):
             await _close_client(client)
+        release = getattr(self._factory, "release", None)
+        if release is not None:
+            await release(name)
         log.info("removed model model=%s", name)
         for kind in emptied:
             await self._send(ModelUpdate.Removed(kind))

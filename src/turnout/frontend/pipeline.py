@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from turnout.errors import ConfigError
+from turnout.errors import ConfigError, NoInstanceAvailable
 from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
 from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.migration import Migration
@@ -39,6 +39,34 @@ from .metrics import FrontendMetrics
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 _output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
+
+
+class WorkerGate:
+    """``--router-min-initial-workers``: a model answers 503 (with ``Retry-After``) until
+    ``required`` of its instances have been up at once; from then on it stays open.
+
+    The seed blocks the model's discovery while it waits; turnout lists the model at once
+    and refuses requests instead, so the watcher never stalls other models' events.
+    """
+
+    __slots__ = ("_client", "_open", "_required")
+
+    def __init__(self, client: InstanceSource, required: int) -> None:
+        self._client = client
+        self._required = required
+        self._open = False
+
+    def check(self) -> None:
+        if self._open:
+            return
+        up = len(self._client.instance_ids())
+        if up >= self._required:
+            self._open = True
+            return
+        raise NoInstanceAvailable(
+            f"the model starts serving once {self._required} workers are up ({up} so far; "
+            "--router-min-initial-workers)"
+        )
 
 
 class Generation:
@@ -75,6 +103,7 @@ class TokensPipeline:
     migration: Migration
     client: InstanceSource
     is_chat: bool
+    gate: WorkerGate | None = None
 
     async def preprocess(
         self, request: ChatCompletionRequest | CompletionRequest
@@ -90,6 +119,8 @@ class TokensPipeline:
     async def _run(
         self, request: PreprocessedRequest, decoder: StreamDecoder, ctx: RequestContext
     ) -> AsyncIterator[DecodedDelta]:
+        if self.gate is not None:
+            self.gate.check()
         upstream = self.migration.generate(request, ctx)
         step = decoder.step
         try:
@@ -116,8 +147,11 @@ class TextPipeline:
     router: PushRouter[bytes, bytes]
     client: InstanceSource
     is_chat: bool
+    gate: WorkerGate | None = None
 
     def generate(self, body: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        if self.gate is not None:
+            self.gate.check()
         return self.router.generate(body, ctx)
 
 
@@ -139,7 +173,6 @@ class PipelineFactory:
         kv_share_active: bool = True,
         event_plane: EventPlane | None = None,
         min_initial_workers: int = 0,
-        min_initial_workers_timeout: float = 120.0,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -151,7 +184,6 @@ class PipelineFactory:
                 f"--router-min-initial-workers must be >= 0, got {min_initial_workers}"
             )
         self.min_initial_workers = min_initial_workers
-        self.min_initial_workers_timeout = min_initial_workers_timeout
         self.router_mode = router_mode
         self.migration_limit = migration_limit
         self.metrics = metrics
@@ -174,15 +206,10 @@ class PipelineFactory:
             **codec,
         )
 
-    async def _wait_for_workers(self, card: ModelDeploymentCard, client: Any) -> None:
-        """Serve a model only once ``min_initial_workers`` of its instances are up, so the
-        first requests are not all piled on the first worker to register (seed:
-        ``wait_for_min_initial_workers``). A timeout keeps the model out, with the reason in
-        the watcher's log; its next instance tries again."""
-        if self.min_initial_workers > 1:
-            await client.wait_for_instances(
-                self.min_initial_workers, timeout=self.min_initial_workers_timeout
-            )
+    def _gate(self, client: Any) -> WorkerGate | None:
+        if self.min_initial_workers <= 1:
+            return None
+        return WorkerGate(client, self.min_initial_workers)
 
     async def _kv_router(self, card: ModelDeploymentCard, client: Any) -> KvRouter:
         router = self.kv_routers.get(card.display_name)
@@ -204,6 +231,11 @@ class PipelineFactory:
         self.kv_routers[card.display_name] = router
         return router
 
+    async def release(self, name: str) -> None:
+        router = self.kv_routers.pop(name, None)
+        if router is not None:
+            await router.close()
+
     async def close(self) -> None:
         for router in self.kv_routers.values():
             await router.close()
@@ -214,7 +246,6 @@ class PipelineFactory:
     ) -> TokensPipeline:
         if card.tokenizer is None:
             raise ValueError(f"model {card.display_name!r} has Tokens input but no tokenizer")
-        await self._wait_for_workers(card, client)
         tokenizer = await asyncio.to_thread(load_tokenizer, card.tokenizer)
         template = None
         if is_chat:
@@ -241,6 +272,7 @@ class PipelineFactory:
             migration=migration,
             client=client,
             is_chat=is_chat,
+            gate=self._gate(client),
         )
 
     async def build_chat(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:
@@ -250,11 +282,13 @@ class PipelineFactory:
         return await self._tokens_pipeline(card, client, is_chat=False)
 
     async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
-        await self._wait_for_workers(card, client)
         router = self._router(card, client, encode=_identity, decode=_identity)
-        return TextPipeline(card.display_name, card, router, client, is_chat=True)
+        return TextPipeline(
+            card.display_name, card, router, client, is_chat=True, gate=self._gate(client)
+        )
 
     async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
-        await self._wait_for_workers(card, client)
         router = self._router(card, client, encode=_identity, decode=_identity)
-        return TextPipeline(card.display_name, card, router, client, is_chat=False)
+        return TextPipeline(
+            card.display_name, card, router, client, is_chat=False, gate=self._gate(client)
+        )

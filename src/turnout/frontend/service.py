@@ -43,7 +43,7 @@ class FrontendConfig:
     kv: KvRouterConfig = field(default_factory=KvRouterConfig)
     #: Share in-flight request state with other router replicas over the event plane.
     kv_share_active: bool = True
-    #: Serve a model only once this many of its instances are up (0 or 1: at the first).
+    #: A model answers 503 until this many of its instances have been up (0 or 1: at once).
     router_min_initial_workers: int = 0
 
 

@@ -312,6 +312,11 @@ class EndpointClient:
         """Live instances not set aside, sorted."""
         return sorted(iid for iid in self._instances if iid not in self._down)
 
+    def announced_ids(self) -> set[int]:
+        """Every instance discovery announces, set-aside ones included (membership, not
+        reachability: state kept per instance should follow this)."""
+        return set(self._instances)
+
     def instances(self) -> list[Instance]:
         return [self._instances[iid] for iid in self.instance_ids()]
 

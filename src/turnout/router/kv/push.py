@@ -93,11 +93,13 @@ class KvPushRouter:
                         f"worker {target:x} of {router.endpoint.path()} is unreachable: {exc}"
                     ) from exc
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
-                if booked:
-                    router.on_finished(
-                        request_id, prompt_tokens=len(request.token_ids), cached_tokens=cached
-                    )
+                try:
+                    await stream.aclose()  # type: ignore[attr-defined]
+                finally:
+                    if booked:
+                        router.on_finished(
+                            request_id, prompt_tokens=len(request.token_ids), cached_tokens=cached
+                        )
 
 
 def _why(selection: Selection, endpoint: str) -> str:

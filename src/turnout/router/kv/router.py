@@ -116,7 +116,7 @@ class KvRouter:
             sub = await plane.subscribe(ns, comp, topic)
             self._subscriptions.append(sub)
             self._tasks.append(asyncio.create_task(consume(sub), name=f"kv-router-{topic}"))
-        self._known_workers = set(self.client.instance_ids())
+        self._known_workers = self.client.announced_ids()
         self.client.add_listener(self._on_instances_changed)
 
     async def close(self) -> None:
@@ -213,7 +213,7 @@ class KvRouter:
     def _on_instances_changed(self) -> None:
         # Only discovery's view matters here: an instance set aside (unreachable) keeps its
         # cache; one that left discovery is forgotten.
-        live = {i.instance_id for i in self.client.instances()}
+        live = self.client.announced_ids()
         for gone in self._known_workers - live:
             self.core.on_worker_removed(gone)
             self._last_event.pop(gone, None)
