@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 from typing import Any
 
-import uvloop
-
-from turnout.errors import TurnoutError
 from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 
-from .flags import add_flag, add_runtime_flags, setup_logging
+from .flags import add_flag, add_runtime_flags
+from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
 
@@ -92,30 +88,9 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-async def run_until_signal(start: Any, stop: Any, wait: Any) -> None:
-    """Start, then run until SIGINT/SIGTERM or until ``wait()`` returns; always stop."""
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
-    try:
-        await start()
-        waiter = asyncio.ensure_future(wait())
-        stopper = asyncio.ensure_future(stopping.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        stopper.cancel()
-    finally:
-        await stop()
-
-
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        config = frontend_config(args)
-        frontend = Frontend(config)
-        uvloop.run(run_until_signal(frontend.start, frontend.stop, frontend.wait))
-    except TurnoutError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+    async def main() -> None:
+        frontend = Frontend(frontend_config(args))
+        await run_until_signal(frontend.start, frontend.stop, frontend.wait)
+
+    return run_command(args, main)

@@ -7,16 +7,15 @@ import asyncio
 import logging
 from typing import Any
 
-import uvloop
-
-from turnout.errors import ConfigError, TurnoutError
+from turnout.errors import ConfigError
 from turnout.protocols.model import EndpointId
 from turnout.router.service import RouterService
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.discovery import make_store
 
-from .flags import add_flag, add_runtime_flags, setup_logging
-from .frontend import add_kv_router_flags, kv_router_config, run_until_signal
+from .flags import add_flag, add_runtime_flags
+from .frontend import add_kv_router_flags, kv_router_config
+from .lifecycle import run_command, run_until_signal
 from .worker import DEFAULT_ENDPOINT
 
 log = logging.getLogger("turnout.cli")
@@ -72,10 +71,4 @@ async def run_router(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        uvloop.run(run_router(args))
-    except TurnoutError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+    return run_command(args, lambda: run_router(args))

@@ -16,14 +16,13 @@ import signal
 import sys
 from typing import Any
 
-import uvloop
-
 from turnout.errors import TurnoutError
 from turnout.frontend.service import Frontend
 from turnout.runtime.discovery import default_file_store_path
 
-from .flags import add_flag, add_runtime_flags, setup_logging
-from .frontend import add_frontend_flags, add_kv_router_flags, frontend_config, run_until_signal
+from .flags import add_flag, add_runtime_flags
+from .frontend import add_frontend_flags, add_kv_router_flags, frontend_config
+from .lifecycle import run_command, run_until_signal
 from .worker import add_worker_flags
 
 log = logging.getLogger("turnout.serve")
@@ -143,11 +142,8 @@ class ServeTree:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
+    async def main() -> None:
         tree = ServeTree(args)
-        uvloop.run(run_until_signal(tree.start, tree.stop, tree.wait))
-    except TurnoutError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+        await run_until_signal(tree.start, tree.stop, tree.wait)
+
+    return run_command(args, main)

@@ -8,17 +8,15 @@ import logging
 import os
 from typing import Any
 
-import uvloop
-
 from turnout.engines.base import Engine
 from turnout.engines.worker import Worker
-from turnout.errors import ConfigError, TurnoutError
+from turnout.errors import ConfigError
 from turnout.protocols.model import EndpointId
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.discovery import make_store
 
-from .flags import add_flag, add_runtime_flags, setup_logging
-from .frontend import run_until_signal
+from .flags import add_flag, add_runtime_flags
+from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
 
@@ -161,10 +159,4 @@ async def _watch_lease(serving: Any, lost: asyncio.Event) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        uvloop.run(run_worker(args))
-    except TurnoutError as exc:
-        log.error("%s", exc)
-        return 2
-    return 0
+    return run_command(args, lambda: run_worker(args))

@@ -1,0 +1,52 @@
+"""How every ``turnout`` command runs: logging, the uvloop loop, signals, and clean errors.
+
+A command's ``run(args)`` is ``run_command(args, main)``: ``main`` is a coroutine function
+that usually ends in ``run_until_signal``. A ``TurnoutError`` (bad flag value, bad
+combination, a start-up failure we understand) becomes one log line and exit status 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import uvloop
+
+from turnout.errors import TurnoutError
+
+from .flags import setup_logging
+
+log = logging.getLogger("turnout.cli")
+
+Step = Callable[[], Awaitable[object]]
+
+
+def run_command(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> int:
+    setup_logging(args.log_level)
+    try:
+        uvloop.run(main())
+    except TurnoutError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+async def run_until_signal(start: Step, stop: Step, wait: Step) -> None:
+    """Start, then run until SIGINT/SIGTERM or until ``wait()`` returns; always stop."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        await start()
+        waiter = asyncio.ensure_future(wait())
+        stopper = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+    finally:
+        await stop()
