@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs turnout with what its commands and tests need.
-# Idempotent: a second run only checks. Sourced by serve.sh and test.sh.
+# Creates .venv (if missing) and installs turnout with what its commands and tests need:
+# Python packages from PyPI, and the etcd and NATS servers from Debian (the distributed
+# planes' tests start real ones). Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+if ! command -v etcd >/dev/null || ! command -v nats-server >/dev/null; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server nats-server >/dev/null
+  else
+    echo "setup: etcd and nats-server are missing; install Debian's etcd-server and" \
+         "nats-server (as root: apt-get install etcd-server nats-server)" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -1,0 +1,1 @@
+"""Real etcd and NATS servers for the tests, started on free ports and stopped after."""
