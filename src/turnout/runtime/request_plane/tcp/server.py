@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from turnout.protocols.model import TransportAddress
+from turnout.runtime.addresses import format_host_port
 from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane.base import (
     Handler,
@@ -128,14 +129,21 @@ class _ServerConnection(_Connection):
 
 
 class TcpServer(RequestPlaneServer):
-    """Serves registered handlers on ``host`` (port 0: the OS picks one)."""
+    """Serves registered handlers on ``host`` (port 0: the OS picks one).
+
+    The published address names ``advertise_host`` (default: the bound address), so a server
+    bound to a wildcard can tell clients on other hosts where to dial.
+    """
 
     kind = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None
+    ) -> None:
         super().__init__()
         self.host = host
         self.port = port
+        self.advertise_host = advertise_host
         self._inflight: set[_ServerStream] = set()
         self._conns: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
@@ -150,7 +158,7 @@ class TcpServer(RequestPlaneServer):
         )
         host, port = self._server.sockets[0].getsockname()[:2]
         self._accepting = True
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        address = format_host_port(self.advertise_host or host, port)
         self._address = TransportAddress(kind=self.kind, address=address)
         return self._address
 
