@@ -7,6 +7,9 @@ import logging
 import os
 from typing import Any
 
+from turnout.runtime.addresses import DEFAULT_HOST
+from turnout.runtime.planes import PlanesConfig
+
 
 def env_name(flag: str) -> str:
     return "TURNOUT_" + flag.lstrip("-").upper().replace("-", "_")
@@ -35,22 +38,82 @@ def add_flag(
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -> None:
-    """Discovery, planes, leases, logs. ``planes=False`` (``serve``, which always runs the
-    file store, tcp and zmq) keeps only the settings that still mean something there."""
+    """Discovery, planes, addresses, leases, logs. ``planes=False`` (``serve``, which always
+    runs the file store, tcp and zmq on this machine) keeps only the settings that still mean
+    something there."""
     if planes:
-        add_flag(parser, "--store", default="file", choices=["memory", "file"],
+        add_flag(parser, "--store", default="file", choices=["memory", "file", "etcd"],
                  help="discovery store")  # fmt: skip
     add_flag(parser, "--store-path", help="file store location (default: a per-user temp path)")
     if planes:
-        add_flag(parser, "--request-plane", default="tcp", choices=["tcp", "local"],
+        g = parser.add_argument_group("etcd (--store etcd)")
+        add_flag(g, "--store-endpoints", default="http://127.0.0.1:2379",
+                 help="comma-separated etcd endpoints (https:// for TLS)")  # fmt: skip
+        add_flag(g, "--store-ca-cert", help="CA certificate that signed etcd's (PEM)")
+        add_flag(g, "--store-cert", help="client certificate for etcd (PEM)")
+        add_flag(g, "--store-key", help="key of --store-cert (PEM)")
+        add_flag(g, "--store-user", help="etcd user")
+        add_flag(g, "--store-password", help="etcd password")
+        add_flag(parser, "--request-plane", default="tcp", choices=["tcp", "nats", "local"],
                  help="request plane between frontend and workers")  # fmt: skip
-        add_flag(parser, "--event-plane", choices=["local", "zmq"],
+        add_flag(parser, "--event-plane", choices=["local", "zmq", "nats"],
                  help="KV events and load reports (default: local on the memory store, "
                       "else zmq)")  # fmt: skip
+        g = parser.add_argument_group("NATS (--request-plane nats, --event-plane nats)")
+        add_flag(g, "--nats-url", default="nats://127.0.0.1:4222",
+                 help="comma-separated NATS servers (user:password@ allowed)")  # fmt: skip
+        add_flag(g, "--nats-user", help="NATS user")
+        add_flag(g, "--nats-password", help="NATS password")
+        add_flag(g, "--nats-token", help="NATS token")
+        add_flag(g, "--nats-ca-cert", help="CA certificate that signed the NATS server's (PEM)")
+        add_flag(g, "--nats-cert", help="client certificate for NATS (PEM)")
+        add_flag(g, "--nats-key", help="key of --nats-cert (PEM)")
+        add_flag(parser, "--bind-host", default=DEFAULT_HOST,
+                 help="interface this process's request-plane and event servers bind "
+                      "(0.0.0.0: all)")  # fmt: skip
+        add_flag(parser, "--advertise-host",
+                 help="address other hosts dial for those servers (default: the bound one; "
+                      "for 0.0.0.0, the interface that routes to the store)")  # fmt: skip
     add_flag(parser, "--lease-ttl", default=10.0, type=float,
              help="seconds a dead process's registrations outlive it")  # fmt: skip
     add_flag(parser, "--log-level", default="info",
              choices=["debug", "info", "warning", "error"], help="log level")  # fmt: skip
+
+
+def _split(value: str | None) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+def planes_config(args: argparse.Namespace) -> PlanesConfig:
+    """The planes described by ``add_runtime_flags``'s flags (absent ones: their defaults)."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    store = get("store") or "file"
+    store_options: dict[str, Any] = {}
+    if store == "etcd":
+        store_options["endpoints"] = _split(get("store_endpoints"))
+        for name in ("ca_cert", "cert", "key", "user", "password"):
+            if get(f"store_{name}") is not None:
+                store_options[name] = get(f"store_{name}")
+    config = PlanesConfig(
+        store=store,
+        store_path=get("store_path"),
+        store_options=store_options,
+        request_plane=get("request_plane") or "tcp",
+        event_plane=get("event_plane"),
+        bind_host=get("bind_host") or DEFAULT_HOST,
+        advertise_host=get("advertise_host"),
+        lease_ttl=args.lease_ttl,
+    )
+    if config.uses_nats():
+        from turnout.runtime.nats import NatsOptions
+
+        nats_options = {
+            name: get(f"nats_{name}")
+            for name in ("user", "password", "token", "ca_cert", "cert", "key")
+            if get(f"nats_{name}") is not None
+        }
+        config.nats = NatsOptions(servers=_split(get("nats_url")), **nats_options)
+    return config
 
 
 def setup_logging(level: str) -> None:

@@ -11,7 +11,7 @@ from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 
-from .flags import add_flag, add_runtime_flags
+from .flags import add_flag, add_runtime_flags, planes_config
 from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
@@ -65,15 +65,11 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
     return FrontendConfig(
         host=args.host,
         port=args.port,
-        store=args.store,
-        store_path=args.store_path,
-        request_plane=args.request_plane,
+        planes=planes_config(args),
         namespace=args.namespace,
         router_mode=RouterMode.parse(args.router_mode),
         migration_limit=args.migration_limit,
         max_body_bytes=args.max_body_bytes,
-        lease_ttl=args.lease_ttl,
-        event_plane=args.event_plane,
         kv=kv_router_config(args),
         kv_share_active=not args.no_router_replica_sync,
         router_min_initial_workers=args.router_min_initial_workers,

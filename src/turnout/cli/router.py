@@ -10,10 +10,9 @@ from typing import Any
 from turnout.errors import ConfigError
 from turnout.protocols.model import EndpointId
 from turnout.router.service import RouterService
-from turnout.runtime.component import DistributedRuntime
-from turnout.runtime.discovery import make_store
+from turnout.runtime.planes import open_runtime
 
-from .flags import add_flag, add_runtime_flags
+from .flags import add_flag, add_runtime_flags, planes_config
 from .frontend import add_kv_router_flags, kv_router_config
 from .lifecycle import run_command, run_until_signal
 from .worker import DEFAULT_ENDPOINT
@@ -44,12 +43,7 @@ async def run_router(args: argparse.Namespace) -> None:
     workers = _endpoint("--endpoint", args.endpoint)
     endpoint = _endpoint("--router-endpoint", args.router_endpoint)
     config = kv_router_config(args)
-    runtime = await DistributedRuntime.create(
-        store=make_store(args.store, args.store_path),
-        request_plane=args.request_plane,
-        lease_ttl=args.lease_ttl,
-        event_plane=args.event_plane,
-    )
+    runtime = await open_runtime(planes_config(args))
     service = RouterService(
         runtime, workers, endpoint, config,
         block_size=args.block_size, share_active=not args.no_router_replica_sync,

@@ -92,7 +92,7 @@ class ServeTree:
         self.args = args
         self.store_path = args.store_path or default_file_store_path()
         config = frontend_config(args)
-        config.store_path = self.store_path
+        config.planes.store_path = self.store_path
         self.frontend = Frontend(config)
         self.children: list[asyncio.subprocess.Process] = []
         self._watchers: list[asyncio.Task[None]] = []

@@ -12,10 +12,9 @@ from turnout.engines.base import Engine
 from turnout.engines.worker import Worker
 from turnout.errors import ConfigError
 from turnout.protocols.model import EndpointId
-from turnout.runtime.component import DistributedRuntime
-from turnout.runtime.discovery import make_store
+from turnout.runtime.planes import open_runtime
 
-from .flags import add_flag, add_runtime_flags
+from .flags import add_flag, add_runtime_flags, planes_config
 from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
@@ -123,12 +122,7 @@ async def run_worker(args: argparse.Namespace) -> None:
         endpoint = EndpointId.parse(args.endpoint)
     except ValueError as exc:
         raise ConfigError(f"--endpoint: {exc}") from None
-    runtime = await DistributedRuntime.create(
-        store=make_store(args.store, args.store_path),
-        request_plane=args.request_plane,
-        lease_ttl=args.lease_ttl,
-        event_plane=args.event_plane,
-    )
+    runtime = await open_runtime(planes_config(args))
     workers: list[Worker] = []
     tasks: list[asyncio.Task[None]] = []
     lost = asyncio.Event()

@@ -14,7 +14,7 @@ from granian.server.embed import Server
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 from turnout.runtime.component import DistributedRuntime
-from turnout.runtime.discovery import make_store
+from turnout.runtime.planes import PlanesConfig, open_runtime
 
 from .http import DEFAULT_MAX_BODY_BYTES, HttpService
 from .metrics import FrontendMetrics
@@ -29,16 +29,12 @@ log = logging.getLogger("turnout.frontend")
 class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    store: str = "file"
-    store_path: str | None = None
-    request_plane: str = "tcp"
+    #: Discovery store, request and event planes, addresses, leases.
+    planes: PlanesConfig = field(default_factory=PlanesConfig)
     namespace: str | None = None
     router_mode: RouterMode = RouterMode.ROUND_ROBIN
     migration_limit: int = 3
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    lease_ttl: float = 10.0
-    #: ``None``: local on the memory store, zmq otherwise.
-    event_plane: str | None = None
     #: KV routing settings (``--router-mode kv``); ``block_size`` comes from each model card.
     kv: KvRouterConfig = field(default_factory=KvRouterConfig)
     #: Share in-flight request state with other router replicas over the event plane.
@@ -68,13 +64,7 @@ class Frontend:
     async def start(self) -> None:
         cfg = self.config
         if self.runtime is None:
-            store = make_store(cfg.store, cfg.store_path)
-            self.runtime = await DistributedRuntime.create(
-                store=store,
-                request_plane=cfg.request_plane,
-                lease_ttl=cfg.lease_ttl,
-                event_plane=cfg.event_plane,
-            )
+            self.runtime = await open_runtime(cfg.planes)
         factory = self.factory = PipelineFactory(
             router_mode=cfg.router_mode,
             migration_limit=cfg.migration_limit,

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -34,6 +35,9 @@ from turnout.runtime.event_plane import EventPlane, make_event_plane
 from turnout.runtime.lease import Lease
 from turnout.runtime.request_plane import make_client, make_server
 from turnout.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
+
+if TYPE_CHECKING:
+    from turnout.runtime.nats import NatsConnection
 
 logger = logging.getLogger("turnout.runtime")
 
@@ -67,13 +71,22 @@ class DistributedRuntime:
         host: str,
         lease_ttl: float,
         event_plane: EventPlane,
+        *,
+        advertise_host: str | None = None,
+        nats: NatsConnection | None = None,
     ) -> None:
         self.store = store
         #: KV events and load reports (``local`` or ``zmq``); closed by ``shutdown``.
         self.event_plane = event_plane
         self.request_plane = request_plane
         self.host = host
+        #: The host published for this process's servers (None: the bound address).
+        self.advertise_host = advertise_host
+        #: The NATS connection the nats planes share (owned: closed by ``shutdown``).
+        self.nats = nats
         self.lease_ttl = lease_ttl
+        #: Closed last by ``shutdown`` (a store opened for this runtime, see ``own_store``).
+        self._owned_store: DiscoveryStore | None = None
         self._server: RequestPlaneServer | None = None
         self._address: TransportAddress | None = None
         self._server_lock = asyncio.Lock()
@@ -89,19 +102,35 @@ class DistributedRuntime:
         store: DiscoveryStore,
         request_plane: str = "tcp",
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         lease_ttl: float = 10.0,
         event_plane: str | None = None,
+        nats: NatsConnection | None = None,
     ) -> DistributedRuntime:
-        """A runtime over ``store`` (owned by the caller: ``shutdown`` does not close it).
+        """A runtime over ``store`` (owned by the caller unless handed over with
+        ``own_store``).
 
+        Servers bind ``host`` and publish ``advertise_host`` (default: ``host``).
         ``event_plane`` defaults to ``local`` on the memory store (one process) and ``zmq``
-        on any other (several processes). Unknown plane names raise ``ConfigError``.
+        on any other (several processes). The ``nats`` planes need ``nats``, a connection
+        this runtime then owns. Unknown plane names raise ``ConfigError``.
         """
-        make_server(request_plane, host)  # fail fast (ConfigError) on an unknown plane
+        # Fail fast (ConfigError) on an unknown plane or a nats plane without a connection.
+        make_server(request_plane, host, **_server_options(advertise_host, nats))
         kind = event_plane or ("local" if store.kind == "memory" else "zmq")
-        options: dict[str, float] = {"lease_ttl": lease_ttl} if kind == "zmq" else {}
+        options: dict[str, Any] = {}
+        if kind == "zmq":
+            options = {"lease_ttl": lease_ttl, "advertise_host": advertise_host}
+        elif kind == "nats":
+            options = {"nats": nats}
         events = make_event_plane(kind, store, host, **options)
-        return cls(store, request_plane, host, lease_ttl, events)
+        return cls(
+            store, request_plane, host, lease_ttl, events, advertise_host=advertise_host, nats=nats
+        )
+
+    def own_store(self) -> None:
+        """Hand the store over: ``shutdown`` closes it, after everything that uses it."""
+        self._owned_store = self.store
 
     def endpoint(self, endpoint_id: EndpointId) -> Endpoint:
         return Endpoint(self, endpoint_id)
@@ -110,7 +139,8 @@ class DistributedRuntime:
         """The process's one request-plane server, started on first use, and its address."""
         async with self._server_lock:
             if self._server is None:
-                server = make_server(self.request_plane, self.host)
+                options = _server_options(self.advertise_host, self.nats)
+                server = make_server(self.request_plane, self.host, **options)
                 self._address = await server.start()
                 self._server = server
             assert self._address is not None
@@ -120,7 +150,8 @@ class DistributedRuntime:
         """The client for transport ``kind`` (one per runtime, made on first use)."""
         client = self._clients.get(kind)
         if client is None:
-            client = self._clients[kind] = make_client(kind)
+            options = {"nats": self.nats} if self.nats is not None else {}
+            client = self._clients[kind] = make_client(kind, **options)
         return client
 
     async def shutdown(self) -> None:
@@ -137,6 +168,20 @@ class DistributedRuntime:
         for client in self._clients.values():
             await client.close()
         await self.event_plane.close()
+        if self.nats is not None:
+            await self.nats.close()
+        if self._owned_store is not None:
+            await self._owned_store.close()
+
+
+def _server_options(advertise_host: str | None, nats: NatsConnection | None) -> dict[str, Any]:
+    """The request-plane server options that are set (a plane takes only what it knows)."""
+    options: dict[str, Any] = {}
+    if advertise_host is not None:
+        options["advertise_host"] = advertise_host
+    if nats is not None:
+        options["nats"] = nats
+    return options
 
 
 class Endpoint:
