@@ -251,3 +251,36 @@ async def test_unknown_planes_are_config_errors() -> None:
         await DistributedRuntime.create(store=store, request_plane="smoke-signals")
     with pytest.raises(ConfigError, match="event plane"):
         await DistributedRuntime.create(store=store, event_plane="smoke-signals")
+
+
+async def test_lost_lease_registers_again_under_a_new_id(runtime: DistributedRuntime) -> None:
+    """A lease ended behind the process's back (store outage past the TTL, or revoked
+    elsewhere) is not fatal: the instance comes back under a new id with its records and
+    side handlers, and clients reach it there."""
+
+    async def side(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        yield b"side:" + payload
+
+    served = await runtime.endpoint(EID).serve(
+        echo, records=lambda iid: [(mdc_key(EID, iid), f"card {iid:x}".encode())]
+    )
+    served.add_handler("side", side)
+    client = await runtime.endpoint(EID).client()
+    old = served.instance_id
+    assert client.instance_ids() == [old]
+
+    await runtime.store.revoke_lease(old)  # what an expiry looks like to every watcher
+    async with asyncio.timeout(5):
+        await served.reregistered.wait()
+    new = served.instance_id
+    assert new != old
+    await changed(client, lambda: client.instance_ids() == [new])
+    mdc = await runtime.store.get(mdc_key(EID, new))
+    assert mdc is not None and mdc.value == f"card {new:x}".encode()
+    assert await runtime.store.get(mdc_key(EID, old)) is None
+    items = [x async for x in client.stream(new, b"still here", RequestContext())]
+    assert items == [b"still", b"here"]
+    side_items = [x async for x in client.call(new, "side", b"x", RequestContext())]
+    assert side_items == [b"side:x"]
+    await served.stop()
+    await changed(client, lambda: client.instance_ids() == [])

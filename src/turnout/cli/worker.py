@@ -124,32 +124,22 @@ async def run_worker(args: argparse.Namespace) -> None:
         raise ConfigError(f"--endpoint: {exc}") from None
     runtime = await open_runtime(planes_config(args))
     workers: list[Worker] = []
-    tasks: list[asyncio.Task[None]] = []
-    lost = asyncio.Event()
 
     async def start() -> None:
         engines = make_engines(args, args.num_workers, threads=max(1, os.cpu_count() or 2))
         for engine in engines:
             worker = Worker(runtime, engine, endpoint, model_name=args.model_name)
             workers.append(worker)
-            serving = await worker.start()
-            tasks.append(asyncio.create_task(_watch_lease(serving, lost)))
+            # A lost lease is not fatal: the instance registers again by itself.
+            await worker.start()
 
     async def stop() -> None:
-        for task in tasks:
-            task.cancel()
         try:
             await asyncio.gather(*(w.stop() for w in workers))
         finally:
             await runtime.shutdown()
 
-    await run_until_signal(start, stop, lost.wait)
-
-
-async def _watch_lease(serving: Any, lost: asyncio.Event) -> None:
-    await serving.lease.lost.wait()
-    log.error("lease of instance %x was lost; stopping", serving.instance_id)
-    lost.set()
+    await run_until_signal(start, stop, asyncio.Event().wait)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,6 +45,9 @@ logger = logging.getLogger("turnout.runtime")
 DOWN_RETRY_SECONDS = 5.0
 #: Pause before re-opening a discovery watch that failed.
 WATCH_RETRY_SECONDS = 1.0
+#: Backoff between attempts to register again after a lost lease.
+REREGISTER_MIN_DELAY = 0.5
+REREGISTER_MAX_DELAY = 5.0
 
 RecordsFn = Callable[[int], list[tuple[str, bytes]]]
 
@@ -193,21 +196,14 @@ class Endpoint:
         """Serve ``handler`` as a new instance of this endpoint, under a new lease."""
         runtime = self.runtime
         server, address = await runtime._serving_server()
-        lease = await Lease.grant(runtime.store, runtime.lease_ttl)
-        instance = Instance(endpoint=self.id, instance_id=lease.id, transport=address)
-        path = handler_path(self.id, lease.id)
-        server.register(path, handler)
-        serving = ServingInstance(runtime, server, instance, lease, path)
+        serving = ServingInstance(runtime, server, self.id, address, handler, records)
         try:
-            store = runtime.store
-            await store.put(instance.key(), _instance_encoder.encode(instance), lease_id=lease.id)
-            for key, value in records(lease.id) if records else []:
-                await store.put(key, value, lease_id=lease.id)
+            await serving._register()
         except BaseException:
             await serving.stop(drain_timeout=0)
             raise
         runtime._instances.add(serving)
-        logger.info("serving %s instance %x at %s", self.id.path(), lease.id, address.address)
+        serving._start_guard()
         return serving
 
     async def client(self) -> EndpointClient:
@@ -219,31 +215,107 @@ class Endpoint:
 
 
 class ServingInstance:
-    """One served instance: its record in discovery, its lease, its handler."""
+    """One served instance: its record in discovery, its lease, its handler.
+
+    When its lease is lost (the store was unreachable for longer than the TTL, or the lease
+    was revoked elsewhere), every watcher has already seen the instance leave. The process
+    itself is fine, so it registers again under a new lease, which is a new instance id,
+    retrying with backoff until the store answers: ``records`` is called again with the new
+    id, side handlers move to the new path, and streams in flight on the old id go on.
+    """
 
     def __init__(
         self,
         runtime: DistributedRuntime,
         server: RequestPlaneServer,
-        instance: Instance,
-        lease: Lease,
-        path: str,
+        endpoint: EndpointId,
+        address: TransportAddress,
+        handler: Handler,
+        records: RecordsFn | None,
     ) -> None:
-        self.instance = instance
-        self.instance_id = instance.instance_id
-        self.lease = lease
+        self.endpoint = endpoint
+        self.instance: Instance | None = None
+        self.instance_id = 0
+        self.lease: Lease | None = None
+        #: Set after each re-registration (tests and operators wait on it).
+        self.reregistered = asyncio.Event()
         self._runtime = runtime
         self._server = server
-        self._path = path
-        self._extra_paths: list[str] = []
+        self._address = address
+        self._handler = handler
+        self._records = records
+        self._path = ""
+        self._side_handlers: dict[str, Handler] = {}
+        self._guard: asyncio.Task[None] | None = None
         self._stopped = False
+
+    async def _register(self) -> None:
+        """Take a new lease and publish the instance, its handlers and its records under it."""
+        runtime = self._runtime
+        lease = await Lease.grant(runtime.store, runtime.lease_ttl)
+        old_paths = self._paths()
+        instance = Instance(endpoint=self.endpoint, instance_id=lease.id, transport=self._address)
+        self.lease, self.instance, self.instance_id = lease, instance, lease.id
+        self._path = handler_path(self.endpoint, lease.id)
+        self._server.register(self._path, self._handler)
+        for name, handler in self._side_handlers.items():
+            self._server.register(f"{self._path}#{name}", handler)
+        for path in old_paths:
+            self._server.unregister(path)
+        store = runtime.store
+        await store.put(instance.key(), _instance_encoder.encode(instance), lease_id=lease.id)
+        for key, value in self._records(lease.id) if self._records else []:
+            await store.put(key, value, lease_id=lease.id)
+        logger.info(
+            "serving %s instance %x at %s", self.endpoint.path(), lease.id, self._address.address
+        )
+
+    def _paths(self) -> list[str]:
+        if not self._path:
+            return []
+        return [self._path, *(f"{self._path}#{name}" for name in self._side_handlers)]
+
+    def _start_guard(self) -> None:
+        self._guard = asyncio.get_running_loop().create_task(
+            self._keep_registered(), name=f"registration-{self.endpoint.path()}"
+        )
+
+    async def _keep_registered(self) -> None:
+        delay = REREGISTER_MIN_DELAY
+        while True:
+            assert self.lease is not None
+            await self.lease.lost.wait()
+            old = self.instance_id
+            logger.warning(
+                "instance %x of %s lost its lease; registering again", old, self.endpoint.path()
+            )
+            while True:
+                try:
+                    await self.lease.revoke()  # stops the old keep-alive; its keys are gone
+                    await self._register()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    logger.warning(
+                        "re-registering %s failed (retrying in %.1fs): %s",
+                        self.endpoint.path(),
+                        delay,
+                        exc,
+                    )
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, REREGISTER_MAX_DELAY)
+            delay = REREGISTER_MIN_DELAY
+            logger.info(
+                "instance %x of %s is back as %x", old, self.endpoint.path(), self.instance_id
+            )
+            self.reregistered.set()
 
     def add_handler(self, name: str, handler: Handler) -> None:
         """Serve a side handler of this instance (e.g. ``kv_snapshot``), reachable with
         ``EndpointClient.call(instance_id, name, ...)``; it goes away with the instance."""
-        path = f"{self._path}#{name}"
-        self._server.register(path, handler)
-        self._extra_paths.append(path)
+        self._side_handlers[name] = handler
+        self._server.register(f"{self._path}#{name}", handler)
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Leave: revoke the lease (records vanish, clients stop choosing us), refuse new
@@ -252,12 +324,17 @@ class ServingInstance:
             return
         self._stopped = True
         self._runtime._instances.discard(self)
-        await self.lease.revoke()
-        for path in self._extra_paths:
+        if self._guard is not None:
+            self._guard.cancel()
+            await asyncio.wait([self._guard])
+        if self.lease is not None:
+            await self.lease.revoke()
+        paths = self._paths()
+        for path in paths:
             self._server.unregister(path)
-        self._server.unregister(self._path)
-        await self._server.drain(self._path, drain_timeout)
-        logger.info("stopped %s instance %x", self.instance.endpoint.path(), self.instance_id)
+        for path in paths[:1]:
+            await self._server.drain(path, drain_timeout)
+        logger.info("stopped %s instance %x", self.endpoint.path(), self.instance_id)
 
 
 class EndpointClient:
