@@ -284,3 +284,35 @@ async def test_lost_lease_registers_again_under_a_new_id(runtime: DistributedRun
     assert side_items == [b"side:x"]
     await served.stop()
     await changed(client, lambda: client.instance_ids() == [])
+
+
+async def test_streams_of_an_instance_that_left_discovery_break(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung or cut-off worker never closes its connection; once its lease has ended (and
+    the grace a draining worker gets has passed), its open streams fail as broken
+    (migratable) instead of waiting forever."""
+    monkeypatch.setattr(component, "LEFT_STREAM_GRACE_SECONDS", 0.05)
+    store = MemoryStore()
+    rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=1.0)
+    started = asyncio.Event()
+
+    async def hang(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        yield b"first"
+        started.set()
+        await asyncio.Event().wait()
+
+    try:
+        served = await rt.endpoint(EID).serve(hang)
+        client = await rt.endpoint(EID).client()
+        stream = client.stream(served.instance_id, b"", RequestContext())
+        assert await anext(stream) == b"first"
+        await started.wait()
+        await store.revoke_lease(served.instance_id)
+        async with asyncio.timeout(3):
+            with pytest.raises(StreamBroken, match="left discovery"):
+                await anext(stream)
+        assert not client._open
+    finally:
+        await rt.shutdown()
+        await store.close()

@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from turnout.errors import ConfigError, PeerUnavailable
+from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
 from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import DiscoveryStore, WatchEvent, WatchEventKind
@@ -45,6 +46,9 @@ logger = logging.getLogger("turnout.runtime")
 DOWN_RETRY_SECONDS = 5.0
 #: Pause before re-opening a discovery watch that failed.
 WATCH_RETRY_SECONDS = 1.0
+#: Streams of an instance that left discovery may run this long (a draining worker's own
+#: drain timeout, plus a margin) before they are failed as broken.
+LEFT_STREAM_GRACE_SECONDS = 6.0
 #: Backoff between attempts to register again after a lost lease.
 REREGISTER_MIN_DELAY = 0.5
 REREGISTER_MAX_DELAY = 5.0
@@ -352,6 +356,9 @@ class EndpointClient:
         self._listeners: list[Callable[[], None]] = []
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: Streams started to each instance and not yet finished (weak: a stream dropped
+        #: unfinished goes too): when an instance leaves discovery, they fail at once.
+        self._open: dict[int, weakref.WeakSet[_InstanceStream]] = {}
 
     # -- discovery ------------------------------------------------------------------------
 
@@ -401,6 +408,9 @@ class EndpointClient:
             timer = self._down.pop(instance_id, None)
             if timer is not None:
                 timer.cancel()
+            if instance_id in self._open:
+                loop = asyncio.get_running_loop()
+                loop.call_later(LEFT_STREAM_GRACE_SECONDS, self._abandon, instance_id)
         else:
             try:
                 instance = _instance_decoder.decode(event.kv.value)
@@ -418,6 +428,28 @@ class EndpointClient:
                 changed = True
         if changed and notify:
             self._notify()
+
+    def _abandon(self, instance_id: int) -> None:
+        """Fail the streams still open ``LEFT_STREAM_GRACE_SECONDS`` after their instance
+        left discovery. A worker that leaves on purpose finishes (or cancels) its streams
+        within its drain timeout; one whose lease ended is dead, hung or cut off, and its
+        streams would wait forever on a peer that never answers. They end as ``StreamBroken``,
+        which the caller may migrate."""
+        if instance_id in self._instances:
+            return  # announced again meanwhile
+        streams = self._open.pop(instance_id, None)
+        if not streams:
+            return
+        logger.warning(
+            "instance %x of %s left discovery with %d open stream(s); failing them",
+            instance_id,
+            self.endpoint.path(),
+            len(streams),
+        )
+        for stream in list(streams):
+            stream.abort(
+                StreamBroken(f"instance {instance_id:x} of {self.endpoint.path()} left discovery")
+            )
 
     def _notify(self) -> None:
         self._changed.set()
@@ -521,9 +553,10 @@ class EndpointClient:
 
 
 class _InstanceStream:
-    """Iterator over one call; reports the instance down when it cannot be reached."""
+    """Iterator over one call; reports the instance down when it cannot be reached, and is
+    failed as broken when the instance leaves discovery (see ``EndpointClient._abandon``)."""
 
-    __slots__ = ("_client", "_ctx", "_inner", "_instance_id", "_payload")
+    __slots__ = ("__weakref__", "_client", "_ctx", "_inner", "_instance_id", "_payload")
 
     def __init__(
         self, client: EndpointClient, instance_id: int, payload: bytes, ctx: RequestContext
@@ -555,14 +588,37 @@ class _InstanceStream:
                 instance.transport, path, self._payload, self._ctx
             )
             self._payload = b""
+            client._open.setdefault(self._instance_id, weakref.WeakSet()).add(self)
             try:
                 return await inner.__anext__()
             except PeerUnavailable:
+                self._forget()
                 client.report_instance_down(self._instance_id)
                 raise
-        return await inner.__anext__()
+            except BaseException:
+                self._forget()
+                raise
+        try:
+            return await inner.__anext__()
+        except BaseException:
+            self._forget()
+            raise
+
+    def _forget(self) -> None:
+        streams = self._client._open.get(self._instance_id)
+        if streams is not None:
+            streams.discard(self)
+            if not streams:
+                del self._client._open[self._instance_id]
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail the stream with ``exc`` (planes whose streams cannot be aborted: no-op)."""
+        abort = getattr(self._inner, "abort", None)
+        if abort is not None:
+            abort(exc)
 
     async def aclose(self) -> None:
+        self._forget()
         aclose = getattr(self._inner, "aclose", None)
         if aclose is not None:
             await aclose()

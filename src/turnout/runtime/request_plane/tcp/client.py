@@ -171,6 +171,15 @@ class _TcpStream:
     async def aclose(self) -> None:
         self._cancel()
 
+    def abort(self, exc: BaseException) -> None:
+        """Fail the stream with ``exc`` at once (its peer is known to be gone, though the
+        connection may not have noticed yet) and tell the peer to stop, should it hear."""
+        inbox = self._inbox
+        if inbox is not None and inbox.terminal is None:
+            assert self._conn is not None
+            self._conn.cancel_stream(self._sid)
+            inbox.finish(exc)
+
     def __del__(self) -> None:
         inbox = self._inbox
         if inbox is not None and inbox.terminal is None and self._conn is not None:
