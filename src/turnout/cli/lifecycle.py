@@ -36,7 +36,8 @@ def run_command(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -
 
 
 async def run_until_signal(start: Step, stop: Step, wait: Step) -> None:
-    """Start, then run until SIGINT/SIGTERM or until ``wait()`` returns; always stop."""
+    """Start, then run until SIGINT/SIGTERM or until ``wait()`` returns; always stop. An
+    exception from ``wait()`` is raised after stopping (a ``TurnoutError``: exit 2)."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -46,7 +47,9 @@ async def run_until_signal(start: Step, stop: Step, wait: Step) -> None:
         waiter = asyncio.ensure_future(wait())
         stopper = asyncio.ensure_future(stopping.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
         stopper.cancel()
+        if waiter.done() and not waiter.cancelled():
+            waiter.result()  # a failure of what we waited on is the command's failure
+        waiter.cancel()
     finally:
         await stop()

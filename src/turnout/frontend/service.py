@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from granian.constants import Interfaces
 from granian.server.embed import Server
 
+from turnout.errors import TurnoutError
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 from turnout.runtime.component import DistributedRuntime
@@ -113,8 +114,14 @@ class Frontend:
             return
 
     async def wait(self) -> None:
-        """Until the HTTP server or the watcher stops (normally: never)."""
-        await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        """Until the HTTP server or the watcher stops (normally: never). Either stopping is
+        a failure of the whole process: raised as ``TurnoutError`` naming the task and why,
+        so the command exits non-zero and a supervisor restarts it."""
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            exc = None if task.cancelled() else task.exception()
+            reason = f"{type(exc).__name__}: {exc}" if exc else "it returned"
+            raise TurnoutError(f"frontend task {task.get_name()!r} stopped: {reason}") from exc
 
     async def stop(self) -> None:
         if self._server is not None:
