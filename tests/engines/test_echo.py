@@ -8,6 +8,7 @@ import pytest
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.echo import PLACEHOLDER_ENDPOINT, EchoEngine
+from turnout.llm.artifacts import LOCAL_ARTIFACTS
 from turnout.protocols.llm import (
     FinishReason,
     LLMEngineOutput,
@@ -148,6 +149,8 @@ def test_model_card_template_describes_the_model(gguf_path: str) -> None:
     card = EchoEngine(gguf_path, context_length=512).model_card_template()
     assert card.endpoint == PLACEHOLDER_ENDPOINT
     assert card.context_length == 512
-    assert card.tokenizer is not None and card.tokenizer.kind == "gguf"
+    # The tokenizer travels by content: a tokenizer.json built from the GGUF, held for serving.
+    assert card.tokenizer is not None and card.tokenizer.kind == "hf_tokenizer_json"
+    assert card.tokenizer.sha256 in LOCAL_ARTIFACTS
     assert card.chat_template and "<|im_start|>" in card.chat_template
     assert card.eos_token_ids

@@ -9,6 +9,7 @@ import pytest
 from tests.helpers import smollm2_path
 
 from turnout.engines.llamacpp import LlamaCppEngine, VocabBytes
+from turnout.llm.artifacts import LOCAL_ARTIFACTS
 from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.llm import (
     FinishReason,
@@ -247,4 +248,6 @@ def test_model_card_template(engine: LlamaCppEngine) -> None:
     assert card.context_length == N_CTX  # smaller than the model's 8192
     assert card.runtime_config.max_num_seqs == 2
     assert card.eos_token_ids == [EOS]
-    assert card.tokenizer is not None and card.tokenizer.kind == "gguf"
+    # The tokenizer travels by content: a tokenizer.json built from the GGUF, held for serving.
+    assert card.tokenizer is not None and card.tokenizer.kind == "hf_tokenizer_json"
+    assert card.tokenizer.sha256 in LOCAL_ARTIFACTS

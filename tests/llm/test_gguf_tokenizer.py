@@ -14,7 +14,7 @@ import pytest
 
 from turnout.errors import ConfigError
 from turnout.llm.gguf_tokenizer import build_gguf_tokenizer, read_gguf_metadata
-from turnout.llm.tokenizer import Tokenizer, clear_tokenizer_cache
+from turnout.llm.tokenizer import Tokenizer
 
 # Ids from llama.cpp's own /tokenize (add_special=false, parse_special=true) on the SmolLM2
 # GGUF, recorded with xllamacpp; test_agrees_with_llamacpp_live re-checks them when it can.
@@ -51,7 +51,6 @@ MORE_TEXTS = [
 
 
 def test_loads_fast(gguf_path: Path) -> None:
-    clear_tokenizer_cache()  # the time includes hashing the 100 MB file
     start = time.perf_counter()
     tok = Tokenizer.from_gguf(gguf_path)
     elapsed = time.perf_counter() - start

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from turnout.errors import ConfigError
+from turnout.llm.artifacts import LOCAL_ARTIFACTS
 from turnout.llm.model_card import default_gguf_path, load_model_card
-from turnout.llm.tokenizer import Tokenizer, file_sha256, load_tokenizer
-from turnout.protocols.model import EndpointId, ModelInput, ModelType, RuntimeConfig
+from turnout.llm.tokenizer import Tokenizer, load_tokenizer
+from turnout.protocols.model import (
+    ArtifactRef,
+    EndpointId,
+    ModelDeploymentCard,
+    ModelInput,
+    ModelType,
+    RuntimeConfig,
+)
 
 EP = EndpointId(namespace="ns", component="backend", name="generate")
 
@@ -84,8 +96,15 @@ def test_hf_directory(tmp_path: Path) -> None:
     assert (card.bos_token, card.eos_token) == ("<s>", "</s>")
     assert card.tokenizer is not None
     assert card.tokenizer.kind == "hf_tokenizer_json"
-    assert card.tokenizer.sha256 == file_sha256(d / "tokenizer.json")
-    tok = load_tokenizer(card.tokenizer)
+    data = (d / "tokenizer.json").read_bytes()
+    assert card.tokenizer == ArtifactRef(
+        name="tokenizer.json",
+        kind="hf_tokenizer_json",
+        sha256=hashlib.sha256(data).hexdigest(),
+        size=len(data),
+    )
+    assert LOCAL_ARTIFACTS.get(card.tokenizer.sha256) == data  # the worker can serve it
+    tok = load_tokenizer(card.tokenizer, data, eos_token=card.eos_token)
     assert tok.encode("hello world") == [3, 4]
     assert tok.eos_token_id == 1
 
@@ -176,9 +195,89 @@ def test_gguf_card(gguf_path: Path, smol_tokenizer: Tokenizer) -> None:
     assert (card.bos_token, card.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert card.chat_template is not None and "<|im_start|>" in card.chat_template
     assert card.tokenizer is not None
-    assert card.tokenizer.kind == "gguf"
+    # The artifact is the tokenizer.json built from the GGUF's metadata, not the GGUF file.
+    assert card.tokenizer.kind == "hf_tokenizer_json"
     assert card.tokenizer.sha256 == smol_tokenizer.sha256
+    data = LOCAL_ARTIFACTS.get(card.tokenizer.sha256)
+    assert data is not None and len(data) == card.tokenizer.size
+    assert hashlib.sha256(data).hexdigest() == card.tokenizer.sha256
+    assert card.tokenizer.size < gguf_path.stat().st_size // 10
     assert load_model_card(gguf_path, endpoint=EP, display_name="smol").display_name == "smol"
+
+
+_real_sha256 = hashlib.sha256
+
+
+class _CountingSha:
+    """Stands in for ``hashlib.sha256``, adding up the bytes hashed."""
+
+    hashed = 0
+
+    def __init__(self, data: bytes = b"") -> None:
+        self._h = _real_sha256()
+        self.update(data)
+
+    def update(self, data: bytes) -> None:
+        _CountingSha.hashed += len(data)
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def test_gguf_card_reads_only_the_header(
+    gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building a GGUF card hashes only the tokenizer JSON it produces, never the weights: on
+    a file padded (sparsely) to 1 TiB it hashes the same few MB as on the original, and the
+    card names the JSON's sha, which is independent of the padding."""
+    big = tmp_path / "padded.gguf"
+    shutil.copy(gguf_path, big)
+    os.truncate(big, 1 << 40)
+    expected = load_model_card(gguf_path, endpoint=EP).tokenizer
+    monkeypatch.setattr(hashlib, "sha256", _CountingSha)
+    _CountingSha.hashed = 0
+    card = load_model_card(big, endpoint=EP)
+    # Hashed: the JSON, once, for its reference; not one byte of the weights.
+    assert card.tokenizer == expected
+    assert expected is not None and _CountingSha.hashed == expected.size < 10 << 20
+
+
+def test_card_json_names_no_path(tmp_path: Path, gguf_path: Path) -> None:
+    for source in (write_model(tmp_path / "hf-model"), gguf_path):
+        card = load_model_card(source, endpoint=EP)
+        raw = json.loads(msgspec.json.encode(card))
+        assert set(raw["tokenizer"]) == {"name", "kind", "sha256", "size"}
+        assert str(source) not in json.dumps(raw)  # nothing of the worker's disk
+        assert msgspec.json.decode(msgspec.json.encode(card), type=ModelDeploymentCard) == card
+
+
+def test_card_from_an_older_worker_is_rejected_clearly() -> None:
+    """Cards from workers that named a tokenizer by path lack the artifact fields: they do
+    not decode, and the error names the field."""
+    old = {
+        "display_name": "m",
+        "endpoint": {"namespace": "ns", "component": "c", "name": "g"},
+        "instance_id": 1,
+        "model_type": 3,
+        "model_input": "tokens",
+        "tokenizer": {"kind": "gguf", "path": "/models/m.gguf", "sha256": "ab" * 32},
+    }
+    with pytest.raises(
+        msgspec.ValidationError, match=r"missing required field .* - at `\$\.tokenizer`"
+    ):
+        msgspec.json.decode(json.dumps(old), type=ModelDeploymentCard)
+
+
+def test_checksum_follows_the_artifact_content(tmp_path: Path) -> None:
+    a = load_model_card(write_model(tmp_path / "m"), endpoint=EP)
+    moved = tmp_path / "elsewhere" / "m"
+    shutil.copytree(tmp_path / "m", moved)
+    b = load_model_card(moved, endpoint=EP)
+    assert a.checksum() == b.checksum()  # same bytes, another path
+    other = dict(TOKENIZER_JSON, model={**TOKENIZER_JSON["model"], "unk_token": "hello"})
+    c = load_model_card(write_model(tmp_path / "x" / "m", tokenizer_json=other), endpoint=EP)
+    assert c.checksum() != a.checksum()
 
 
 def test_default_gguf_path() -> None:

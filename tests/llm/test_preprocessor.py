@@ -225,7 +225,7 @@ async def test_long_prompts_leave_the_event_loop(
     card: ModelDeploymentCard, pre: Preprocessor, smol_tokenizer: Tokenizer
 ) -> None:
     tok = RecordingTokenizer(
-        smol_tokenizer.inner, sha256=smol_tokenizer.sha256, kind="gguf", path="p"
+        smol_tokenizer.inner, sha256=smol_tokenizer.sha256, size=smol_tokenizer.size
     )
     tok.threads = []
     big = msgspec.structs.replace(card, context_length=100_000)

@@ -51,7 +51,8 @@ class EchoEngine(Engine):
     """Echo the prompt's tokens (see the module docstring for the exact semantics).
 
     ``model_path`` (an HF directory or a ``.gguf`` file; default: the SmolLM2 GGUF) only
-    supplies the model card, i.e. the tokenizer and chat template the frontend uses.
+    supplies the model card, i.e. the tokenizer (served to frontends as an artifact) and the
+    chat template the frontend uses.
     ``context_length`` overrides the card's and makes longer prompts an ``ERROR`` output.
     """
 
@@ -72,7 +73,8 @@ class EchoEngine(Engine):
         self._card: ModelDeploymentCard | None = None
 
     async def start(self) -> None:
-        # Reading and hashing the model file is blocking: do it off the loop, once.
+        # Reading the model's metadata and building its tokenizer artifact is blocking: do it
+        # off the loop, once.
         self._card = await asyncio.to_thread(self._load_card)
 
     def model_card_template(self) -> ModelDeploymentCard:

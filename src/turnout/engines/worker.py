@@ -3,6 +3,9 @@
 The worker publishes, under the instance's lease, its ``Instance`` record (written by the
 runtime) and its model deployment card at ``v1/mdc/{endpoint}/{instance_id:x}``, so the
 frontend's model watcher sees the model appear and, when the lease ends, disappear.
+
+The card names its artifacts (the tokenizer) by content only; the worker serves their bytes
+through the ``artifact`` side handler, in chunks, to any frontend that asks by sha256.
 """
 
 from __future__ import annotations
@@ -15,9 +18,18 @@ import msgspec
 
 from turnout.engines.base import Engine
 from turnout.engines.events import EventPlaneSink
+from turnout.errors import ConfigError
+from turnout.llm.artifacts import LOCAL_ARTIFACTS, ArtifactError, ArtifactRegistry, iter_chunks
 from turnout.protocols.kv import KV_SNAPSHOT_HANDLER, KvSnapshot, KvSnapshotRequest
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
-from turnout.protocols.model import EndpointId, ModelDeploymentCard, mdc_key
+from turnout.protocols.model import (
+    ARTIFACT_HANDLER,
+    ArtifactRef,
+    ArtifactRequest,
+    EndpointId,
+    ModelDeploymentCard,
+    mdc_key,
+)
 from turnout.runtime.component import DistributedRuntime, ServingInstance
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPublisher
@@ -29,6 +41,7 @@ _request_decoder = msgspec.msgpack.Decoder(PreprocessedRequest)
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder()
 _snapshot_request_decoder = msgspec.msgpack.Decoder(KvSnapshotRequest)
+_artifact_request_decoder = msgspec.msgpack.Decoder(ArtifactRequest)
 
 
 class Worker:
@@ -40,8 +53,12 @@ class Worker:
         *,
         model_name: str | None = None,
         migration_limit: int | None = None,
+        artifacts: ArtifactRegistry = LOCAL_ARTIFACTS,
     ) -> None:
         self.runtime = runtime
+        #: Where the bytes of the card's artifacts are (the process's registry; tests give
+        #: each simulated worker its own).
+        self.artifacts = artifacts
         self.engine = engine
         self.endpoint = endpoint
         self.model_name = model_name
@@ -68,6 +85,14 @@ class Worker:
         if self.migration_limit is not None:
             overrides["migration_limit"] = self.migration_limit
         base = msgspec.structs.replace(template, **overrides)
+        artifacts = base.artifacts()
+        missing = [ref.name for ref in artifacts if ref.sha256 not in self.artifacts]
+        if missing:
+            # Fail here, not at every frontend: nobody could ever fetch these.
+            raise ConfigError(
+                f"model {base.display_name!r}: the card names artifacts this process does not "
+                f"hold ({', '.join(missing)}); build cards with load_model_card"
+            )
 
         def records(instance_id: int) -> list[tuple[str, bytes]]:
             self.engine.bind_instance(instance_id)
@@ -77,6 +102,9 @@ class Worker:
         self.serving = await self.runtime.endpoint(self.endpoint).serve(
             self._handle, records=records
         )
+        # Registered right after the card is published: a frontend that asks in between gets
+        # an unknown-handler error and retries (frontend.artifacts).
+        self.serving.add_handler(ARTIFACT_HANDLER, artifact_handler(artifacts, self.artifacts))
         snapshot = getattr(self.engine, "kv_snapshot", None)
         if snapshot is not None:
             self.serving.add_handler(KV_SNAPSHOT_HANDLER, self._snapshot_handler(snapshot))
@@ -121,6 +149,7 @@ class Worker:
         return handle
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
+        """Leave discovery, drain in-flight streams, stop the engine and its publisher."""
         if self.serving is not None:
             await self.serving.stop(drain_timeout)
             self.serving = None
@@ -128,6 +157,28 @@ class Worker:
         if self._publisher is not None:
             await self._publisher.close()
             self._publisher = None
+
+
+def artifact_handler(
+    refs: list[ArtifactRef], registry: ArtifactRegistry = LOCAL_ARTIFACTS
+) -> Handler:
+    """The ``artifact`` side handler: streams the bytes of one of ``refs`` (asked for by
+    sha256) in ``CHUNK_SIZE`` pieces. Only the artifacts the instance's card names are
+    served; anything else is an error the caller sees (and tries another instance)."""
+    offered = {ref.sha256: ref for ref in refs}
+
+    async def handle(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        request = _artifact_request_decoder.decode(payload)
+        ref = offered.get(request.sha256)
+        data = registry.get(request.sha256) if ref is not None else None
+        if ref is None or data is None:
+            raise ArtifactError(f"this instance does not serve artifact {request.sha256[:16]}")
+        for chunk in iter_chunks(data):
+            if ctx.is_cancelled:
+                return
+            yield chunk
+
+    return handle
 
 
 #: Outputs the engine may run ahead of the handler before it is paused (back-pressure: the

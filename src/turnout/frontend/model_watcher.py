@@ -20,6 +20,12 @@ The ``ModelWatcher`` follows that prefix and keeps the ``ModelManager`` in step 
 Events are handled one at a time, in store order. A bad event (invalid card, unsupported
 pair, failing factory) is logged and skipped; the watcher never stops for one.
 
+Building a Tokens model fetches the artifacts its card names (the tokenizer) by content from
+the model's instances (``frontend.artifacts``, called by the factory). When no instance
+delivers them (worker gone, checksum mismatch, deadline passed), the build fails like any
+other: nothing of the model is registered, the instance is left out, the reason is logged once
+(as an error, without a traceback), and the next instance's card builds the model afresh.
+
 This is a re-design of Dynamo's ``discovery/watcher.rs`` for asyncio.
 """
 
@@ -35,6 +41,7 @@ import msgspec
 
 from turnout.errors import ModelNotFound
 from turnout.frontend.model_manager import ModelManager
+from turnout.llm.artifacts import ArtifactError
 from turnout.protocols.model import MDC_ROOT, ModelDeploymentCard, ModelInput, ModelType
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
 
@@ -234,7 +241,11 @@ class ModelWatcher:
         try:
             card = msgspec.json.decode(value, type=ModelDeploymentCard)
         except msgspec.DecodeError as err:
-            log.error("invalid model card key=%s error=%s value=%.200r", key, err, value)
+            hint = ""
+            if "$.tokenizer" in str(err):
+                # Workers that predate content-addressed artifacts named a path here.
+                hint = " (a worker older than this frontend? its tokenizer must be an artifact)"
+            log.error("invalid model card key=%s error=%s%s value=%.200r", key, err, hint, value)
             return _Outcome.REJECTED
 
         namespace = card.endpoint.namespace
@@ -259,7 +270,8 @@ class ModelWatcher:
                 name,
                 namespace,
                 err,
-                exc_info=not isinstance(err, _Unsupported),
+                # Expected, operational failures carry their whole story in the message.
+                exc_info=not isinstance(err, (_Unsupported, ArtifactError)),
             )
             return _Outcome.REJECTED
         self._manager.save_model_entry(key, card)

@@ -10,7 +10,6 @@ request to a worker and relays the OpenAI chunks it streams back.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,6 @@ from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
 from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.migration import Migration
 from turnout.llm.preprocessor import Preprocessor
-from turnout.llm.tokenizer import load_tokenizer
 from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
@@ -35,6 +33,7 @@ from turnout.router.selectors import make_selector
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane
 
+from .artifacts import ArtifactFetcher
 from .metrics import FrontendMetrics
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
@@ -173,6 +172,7 @@ class PipelineFactory:
         kv_share_active: bool = True,
         event_plane: EventPlane | None = None,
         min_initial_workers: int = 0,
+        artifacts: ArtifactFetcher | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -191,6 +191,8 @@ class PipelineFactory:
         self.kv_config = kv_config or KvRouterConfig()
         self.kv_share_active = kv_share_active
         self.event_plane = event_plane
+        #: Where tokenizers come from: fetched by content from the model's instances, cached.
+        self.artifacts = artifacts or ArtifactFetcher()
         #: One KV router per model, shared by its chat and completions pipelines.
         self.kv_routers: dict[str, KvRouter] = {}
 
@@ -246,7 +248,15 @@ class PipelineFactory:
     ) -> TokensPipeline:
         if card.tokenizer is None:
             raise ValueError(f"model {card.display_name!r} has Tokens input but no tokenizer")
-        tokenizer = await asyncio.to_thread(load_tokenizer, card.tokenizer)
+        # By content from the workers (or the caches), never from a path: raises
+        # ArtifactError when no instance delivers it, and the watcher builds nothing.
+        tokenizer = await self.artifacts.tokenizer(
+            card.tokenizer,
+            client,
+            prefer=card.instance_id,
+            bos_token=card.bos_token,
+            eos_token=card.eos_token,
+        )
         template = None
         if is_chat:
             if not card.chat_template:

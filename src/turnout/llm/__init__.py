@@ -9,7 +9,7 @@ from .chat_template import ChatTemplate
 from .detokenizer import Detokenizer
 from .model_card import default_gguf_path, load_model_card
 from .preprocessor import Preprocessor
-from .tokenizer import Tokenizer, clear_tokenizer_cache, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "Backend",
@@ -19,7 +19,6 @@ __all__ = [
     "Preprocessor",
     "StreamDecoder",
     "Tokenizer",
-    "clear_tokenizer_cache",
     "default_gguf_path",
     "load_model_card",
     "load_tokenizer",

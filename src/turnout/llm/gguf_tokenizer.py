@@ -299,6 +299,16 @@ def build_gguf_tokenizer(
     return tok, info
 
 
+def gguf_tokenizer_json(
+    meta: dict[str, Any], *, path: str | Path = "<gguf>"
+) -> tuple[bytes, GGUFTokenizerInfo]:
+    """The ``tokenizer.json`` bytes of the tokenizer :func:`build_gguf_tokenizer` makes from
+    this metadata: what a worker serving a GGUF model publishes as its tokenizer artifact, so
+    the frontend never needs the GGUF file (nor, of course, its weights)."""
+    tok, info = build_gguf_tokenizer(meta, path=path)
+    return tok.to_str().encode("utf-8"), info
+
+
 def _info(meta: dict[str, Any], n_vocab: int) -> GGUFTokenizerInfo:
     return GGUFTokenizerInfo(
         bos_token_id=_opt_id(meta, gguf.Keys.Tokenizer.BOS_ID, n_vocab),

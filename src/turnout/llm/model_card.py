@@ -5,7 +5,8 @@ Where each field comes from:
 ============== ===================================================== =========================
 field          Hugging Face directory                                GGUF file
 ============== ===================================================== =========================
-tokenizer      ``tokenizer.json``                                    the file itself
+tokenizer      ``tokenizer.json`` (its bytes)                        a ``tokenizer.json`` built
+                                                                     from the metadata
 chat_template  ``chat_template.jinja`` > ``chat_template.json`` >    ``tokenizer.chat_template``
                ``tokenizer_config.json`` ``chat_template``
 context_length ``config.json`` ``max_position_embeddings`` (or       ``{arch}.context_length``
@@ -17,6 +18,11 @@ display_name   the directory's name                                  the file's 
 
 An explicit ``context_length`` argument wins over the files. Missing or invalid files raise
 ``ConfigError`` naming the path.
+
+The tokenizer goes into the card as an ``ArtifactRef`` (name, kind, sha256 and size of the
+``tokenizer.json`` bytes), never as a path: the bytes are published in this process's
+``LOCAL_ARTIFACTS`` for the worker to serve to frontends. For a GGUF file only the key/value
+header is read; the weights are neither hashed nor sent.
 """
 
 from __future__ import annotations
@@ -34,11 +40,11 @@ from turnout.protocols.model import (
     ModelInput,
     ModelType,
     RuntimeConfig,
-    TokenizerSource,
 )
 
-from .gguf_tokenizer import read_gguf_metadata
-from .tokenizer import KIND_GGUF, KIND_HF, file_sha256, load_tokenizer, read_json, token_content
+from .artifacts import publish_artifact
+from .gguf_tokenizer import gguf_tokenizer_json, read_gguf_metadata
+from .tokenizer import KIND_HF, Tokenizer, read_json, token_content
 
 DEFAULT_CONTEXT_LENGTH = 4096
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -77,7 +83,8 @@ def load_model_card(
 ) -> ModelDeploymentCard:
     """The card for the model at ``path`` (an HF directory or a ``.gguf`` file).
 
-    Blocking (reads and hashes files): call it off the event loop.
+    Blocking (reads files, builds the tokenizer): call it off the event loop. Publishes the
+    tokenizer's bytes in ``LOCAL_ARTIFACTS`` as a side effect.
     """
     p = Path(path).expanduser().resolve()
     if context_length is not None and context_length < 1:
@@ -177,8 +184,12 @@ def _from_hf_dir(d: Path) -> dict[str, Any]:
     tok_json = d / "tokenizer.json"
     if not tok_json.is_file():
         raise ConfigError(f"{d}: no tokenizer.json (a Hugging Face 'fast' tokenizer is needed)")
-    source = TokenizerSource(kind=KIND_HF, path=str(tok_json), sha256=file_sha256(tok_json))
-    tokenizer = load_tokenizer(source)  # validates the file; cached for the frontend too
+    try:
+        data = tok_json.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {tok_json}: {e}") from e
+    tokenizer = Tokenizer.from_bytes(data, origin=str(tok_json))  # validates the bytes
+    ref = publish_artifact("tokenizer.json", KIND_HF, data)
 
     tok_cfg = _optional_json(d / "tokenizer_config.json")
     config = _optional_json(d / "config.json")
@@ -194,7 +205,7 @@ def _from_hf_dir(d: Path) -> dict[str, Any]:
         eos_ids = [eos_id] if eos_id is not None else None
     return {
         "display_name": d.name,
-        "tokenizer": source,
+        "tokenizer": ref,
         "chat_template": _hf_chat_template(d, tok_cfg),
         "context_length": _hf_context_length(config, tok_cfg),
         "eos_token_ids": eos_ids or [],
@@ -224,6 +235,9 @@ def _from_gguf(p: Path) -> dict[str, Any]:
         if tid is not None and tid not in eos_ids:
             eos_ids.append(tid)
 
+    # The frontend's tokenizer, as bytes it can fetch: built from the header we just read.
+    tokenizer_json, _ = gguf_tokenizer_json(meta, path=p)
+
     arch = meta.get(gguf.Keys.General.ARCHITECTURE)
     ctx = meta.get(gguf.Keys.LLM.CONTEXT_LENGTH.format(arch=arch)) if arch else None
     template = meta.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)
@@ -231,7 +245,7 @@ def _from_gguf(p: Path) -> dict[str, Any]:
         # The file's stem, as llama.cpp's server names a model: ``general.name`` is often a
         # training-run label ("Smollm2 135M 8k Lc100K Mix1 Ep2"), not what users type.
         "display_name": p.stem,
-        "tokenizer": TokenizerSource(kind=KIND_GGUF, path=str(p), sha256=file_sha256(p)),
+        "tokenizer": publish_artifact("tokenizer.json", KIND_HF, tokenizer_json),
         "chat_template": template if isinstance(template, str) else None,
         "context_length": ctx if isinstance(ctx, int) and ctx > 0 else DEFAULT_CONTEXT_LENGTH,
         "eos_token_ids": eos_ids,

@@ -1,60 +1,28 @@
 """The frontend's tokenizer: a thin, typed wrapper over Hugging Face ``tokenizers``.
 
-Two sources (``TokenizerSource.kind``): an HF ``tokenizer.json`` (``"hf_tokenizer_json"``) or a
-GGUF file whose metadata holds the vocabulary (``"gguf"``). Either way the result is a
-``tokenizers.Tokenizer`` (Rust; encode/decode release the GIL for the heavy work) plus the few
-ids the pipeline needs (bos, eos, the special ids).
-
-:func:`load_tokenizer` keeps one instance per distinct file content (keyed by sha256) for the
-life of the process: every instance of a model, and every LoRA of it, shares one tokenizer.
+A tokenizer is always built from the bytes of an HF ``tokenizer.json``: on the worker, read from
+the model directory or built from a GGUF file's metadata (``gguf_tokenizer``); on the frontend,
+fetched by content from a worker (``ArtifactRef``, see ``frontend.artifacts``). The frontend
+never opens a path: :func:`load_tokenizer` takes the bytes and the reference they must match.
+The result is a ``tokenizers.Tokenizer`` (Rust; encode/decode release the GIL for the heavy
+work) plus the few ids the pipeline needs (bos, eos, the special ids).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from turnout.errors import ConfigError
-from turnout.protocols.model import TokenizerSource
+from turnout.protocols.model import KIND_HF_TOKENIZER_JSON, ArtifactRef
 
-from .gguf_tokenizer import build_gguf_tokenizer, read_gguf_metadata
+from .gguf_tokenizer import gguf_tokenizer_json, read_gguf_metadata
 
-KIND_HF = "hf_tokenizer_json"
-KIND_GGUF = "gguf"
-
-_sha_lock = threading.Lock()
-#: (path, size, mtime_ns) -> sha256, so a 100 MB GGUF is hashed once per process.
-_sha_cache: dict[tuple[str, int, int], str] = {}
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes (memoized on path, size and mtime)."""
-    p = Path(path).resolve()
-    try:
-        st = p.stat()
-    except OSError as e:
-        raise ConfigError(f"cannot read {p}: {e}") from e
-    key = (str(p), st.st_size, st.st_mtime_ns)
-    with _sha_lock:
-        cached = _sha_cache.get(key)
-    if cached is not None:
-        return cached
-    h = hashlib.sha256()
-    try:
-        with p.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    except OSError as e:
-        raise ConfigError(f"cannot read {p}: {e}") from e
-    digest = h.hexdigest()
-    with _sha_lock:
-        _sha_cache[key] = digest
-    return digest
+KIND_HF = KIND_HF_TOKENIZER_JSON
 
 
 def token_content(value: Any) -> str | None:
@@ -75,8 +43,8 @@ class Tokenizer:
         "eos_token_id",
         "inner",
         "kind",
-        "path",
         "sha256",
+        "size",
     )
 
     def __init__(
@@ -84,16 +52,17 @@ class Tokenizer:
         inner: HFTokenizer,
         *,
         sha256: str,
-        kind: str,
-        path: str,
+        size: int,
+        kind: str = KIND_HF,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
     ) -> None:
         #: The wrapped ``tokenizers.Tokenizer`` (what ``DecodeStream`` needs).
         self.inner = inner
+        #: sha256 and length of the ``tokenizer.json`` bytes it was built from.
         self.sha256 = sha256
+        self.size = size
         self.kind = kind
-        self.path = path
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self._vocab_size = inner.get_vocab_size(with_added_tokens=True)
@@ -104,40 +73,57 @@ class Tokenizer:
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
-        """Load an HF ``tokenizer.json``. bos/eos come from a ``tokenizer_config.json`` beside
-        it, when there is one."""
-        p = Path(path)
-        sha = file_sha256(p)
+    def from_bytes(
+        cls,
+        data: bytes,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        origin: str = "tokenizer.json",
+    ) -> Tokenizer:
+        """Build from ``tokenizer.json`` bytes; ``bos_token``/``eos_token`` (as the model card
+        names them) give the bos/eos ids. ``origin`` names the bytes in errors."""
         try:
-            inner = HFTokenizer.from_file(str(p))
+            inner = HFTokenizer.from_buffer(data)
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-            raise ConfigError(f"invalid tokenizer file {p}: {e}") from e
-        bos_id = eos_id = None
+            raise ConfigError(f"invalid tokenizer file {origin}: {e}") from e
+        return cls(
+            inner,
+            sha256=hashlib.sha256(data).hexdigest(),
+            size=len(data),
+            bos_token_id=inner.token_to_id(bos_token) if bos_token else None,
+            eos_token_id=inner.token_to_id(eos_token) if eos_token else None,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """Load an HF ``tokenizer.json`` from local disk (a worker's model directory, tests).
+        bos/eos come from a ``tokenizer_config.json`` beside it, when there is one."""
+        p = Path(path)
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read {p}: {e}") from e
+        bos = eos = None
         cfg_path = p.with_name("tokenizer_config.json")
         if cfg_path.is_file():
             cfg = read_json(cfg_path)
             bos, eos = token_content(cfg.get("bos_token")), token_content(cfg.get("eos_token"))
-            bos_id = inner.token_to_id(bos) if bos else None
-            eos_id = inner.token_to_id(eos) if eos else None
-        return cls(
-            inner, sha256=sha, kind=KIND_HF, path=str(p), bos_token_id=bos_id, eos_token_id=eos_id
-        )
+        return cls.from_bytes(data, bos_token=bos, eos_token=eos, origin=str(p))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Build the tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata."""
-        p = Path(path)
-        sha = file_sha256(p)
-        inner, info = build_gguf_tokenizer(read_gguf_metadata(p), path=p)
-        return cls(
-            inner,
-            sha256=sha,
-            kind=KIND_GGUF,
-            path=str(p),
-            bos_token_id=info.bos_token_id,
-            eos_token_id=info.eos_token_id,
-        )
+        """Build the tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata, through the
+        same ``tokenizer.json`` bytes a worker serves (only the header is read)."""
+        data, info = gguf_tokenizer_json(read_gguf_metadata(path), path=path)
+        tok = cls.from_bytes(data, origin=str(path))
+        tok.bos_token_id = info.bos_token_id
+        tok.eos_token_id = info.eos_token_id
+        return tok
+
+    def ref(self, name: str = "tokenizer.json") -> ArtifactRef:
+        """The content reference of the bytes this tokenizer was built from."""
+        return ArtifactRef(name=name, kind=self.kind, sha256=self.sha256, size=self.size)
 
     # ------------------------------------------------------------ use
 
@@ -164,11 +150,8 @@ class Tokenizer:
     def special_token_ids(self) -> frozenset[int]:
         return self._special_ids
 
-    def source(self) -> TokenizerSource:
-        return TokenizerSource(kind=self.kind, path=self.path, sha256=self.sha256)
-
     def __repr__(self) -> str:
-        return f"Tokenizer({self.kind}, {self.path!r}, vocab={self._vocab_size})"
+        return f"Tokenizer({self.kind}, sha256={self.sha256[:12]}, vocab={self._vocab_size})"
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -185,52 +168,29 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-_cache_lock = threading.Lock()
-_cache: dict[str, Tokenizer] = {}
+def load_tokenizer(
+    ref: ArtifactRef, data: bytes, *, bos_token: str | None = None, eos_token: str | None = None
+) -> Tokenizer:
+    """The tokenizer of artifact ``ref`` from its bytes ``data``, which must match it.
 
-
-def load_tokenizer(source: TokenizerSource) -> Tokenizer:
-    """The process-wide tokenizer for ``source`` (one per sha256).
-
-    The file at ``source.path`` must still hash to ``source.sha256``: a card written against
-    another version of the file is a configuration error, not something to paper over.
-    Blocking (file I/O, hashing): call it off the event loop.
+    Bytes that do not hash to ``ref.sha256`` (or are not ``ref.size`` long) are refused: a
+    tokenizer other than the one the card names would encode prompts the worker misreads.
+    Blocking (parsing a multi-MB JSON): call it off the event loop.
     """
-    with _cache_lock:
-        tok = _cache.get(source.sha256)
-    if tok is not None:
-        return tok
-    if source.kind == KIND_GGUF:
-        tok = Tokenizer.from_gguf(source.path)
-    elif source.kind == KIND_HF:
-        tok = Tokenizer.from_file(source.path)
-    else:
+    if ref.kind != KIND_HF:
+        raise ConfigError(f"unknown tokenizer kind {ref.kind!r} (want {KIND_HF!r})")
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != ref.size or digest != ref.sha256:
         raise ConfigError(
-            f"unknown tokenizer kind {source.kind!r} (want {KIND_HF!r} or {KIND_GGUF!r})"
+            f"tokenizer {ref.name}: got {len(data)} bytes with sha256 {digest[:12]}..., but the "
+            f"model card names {ref.size} bytes with sha256 {ref.sha256[:12]}..."
         )
-    if tok.sha256 != source.sha256:
-        raise ConfigError(
-            f"tokenizer file {source.path} has sha256 {tok.sha256[:12]}..., but the model card "
-            f"expects {source.sha256[:12]}...: the file changed or the card is from another host"
-        )
-    with _cache_lock:
-        return _cache.setdefault(source.sha256, tok)
-
-
-def clear_tokenizer_cache() -> None:
-    """Forget loaded tokenizers and memoized file digests (tests, benchmarks)."""
-    with _cache_lock:
-        _cache.clear()
-    with _sha_lock:
-        _sha_cache.clear()
+    return Tokenizer.from_bytes(data, bos_token=bos_token, eos_token=eos_token, origin=ref.name)
 
 
 __all__ = [
-    "KIND_GGUF",
     "KIND_HF",
     "Tokenizer",
-    "clear_tokenizer_cache",
-    "file_sha256",
     "load_tokenizer",
     "read_json",
     "token_content",

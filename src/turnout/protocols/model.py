@@ -104,15 +104,44 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     enable_kv_events: bool = False
 
 
-class TokenizerSource(msgspec.Struct, frozen=True, kw_only=True):
-    """Where the frontend finds the tokenizer: an HF ``tokenizer.json`` or a GGUF file.
+#: The side handler (``ServingInstance.add_handler``) through which a worker serves the
+#: artifacts its cards name; the request is an ``ArtifactRequest``, the response a stream of
+#: raw byte chunks.
+ARTIFACT_HANDLER = "artifact"
+#: Artifact kind of a Hugging Face ``tokenizer.json`` (for GGUF models too: the worker builds
+#: one from the GGUF's metadata).
+KIND_HF_TOKENIZER_JSON = "hf_tokenizer_json"
 
-    ``sha256`` is of the file's bytes, so instances of one model can be checked to agree and
-    the frontend loads each distinct tokenizer once.
+
+class ArtifactRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A file the frontend needs to preprocess for a model, named by content, never by path.
+
+    The card carries only this reference; the bytes travel over the request plane from any
+    live instance that announces the same ``sha256`` (see ``ARTIFACT_HANDLER``), because
+    frontends and workers run on different hosts and a multi-MB blob does not belong in the
+    discovery store. ``sha256`` is of the exact bytes served, so instances of one model can be
+    checked to agree, fetched bytes can be verified, and caches are content-addressed.
+
+    Compatibility: a card from a worker that predates artifacts carries
+    ``{"kind", "path", "sha256"}`` here (no ``name``, no ``size``): it does not decode
+    (msgspec: "Object missing required field `name` - at `$.tokenizer`"), and the frontend's
+    model watcher refuses it with that message and a hint to upgrade the worker. Unknown
+    fields are ignored, so newer cards with more fields still decode.
     """
 
-    kind: str  # "hf_tokenizer_json" | "gguf"
-    path: str
+    #: What the bytes are, for logs and cache file names (``"tokenizer.json"``).
+    name: str
+    #: How to interpret them (``KIND_HF_TOKENIZER_JSON``).
+    kind: str
+    #: Hex sha256 of the bytes.
+    sha256: str
+    #: Length of the bytes: a fetch that delivers more or fewer is refused.
+    size: int
+
+
+class ArtifactRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask an instance's ``ARTIFACT_HANDLER`` for the artifact with ``sha256`` (msgpack)."""
+
     sha256: str
 
 
@@ -130,7 +159,8 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     instance_id: int
     model_type: ModelType
     model_input: ModelInput
-    tokenizer: TokenizerSource | None = None
+    #: The tokenizer (``tokenizer.json`` bytes), fetched by content from the instances.
+    tokenizer: ArtifactRef | None = None
     chat_template: str | None = None
     context_length: int = 4096
     kv_cache_block_size: int = 16
@@ -141,8 +171,16 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     lora: LoraInfo | None = None
     migration_limit: int = 0
 
+    def artifacts(self) -> list[ArtifactRef]:
+        """Every artifact this card names (what its worker must serve)."""
+        return [self.tokenizer] if self.tokenizer is not None else []
+
     def checksum(self) -> str:
-        """Digest of the fields that must agree between instances of one model."""
+        """Digest of the fields that must agree between instances of one model.
+
+        Artifacts enter by their content hash (cheap: the hash of a tokenizer JSON, computed
+        once when the card is built), never by a path or the size of a weights file.
+        """
         h = hashlib.sha256()
         for part in (
             self.display_name,
