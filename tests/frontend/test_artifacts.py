@@ -328,6 +328,11 @@ async def test_bad_artifact_leaves_the_instance_out_until_a_good_one_comes(
         assert good.serving is not None and bad.serving is not None
         entries = frontend.manager.entries_for_model("tiny")
         assert [c.instance_id for c in entries] == [good.serving.instance_id]
+        # Discovery announces both instances; only the accepted one is routed to.
+        await until(lambda: frontend.manager.model_instances("tiny") != [])
+        assert frontend.manager.model_instances("tiny") == [good.serving.instance_id]
+        for _ in range(4):
+            assert "hello" in await chat(frontend, "tiny", "hello")
         assert len(errors()) == 1  # logged once
     finally:
         await bad.stop(drain_timeout=1.0)

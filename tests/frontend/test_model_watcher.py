@@ -384,6 +384,28 @@ async def test_checksum_mismatch_is_skipped(h: Harness, caplog: pytest.LogCaptur
     assert "llama" in error and good.checksum() in error and other.checksum() in error
 
 
+async def test_refused_instance_gets_no_requests(h: Harness) -> None:
+    """An instance whose card was refused stays announced in discovery, but the model's
+    pipelines never see it among their candidates."""
+    good = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    odd = await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    client = h.factory.calls[0][2]
+    await until(lambda: odd.instance_id in client.announced_ids())
+    assert client.instance_ids() == [good.instance_id]
+    assert [i.instance_id for i in client.instances()] == [good.instance_id]
+    assert h.manager.model_instances("llama") == [good.instance_id]
+
+    # A second good instance is a candidate as soon as its card is accepted.
+    other = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await until(lambda: len(client.instance_ids()) == 2)
+    assert client.instance_ids() == sorted([good.instance_id, other.instance_id])
+    await good.stop()
+    await until(lambda: client.instance_ids() == [other.instance_id])
+
+
 async def test_factory_error_adds_nothing(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     h.factory.fail.add(("completions", "llama"))

@@ -69,7 +69,7 @@ class ArtifactSource(Protocol):
 
     endpoint: EndpointId
 
-    def instance_ids(self) -> list[int]: ...
+    def announced_ids(self) -> set[int]: ...
 
     def call(
         self, instance_id: int, name: str, payload: bytes, ctx: RequestContext
@@ -229,7 +229,8 @@ class ArtifactFetcher:
         deadline = loop.time() + self.timeout
         for round_no in range(self.rounds):
             candidates = [prefer] if prefer is not None else []
-            candidates += [i for i in source.instance_ids() if i != prefer]
+            # Every announced instance, accepted for routing or not: content is verified.
+            candidates += sorted(i for i in source.announced_ids() if i != prefer)
             for instance_id in candidates:
                 left = deadline - loop.time()
                 if left <= 0:

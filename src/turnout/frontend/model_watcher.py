@@ -13,6 +13,11 @@ The ``ModelWatcher`` follows that prefix and keeps the ``ModelManager`` in step 
   ``Added``. Nothing is rebuilt: the model's endpoint client already sees the new instance.
   An instance whose card checksum disagrees with the model's is refused (it would be served
   with the wrong tokenizer or template).
+
+The pipelines route through the model's endpoint client seen as ``AcceptedInstances``: only
+instances whose card the watcher accepted are candidates. An instance announced in discovery
+whose card was refused (checksum mismatch, artifacts that could not be fetched, invalid card)
+gets no request of this model.
 * DELETE (the worker left, or its lease expired): forget the entry; when it was the model's
   last one, unregister the model, close its client, and send ``ModelUpdate.Removed`` for each
   request kind that no model serves any more.
@@ -35,14 +40,20 @@ import asyncio
 import enum
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import msgspec
 
 from turnout.errors import ModelNotFound
 from turnout.frontend.model_manager import ModelManager
 from turnout.llm.artifacts import ArtifactError
-from turnout.protocols.model import MDC_ROOT, ModelDeploymentCard, ModelInput, ModelType
+from turnout.protocols.model import (
+    MDC_ROOT,
+    Instance,
+    ModelDeploymentCard,
+    ModelInput,
+    ModelType,
+)
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
 
 if TYPE_CHECKING:
@@ -57,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GLOBAL_NAMESPACES",
     "SUPPORTED_PAIRS",
+    "AcceptedInstances",
     "ModelAdded",
     "ModelRemoved",
     "ModelUpdate",
@@ -188,6 +200,8 @@ class ModelWatcher:
         self._model_changed = asyncio.Event()
         # Keys whose PUT was refused: their DELETE is expected and logged at debug only.
         self._rejected_keys: set[str] = set()
+        # Model name -> the routing view of its endpoint client (accepted instances only).
+        self._views: dict[str, AcceptedInstances] = {}
 
     @property
     def manager(self) -> ModelManager:
@@ -215,6 +229,12 @@ class ModelWatcher:
             aclose = getattr(events, "aclose", None)  # stop the store's watch now, not at GC
             if aclose is not None:
                 await aclose()
+
+    def _accept(self, name: str) -> None:
+        """Make the routing view of ``name`` match its accepted entries."""
+        view = self._views.get(name)
+        if view is not None:
+            view.accepted = {c.instance_id for c in self._manager.entries_for_model(name)}
 
     async def close(self) -> None:
         """Close every endpoint client the watcher opened (at frontend shutdown)."""
@@ -275,6 +295,7 @@ class ModelWatcher:
             )
             return _Outcome.REJECTED
         self._manager.save_model_entry(key, card)
+        self._accept(name)
         log.info(
             "added model model=%s namespace=%s type=%s input=%s instance=%x",
             name,
@@ -304,6 +325,7 @@ class ModelWatcher:
             )
             return _Outcome.REJECTED
         self._manager.save_model_entry(key, card)
+        self._accept(name)
         log.debug(
             "new instance of existing model model=%s namespace=%s instance=%x",
             name,
@@ -351,7 +373,9 @@ class ModelWatcher:
                 f"({mt.names()} with {mi.name} input); supported: {SUPPORTED_PAIRS}"
             )
 
-        client = await self._runtime.endpoint(card.endpoint).client()
+        inner = await self._runtime.endpoint(card.endpoint).client()
+        # Typed as the client it stands for: the factory and the manager use it as one.
+        client = cast("EndpointClient", AcceptedInstances(inner))
         registered: list[_Unregister] = []
         try:
             for build, register, unregister in steps:
@@ -363,6 +387,7 @@ class ModelWatcher:
                 unregister(name)
             await _close_client(client)
             raise
+        self._views[name] = cast("AcceptedInstances", client)
         self._manager.add_model_client(name, client)
 
     # -- DELETE ---------------------------------------------------------------------------------
@@ -379,8 +404,10 @@ class ModelWatcher:
             return
         name = card.display_name
         if self._manager.entries_for_model(name):
+            self._accept(name)
             log.debug("instance of model left, others remain model=%s key=%s", name, key)
             return
+        self._views.pop(name, None)
 
         # The last instance left: unregister every kind, then report each kind that no
         # model serves any more (a kind another model still serves stays enabled).
@@ -413,6 +440,42 @@ class ModelWatcher:
     async def _send(self, update: ModelUpdate) -> None:
         if self._updates is not None:
             await self._updates.put(update)
+
+
+class AcceptedInstances:
+    """A model's endpoint client, as its pipelines see it: ``instance_ids()`` and
+    ``instances()`` keep only the instances whose card the watcher ``accepted``.
+
+    Everything else (streaming to an instance, side-handler calls, membership through
+    ``announced_ids``, listeners, ``close``) is the client's own. It compares and hashes as
+    the client it wraps.
+    """
+
+    __slots__ = ("accepted", "client")
+
+    def __init__(self, client: EndpointClient) -> None:
+        self.client = client
+        #: Instance ids with an accepted card of the model; set by the watcher.
+        self.accepted: set[int] = set()
+
+    def instance_ids(self) -> list[int]:
+        accepted = self.accepted
+        return [i for i in self.client.instance_ids() if i in accepted]
+
+    def instances(self) -> list[Instance]:
+        accepted = self.accepted
+        return [inst for inst in self.client.instances() if inst.instance_id in accepted]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, AcceptedInstances):
+            other = other.client
+        return self.client is other
+
+    def __hash__(self) -> int:
+        return hash(self.client)
 
 
 class _Unsupported(Exception):
