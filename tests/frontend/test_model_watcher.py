@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
-from turnout.errors import ModelNotFound
+from turnout.errors import DiscoveryError, ModelNotFound
+from turnout.frontend import model_watcher
 from turnout.frontend.model_manager import ModelManager
 from turnout.frontend.model_watcher import (
     SUPPORTED_PAIRS,
@@ -189,8 +190,8 @@ HarnessFactory = Callable[..., Awaitable[Harness]]
 async def make_harness() -> AsyncIterator[HarnessFactory]:
     made: list[Harness] = []
 
-    async def make(namespace: str | None = None) -> Harness:
-        store = MemoryStore()
+    async def make(namespace: str | None = None, store: MemoryStore | None = None) -> Harness:
+        store = store or MemoryStore()
         runtime = await DistributedRuntime.create(store=store, request_plane="local")
         manager = ModelManager()
         factory = RecordingFactory()
@@ -583,3 +584,59 @@ def test_model_update_variants() -> None:
             pytest.fail("matched the wrong variant")
         case ModelAdded(model_type=t):
             assert t is ModelType.Chat
+
+
+class FlakyStore(MemoryStore):
+    """A memory store whose watches can be broken, and refused while it is "down"."""
+
+    CUT = "\x00cut"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.watches_opened = 0
+
+    def cut(self) -> None:
+        """Break every live watch now and refuse new ones until ``down`` is cleared."""
+        self.down = True
+        for watcher in self._watchers:
+            watcher.queue.put_nowait(WatchEvent(WatchEventKind.PUT, KeyValue(self.CUT, b"", 0)))
+
+    async def watch_prefix(  # type: ignore[override]
+        self, prefix: str, *, start_revision: int | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        if self.down:
+            raise DiscoveryError("store unreachable")
+        self.watches_opened += 1
+        inner = super().watch_prefix(prefix, start_revision=start_revision)
+        try:
+            async for event in inner:
+                if event.kv.key == self.CUT:
+                    raise DiscoveryError("watch broken")
+                yield event
+        finally:
+            await inner.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_failed_watch_resumes_and_replays_what_it_missed(
+    make_harness: HarnessFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the store is unreachable the frontend serves what it knew; when it is back,
+    the watch resumes after the last revision it saw, so a card added and a card removed
+    meanwhile are both applied."""
+    monkeypatch.setattr(model_watcher, "WATCH_RETRY_MIN_SECONDS", 0.01)
+    store = FlakyStore()
+    h = await make_harness(store=store)
+    llama = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+
+    store.cut()
+    await asyncio.sleep(0.05)  # the watcher is retrying, refused
+    assert h.served() == {"llama"}  # serving what it knew
+    assert not h.task.done()
+    await h.put_card(make_card("later", ep=endpoint("ns", "later"), model_type=ModelType.Chat))
+    await llama.stop()
+    opened = store.watches_opened
+    store.down = False
+    await until(lambda: store.watches_opened > opened)
+    await until(lambda: h.served() == {"later"})

@@ -81,6 +81,9 @@ log = logging.getLogger(__name__)
 
 #: The prefix the watcher follows (with the trailing slash, so ``v1/mdcx`` is not matched).
 MDC_PREFIX = f"{MDC_ROOT}/"
+#: Backoff between attempts to re-open a failed model watch.
+WATCH_RETRY_MIN_SECONDS = 0.5
+WATCH_RETRY_MAX_SECONDS = 10.0
 
 #: Namespaces whose frontend serves the models of every namespace: the empty one (no
 #: namespace given) and ``"global"``. Any other name serves only its own namespace.
@@ -220,15 +223,39 @@ class ModelWatcher:
         self._model_changed = asyncio.Event()
 
     async def watch(self) -> None:
-        """Handle model-card events until the store's watch ends or this task is cancelled."""
-        events = self._runtime.store.watch_prefix(MDC_PREFIX)
-        try:
-            async for event in events:
-                await self.handle_event(event)
-        finally:
-            aclose = getattr(events, "aclose", None)  # stop the store's watch now, not at GC
-            if aclose is not None:
-                await aclose()
+        """Handle model-card events until the store is closed or this task is cancelled.
+
+        A watch that fails (the store is unreachable) is opened again with backoff, resuming
+        after the last revision it delivered, so nothing is missed and the models served
+        meanwhile stay served: replaying a change already applied is harmless (a PUT of a
+        known card is a no-op, a DELETE of an unknown key too), and a store that compacted
+        past that revision re-lists and reports what vanished as DELETEs.
+        """
+        revision: int | None = None
+        delay = WATCH_RETRY_MIN_SECONDS
+        while True:
+            events = self._runtime.store.watch_prefix(MDC_PREFIX, start_revision=revision)
+            try:
+                async for event in events:
+                    revision = max(revision or 0, event.kv.revision)
+                    delay = WATCH_RETRY_MIN_SECONDS
+                    await self.handle_event(event)
+                return  # the store was closed
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "model watch failed (%s: %s); serving what is known, retrying in %.1fs",
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+            finally:
+                aclose = getattr(events, "aclose", None)  # stop the store's watch now
+                if aclose is not None:
+                    await aclose()
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, WATCH_RETRY_MAX_SECONDS)
 
     def _accept(self, name: str) -> None:
         """Make the routing view of ``name`` match its accepted entries."""
