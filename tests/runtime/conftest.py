@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 import uvloop
 
-from turnout.runtime.discovery import DiscoveryStore, FileStore, MemoryStore
+from tests.servers.etcd import EtcdServer, etcd_binary
+from turnout.runtime.discovery import DiscoveryStore, EtcdStore, FileStore, MemoryStore
 from turnout.runtime.request_plane import local as local_plane
 
 
@@ -44,10 +45,36 @@ async def no_leaks(request: pytest.FixtureRequest) -> AsyncIterator[None]:
     assert _tcp_sockets() <= sockets_before, "tcp sockets left open"
 
 
-@pytest.fixture(params=["memory", "file"])
+def start_etcd(data_dir: Path, host: str = "127.0.0.1") -> EtcdServer:
+    """A running ``EtcdServer`` in ``data_dir``; skips the test when etcd is not installed."""
+    if etcd_binary() is None:
+        pytest.skip("the etcd binary is not installed (Debian package etcd-server)")
+    return EtcdServer(data_dir, host=host).start()
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd for a test module; tests that disrupt it (kill, pause, auth) start their own.
+    The ``store`` fixture wipes it before each test."""
+    server = start_etcd(tmp_path_factory.mktemp("etcd") / "data")
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(params=["memory", "file", "etcd"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[DiscoveryStore]:
+    """Each discovery store kind in turn: the contract tests run against all of them."""
     s: DiscoveryStore
-    s = MemoryStore() if request.param == "memory" else FileStore(tmp_path / "d.sqlite", 0.02)
+    if request.param == "memory":
+        s = MemoryStore()
+    elif request.param == "file":
+        s = FileStore(tmp_path / "d.sqlite", 0.02)
+    else:
+        server: EtcdServer = request.getfixturevalue("etcd_server")
+        await server.wipe()
+        s = EtcdStore(server.endpoints, connect_timeout=5.0)
     yield s
     await s.close()
 

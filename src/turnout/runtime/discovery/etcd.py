@@ -1,0 +1,697 @@
+"""``EtcdStore``: the discovery store of a deployment across hosts, in an etcd v3 cluster.
+
+Mental model: etcd already *is* this contract (keys, leases, revisioned watches); the store is
+a thin, defensive translation over the asyncio client ``etcd3aio``:
+
+* Revisions are etcd's: a key's ``mod_revision``, a change's header revision. etcd bumps the
+  revision once per transaction and every call here is one transaction, so "one change, one
+  revision" holds.
+* Leases are etcd leases. etcd TTLs are whole seconds, so a fractional TTL is rounded **up**
+  (at least 1 s), and the cluster may raise it further to its own minimum (1.5 election
+  timeouts, 2 s with etcd's default timings). A lease therefore never ends *earlier* than
+  asked, only later.
+* Endpoints are tried in turn: each has its own gRPC channel (created lazily, on the running
+  loop); a call that cannot reach the current endpoint moves on to the next, and gives up with
+  ``DiscoveryError`` when none answers. Every call has a deadline (``connect_timeout``), so
+  nothing awaits the network forever.
+* A watch is one gRPC stream that the store re-opens itself when it breaks (etcd restarted,
+  network lost), at the revision after the last one it delivered, with backoff and without
+  the consumer noticing beyond a delay. When that revision was compacted meanwhile, the watch
+  re-lists the prefix and emits what changed as events: PUTs for keys added or changed since,
+  DELETEs for keys that vanished (the store remembers every key its watches reported, so a
+  key that is gone now is reported gone, never left as a ghost), then streams from the
+  listing's revision. The same applies when a caller resumes with a compacted
+  ``start_revision``.
+* Failures surface as ``DiscoveryError`` with one readable line, never as raw gRPC errors;
+  the loss and return of etcd are logged once per change of state.
+* ``user``/``password`` authenticate with etcd's auth API; the token is renewed whenever etcd
+  says it is invalid (it expires, and an etcd restart forgets it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+import grpc.aio
+from etcd3aio import (
+    EtcdConnectionError,
+    EtcdError,
+    EtcdPermissionDeniedError,
+    EtcdTransientError,
+    EtcdUnauthenticatedError,
+)
+from etcd3aio._protobuf import (
+    LeaseKeepAliveRequest,
+    LeaseStub,
+    WatchCreateRequest,
+    WatchRequest,
+    WatchResponse,
+    WatchStub,
+)
+from etcd3aio.auth import AuthService
+from etcd3aio.kv import KVService, prefix_range_end
+from etcd3aio.lease import LeaseService
+
+from turnout.errors import ConfigError, DiscoveryError
+from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+
+logger = logging.getLogger("turnout.runtime.discovery.etcd")
+
+_T = TypeVar("_T")
+
+#: Backoff of a watch re-opening its stream: first delay, cap.
+WATCH_RETRY_MIN_SECONDS = 0.05
+WATCH_RETRY_MAX_SECONDS = 2.0
+
+#: gRPC channel settings: keep-alive pings find a dead peer on a silent connection (etcd
+#: refuses pings more often than every 5 s), and a short reconnect backoff finds a restarted
+#: etcd soon (gRPC's default grows to two minutes).
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # The channel owns its connections: closing the store closes its sockets (with gRPC's
+    # global pool they would outlive it, shared with nobody).
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+_TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class EtcdUnavailable(DiscoveryError):
+    """No endpoint of the etcd store answered in time."""
+
+
+class _Unreachable(Exception):
+    """One endpoint did not answer in time (internal: the caller tries the next one)."""
+
+
+class _Compacted(Exception):
+    """The revision a watch asked for was compacted away (internal)."""
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, bool | None]:
+    """``http://h:2379`` → (``h:2379``, False); ``https://…`` → True; bare ``h:2379`` → None."""
+    text = endpoint.strip()
+    if "://" not in text:
+        target, tls = text, None
+    else:
+        parts = urlsplit(text)
+        if parts.scheme not in ("http", "https"):
+            raise ConfigError(f"etcd endpoint {endpoint!r}: scheme must be http or https")
+        if parts.path not in ("", "/"):
+            raise ConfigError(f"etcd endpoint {endpoint!r}: no path expected")
+        target, tls = parts.netloc, parts.scheme == "https"
+    if not target:
+        raise ConfigError(f"etcd endpoint {endpoint!r}: no host")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or host.endswith(":"):
+        target += ":2379"  # etcd's client port when none is named
+    return target, tls
+
+
+def _read_pem(option: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"etcd {option} {path!r}: {exc.strerror or exc}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """A short, single-line reason for ``exc`` (gRPC details can span lines).
+
+    Also drops the tracebacks of ``exc`` and its causes: they hold the frames of the failed
+    gRPC call, whose reference cycles would keep its connection open after the store closes
+    (until a garbage collection). Callers raise their own error ``from None``; the reason
+    text carries what the user needs.
+    """
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    if isinstance(exc, grpc.aio.AioRpcError):
+        text = f"{exc.code().name}: {exc.details() or ''}"
+    elif isinstance(exc, TimeoutError):
+        text = "timed out"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+@dataclass(slots=True)
+class _Endpoint:
+    """One etcd endpoint and, once used, its channel and service facades."""
+
+    url: str
+    target: str
+    channel: grpc.aio.Channel | None = None
+    kv: KVService | None = None
+    lease: LeaseService | None = None
+    auth: AuthService | None = None
+    lease_stub: LeaseStub | None = None
+    watch_stub: WatchStub | None = None
+
+
+class EtcdStore(DiscoveryStore):
+    """Discovery store in etcd v3; see the module docstring for the design.
+
+    Options: ``endpoints`` (``http://host:port`` or ``https://host:port``, tried in turn;
+    a comma-separated string is accepted too), ``ca_cert`` (PEM file of the CA that signed
+    etcd's certificate; https endpoints without it trust the system's CAs), ``cert`` and
+    ``key`` (PEM files of a client certificate, for etcd's ``--client-cert-auth``), ``user``
+    and ``password`` (etcd's auth), ``connect_timeout`` (seconds each call may wait for an
+    endpoint, default 5).
+    """
+
+    kind = "etcd"
+
+    def __init__(
+        self,
+        endpoints: Sequence[str] | str = ("http://127.0.0.1:2379",),
+        *,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        if isinstance(endpoints, str):
+            endpoints = [part for part in endpoints.split(",") if part.strip()]
+        if not endpoints:
+            raise ConfigError("etcd store needs at least one endpoint")
+        if connect_timeout <= 0:
+            raise ConfigError(f"etcd connect_timeout must be positive, got {connect_timeout}")
+        if (cert is None) != (key is None):
+            raise ConfigError("etcd client certificate needs both cert and key")
+        if password is not None and user is None:
+            raise ConfigError("etcd password given without a user")
+        parsed = [_parse_endpoint(e) for e in endpoints]
+        schemes = {tls for _, tls in parsed if tls is not None}
+        if len(schemes) > 1:
+            raise ConfigError(f"etcd endpoints mix http and https: {list(endpoints)}")
+        self.tls = (schemes.pop() if schemes else False) or ca_cert is not None or cert is not None
+        if self.tls and False in {tls for _, tls in parsed}:
+            raise ConfigError("etcd TLS options given with http:// endpoints; use https://")
+        self.endpoints = [e.strip() for e in endpoints]
+        self.connect_timeout = float(connect_timeout)
+        self.user = user
+        self._password = password or ""
+        self._credentials: grpc.ChannelCredentials | None = None
+        if self.tls:
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read_pem("ca_cert", ca_cert),
+                private_key=_read_pem("key", key),
+                certificate_chain=_read_pem("cert", cert),
+            )
+        self._endpoints = [
+            _Endpoint(url, target) for url, (target, _) in zip(self.endpoints, parsed, strict=True)
+        ]
+        self._current = 0
+        self._token: str | None = None
+        self._closed = False
+        self._closed_event: asyncio.Event | None = None
+        self._reachable = True
+        #: Every key a watch of this store reported present: after a compaction, the ones
+        #: that are gone are reported as DELETEs (a DELETE of a key a watcher never saw is
+        #: harmless; a ghost key is not).
+        self._seen_keys: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self.endpoints})"
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DiscoveryError(f"etcd store {self.endpoints} is closed")
+
+    def _closed_waiter(self) -> asyncio.Event:
+        if self._closed_event is None:
+            self._closed_event = asyncio.Event()
+            if self._closed:
+                self._closed_event.set()
+        return self._closed_event
+
+    def _connect(self, ep: _Endpoint) -> _Endpoint:
+        """``ep`` with its channel open (created on the running loop, on first use)."""
+        if ep.channel is None:
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(ep.target, self._credentials, _CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.insecure_channel(ep.target, _CHANNEL_OPTIONS)
+            ep.channel = channel
+            ep.kv = KVService(channel, max_attempts=1)
+            ep.lease = LeaseService(channel, max_attempts=1)
+            ep.auth = AuthService(channel, max_attempts=1)
+            ep.lease_stub = LeaseStub(channel)
+            ep.watch_stub = WatchStub(channel)
+            for service in (ep.kv, ep.lease):
+                service.set_token(self._token)
+        return ep
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("token", self._token),) if self._token else None
+
+    def _set_token(self, token: str | None) -> None:
+        self._token = token
+        for ep in self._endpoints:
+            for service in (ep.kv, ep.lease):
+                if service is not None:
+                    service.set_token(token)
+
+    async def _authenticate(self, ep: _Endpoint) -> None:
+        """Get a fresh token from ``ep`` (only with ``user``)."""
+        assert self.user is not None and ep.auth is not None
+        try:
+            resp = await ep.auth.authenticate(
+                self.user, self._password, timeout=self.connect_timeout
+            )
+        except (EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
+            raise _Unreachable(_one_line(exc)) from None
+        except EtcdUnauthenticatedError as exc:
+            raise DiscoveryError(
+                f"etcd at {ep.url} rejected user {self.user!r}: {_one_line(exc)}"
+            ) from None
+        self._set_token(resp.token)
+
+    def _mark(self, reachable: bool, reason: str = "") -> None:
+        """Log once per change of state, not once per failed call."""
+        if reachable == self._reachable:
+            return
+        self._reachable = reachable
+        if reachable:
+            logger.warning("etcd reachable again at %s", self._endpoints[self._current].url)
+        else:
+            logger.warning("etcd unreachable at %s, retrying: %s", self.endpoints, reason)
+
+    def _advance(self, index: int) -> None:
+        """The endpoint ``index`` failed: the next call starts with the following one."""
+        if self._current == index:
+            self._current = (index + 1) % len(self._endpoints)
+
+    async def _call(self, what: str, fn: Callable[[_Endpoint], Awaitable[_T]]) -> _T:
+        """Run ``fn`` on the current endpoint, failing over to the others; each attempt is
+        bounded by ``connect_timeout``. Errors become ``DiscoveryError`` naming ``what``."""
+        self._check_open()
+        reasons: list[str] = []
+        start = self._current
+        for step in range(len(self._endpoints)):
+            index = (start + step) % len(self._endpoints)
+            ep = self._connect(self._endpoints[index])
+            reauthenticated = False
+            while True:
+                try:
+                    if self.user is not None and self._token is None:
+                        await self._authenticate(ep)
+                    async with asyncio.timeout(self.connect_timeout):
+                        result = await fn(ep)
+                except (_Unreachable, EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
+                    reasons.append(f"{ep.url}: {_one_line(exc)}")
+                    self._advance(index)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in _TRANSIENT_CODES:
+                        reasons.append(f"{ep.url}: {_one_line(exc)}")
+                        self._advance(index)
+                        break
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._retry_auth(
+                        reauthenticated
+                    ):
+                        reauthenticated = True
+                        continue
+                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
+                except EtcdUnauthenticatedError as exc:
+                    if self._retry_auth(reauthenticated):
+                        reauthenticated = True
+                        continue
+                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
+                except EtcdPermissionDeniedError as exc:
+                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
+                except EtcdError as exc:
+                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
+                self._current = index
+                self._mark(True)
+                return result
+            if self._closed:
+                break
+        reason = "; ".join(reasons) or "store closed"
+        self._mark(False, reason)
+        if self._closed:
+            raise DiscoveryError(f"etcd store {self.endpoints} is closed")
+        raise EtcdUnavailable(f"etcd {what}: unreachable at {self.endpoints}: {reason}")
+
+    def _retry_auth(self, already: bool) -> bool:
+        """An UNAUTHENTICATED answer: drop the token and retry once when we have a user
+        (tokens expire, and an etcd restart forgets them)."""
+        if self.user is None or already:
+            return False
+        self._token = None
+        return True
+
+    @staticmethod
+    def _range(prefix: str) -> tuple[bytes, bytes]:
+        """etcd's (key, range_end) for every key under ``prefix`` ("" = all keys)."""
+        if not prefix:
+            return b"\0", b"\0"
+        return prefix.encode(), prefix_range_end(prefix.encode())
+
+    @staticmethod
+    def _kv(kv: Any) -> KeyValue:
+        return KeyValue(
+            key=kv.key.decode(),
+            value=bytes(kv.value),
+            revision=int(kv.mod_revision),
+            lease_id=int(kv.lease) or None,
+        )
+
+    # -- reachability ---------------------------------------------------------------------
+
+    async def check(self) -> None:
+        """Raise ``DiscoveryError`` unless some endpoint answers a read (and, with a user,
+        accepts the credentials) within ``connect_timeout``."""
+
+        async def ping(ep: _Endpoint) -> None:
+            assert ep.kv is not None
+            await ep.kv.get(b"\0", timeout=self.connect_timeout, count_only=True)
+
+        await self._call("check", ping)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl: float) -> int:
+        """A new etcd lease; ``ttl`` is rounded up to whole seconds (at least 1)."""
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl}")
+        seconds = max(1, math.ceil(ttl))
+
+        async def grant(ep: _Endpoint) -> int:
+            assert ep.lease is not None
+            resp = await ep.lease.grant(seconds, timeout=self.connect_timeout)
+            return int(resp.ID)
+
+        return await self._call("grant lease", grant)
+
+    async def keep_alive(self, lease_id: int) -> bool:
+        async def keep(ep: _Endpoint) -> bool:
+            assert ep.lease_stub is not None
+            requests = iter([LeaseKeepAliveRequest(ID=lease_id)])
+            call = ep.lease_stub.LeaseKeepAlive(
+                requests, metadata=self._metadata(), timeout=self.connect_timeout
+            )
+            try:
+                resp = await call.read()
+            finally:
+                call.cancel()
+            if resp is grpc.aio.EOF:
+                raise _Unreachable("keep-alive stream ended without an answer")
+            return int(resp.TTL) > 0
+
+        return await self._call(f"keep-alive of lease {lease_id:x}", keep)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        async def revoke(ep: _Endpoint) -> None:
+            assert ep.lease is not None
+            try:
+                await ep.lease.revoke(lease_id, timeout=self.connect_timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                _one_line(exc)  # already ended: nothing to do (and no cycle kept)
+
+        await self._call(f"revoke of lease {lease_id:x}", revoke)
+
+    # -- keys -----------------------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, *, lease_id: int | None = None) -> int:
+        async def put(ep: _Endpoint) -> int:
+            assert ep.kv is not None
+            try:
+                resp = await ep.kv.put(
+                    key.encode(), bytes(value), lease=lease_id or 0, timeout=self.connect_timeout
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and lease_id is not None:
+                    _one_line(exc)
+                    raise DiscoveryError(
+                        f"cannot put {key!r}: lease {lease_id:x} does not exist"
+                    ) from None
+                raise
+            return int(resp.header.revision)
+
+        return await self._call(f"put {key!r}", put)
+
+    async def get(self, key: str) -> KeyValue | None:
+        async def get(ep: _Endpoint) -> KeyValue | None:
+            assert ep.kv is not None
+            resp = await ep.kv.get(key.encode(), timeout=self.connect_timeout)
+            return self._kv(resp.kvs[0]) if resp.kvs else None
+
+        return await self._call(f"get {key!r}", get)
+
+    async def _list(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """The keys under ``prefix`` (sorted) and the revision of that listing."""
+
+        async def list_(ep: _Endpoint) -> tuple[list[KeyValue], int]:
+            assert ep.kv is not None
+            key, end = self._range(prefix)
+            resp = await ep.kv.get(key, range_end=end, timeout=self.connect_timeout)
+            return [self._kv(kv) for kv in resp.kvs], int(resp.header.revision)
+
+        return await self._call(f"list {prefix!r}", list_)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        kvs, _ = await self._list(prefix)
+        return kvs
+
+    async def delete(self, key: str) -> bool:
+        async def delete(ep: _Endpoint) -> bool:
+            assert ep.kv is not None
+            resp = await ep.kv.delete(key.encode(), timeout=self.connect_timeout)
+            return int(resp.deleted) > 0
+
+        return await self._call(f"delete {key!r}", delete)
+
+    async def compact(self, revision: int) -> None:
+        """Drop the history up to ``revision``: watches cannot resume before it any more."""
+
+        async def compact(ep: _Endpoint) -> None:
+            assert ep.kv is not None
+            await ep.kv.compact(revision, physical=True, timeout=self.connect_timeout)
+
+        await self._call(f"compact at {revision}", compact)
+
+    # -- watches --------------------------------------------------------------------------
+
+    def _resync(
+        self, prefix: str, kvs: list[KeyValue], after: int, revision: int
+    ) -> list[WatchEvent]:
+        """Events that bring a watcher current at ``after`` to the listing ``kvs`` at
+        ``revision``: PUTs of keys changed since, DELETEs of seen keys that are gone."""
+        events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs if kv.revision > after]
+        present = {kv.key for kv in kvs}
+        gone = sorted(k for k in self._seen_keys if k.startswith(prefix) and k not in present)
+        events.sort(key=lambda e: e.kv.revision)
+        for key in gone:
+            events.append(
+                WatchEvent(WatchEventKind.DELETE, KeyValue(key=key, value=b"", revision=revision))
+            )
+        return events
+
+    def _note(self, event: WatchEvent) -> WatchEvent:
+        if event.kind is WatchEventKind.PUT:
+            self._seen_keys.add(event.kv.key)
+        return event
+
+    async def watch_prefix(
+        self, prefix: str, *, start_revision: int | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        if self._closed:
+            return
+        closed = self._closed_waiter()
+        #: The revision the consumer is current at (None: it needs a snapshot first).
+        after = start_revision
+        #: ``after`` was compacted away: re-list and report the differences.
+        resync = False
+        delay = WATCH_RETRY_MIN_SECONDS
+        while not self._closed:
+            index = self._current
+            try:
+                if after is None or resync:
+                    kvs, revision = await self._list(prefix)
+                    if after is None:
+                        events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
+                    else:
+                        events = self._resync(prefix, kvs, after, revision)
+                    for event in events:
+                        yield self._note(event)
+                    after, resync = revision, False
+                    index = self._current
+                ep = self._connect(self._endpoints[index])
+                async with contextlib.aclosing(
+                    self._stream(ep, prefix, after + 1, closed)
+                ) as stream:
+                    async for event in stream:
+                        after = max(after, event.kv.revision)
+                        delay = WATCH_RETRY_MIN_SECONDS
+                        yield self._note(event)
+                return  # the store was closed
+            except _Compacted:
+                resync = True
+                continue
+            except _Unreachable as exc:
+                self._mark(False, f"{self._endpoints[index].url}: {exc}")
+                self._advance(index)
+            except EtcdUnavailable:
+                pass  # _call logged it and moved to the next endpoint
+            except DiscoveryError:
+                if self._closed:
+                    return
+                raise
+            if self._closed:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closed.wait(), delay)
+            delay = min(2 * delay, WATCH_RETRY_MAX_SECONDS)
+
+    async def _stream(
+        self, ep: _Endpoint, prefix: str, start: int, closed: asyncio.Event
+    ) -> AsyncIterator[WatchEvent]:
+        """One watch stream from revision ``start``; ends when the store closes, raises
+        ``_Unreachable`` when the stream breaks and ``_Compacted`` when ``start`` is gone."""
+        assert ep.watch_stub is not None
+        if self.user is not None and self._token is None:
+            await self._authenticate(ep)
+        key, end = self._range(prefix)
+        create = WatchRequest(
+            create_request=WatchCreateRequest(
+                key=key, range_end=end, start_revision=start, progress_notify=True
+            )
+        )
+
+        async def requests() -> AsyncIterator[WatchRequest]:
+            yield create
+            await closed.wait()
+
+        call = ep.watch_stub.Watch(requests(), metadata=self._metadata())
+        closer = asyncio.ensure_future(closed.wait())
+        reader: asyncio.Future[Any] | None = None
+        created = False
+        try:
+            while True:
+                # Wait for either a response or the store closing; the creation gets a
+                # deadline, an open stream does not (etcd may stay silent for a long time;
+                # gRPC keep-alive pings notice a dead peer).
+                reader = asyncio.ensure_future(call.read())
+                timeout = None if created else self.connect_timeout
+                done, _ = await asyncio.wait(
+                    {reader, closer}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if reader not in done:
+                    reader.cancel()
+                    call.cancel()
+                    await asyncio.wait([reader])
+                    if closer in done:
+                        return
+                    raise _Unreachable("watch creation timed out")
+                try:
+                    resp: WatchResponse = reader.result()
+                except asyncio.CancelledError:
+                    if self._closed:
+                        return
+                    raise _Unreachable("watch stream cancelled") from None
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in _TRANSIENT_CODES:
+                        raise _Unreachable(_one_line(exc)) from None
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.user is not None:
+                        self._token = None
+                        raise _Unreachable(_one_line(exc)) from None
+                    raise DiscoveryError(f"etcd watch of {prefix!r}: {_one_line(exc)}") from None
+                if resp is grpc.aio.EOF:
+                    if self._closed:
+                        return
+                    raise _Unreachable("watch stream ended")
+                if resp.compact_revision > 0:
+                    raise _Compacted()
+                if resp.canceled:
+                    reason = resp.cancel_reason or "cancelled by etcd"
+                    if "auth" in reason and self.user is not None:
+                        self._token = None
+                        raise _Unreachable(reason)
+                    raise DiscoveryError(f"etcd watch of {prefix!r}: {reason}")
+                if resp.created and not created:
+                    created = True
+                    self._mark(True)
+                for ev in resp.events:
+                    kv = ev.kv
+                    if ev.type == ev.DELETE:
+                        yield WatchEvent(
+                            WatchEventKind.DELETE,
+                            KeyValue(
+                                key=kv.key.decode(),
+                                value=b"",
+                                revision=int(kv.mod_revision),
+                                lease_id=int(kv.lease) or None,
+                            ),
+                        )
+                    else:
+                        yield WatchEvent(WatchEventKind.PUT, self._kv(kv))
+        finally:
+            closer.cancel()
+            call.cancel()
+            pending = [f for f in (closer, reader) if f is not None]
+            for f in pending:
+                f.cancel()
+            await asyncio.wait(pending)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._closed_event is not None:
+            self._closed_event.set()
+        # Let watches see the event and cancel their streams before the channels go.
+        await asyncio.sleep(0)
+        for ep in self._endpoints:
+            if ep.channel is not None:
+                channel, ep.channel = ep.channel, None
+                await channel.close()
+            ep.kv = ep.lease = ep.auth = None
+            ep.lease_stub = ep.watch_stub = None
+
+
+async def open_etcd_store(**options: Any) -> EtcdStore:
+    """An ``EtcdStore`` that answered a read within its connect timeout, or ``ConfigError``
+    naming the endpoints (start-up: the caller exits with one line, not a traceback)."""
+    store = EtcdStore(**options)
+    try:
+        await store.check()
+    except EtcdUnavailable as exc:
+        await store.close()
+        reason = str(exc).split(": unreachable at ", 1)[-1].split(": ", 1)[-1]
+        raise ConfigError(f"cannot reach etcd at {store.endpoints}: {reason}") from None
+    except DiscoveryError as exc:
+        await store.close()
+        raise ConfigError(f"etcd at {store.endpoints}: {exc}") from None
+    except BaseException:
+        await store.close()
+        raise
+    return store

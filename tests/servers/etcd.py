@@ -1,0 +1,221 @@
+"""``EtcdServer``: a real, single-member ``etcd`` for the tests, on free ports of one loopback
+address, in its own data directory.
+
+It starts in about a tenth of a second, so tests may own one each when they disrupt it
+(kill, restart, pause, enable auth) and share one otherwise. Its raft timings are shortened
+(heartbeat 50 ms, election 250 ms): startup is quicker, and etcd's minimum lease TTL, 1.5
+election timeouts rounded up to whole seconds, drops from 2 s to 1 s, which keeps the lease
+expiry tests short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from types import TracebackType
+
+from etcd3aio import Etcd3Client
+
+ETCD_BINARY = "etcd"
+START_DEADLINE_SECONDS = 20.0
+
+
+def etcd_binary() -> str | None:
+    """The path of the ``etcd`` binary, or None when it is not installed."""
+    return shutil.which(ETCD_BINARY)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd process. ``start()`` waits (with a deadline) until it answers ``/health``;
+    ``restart()`` brings it back on the same ports and data, as after a crash or reboot."""
+
+    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("the etcd binary is not installed (Debian: etcd-server)")
+        self.binary = binary
+        self.host = host
+        self.data_dir = Path(data_dir)
+        self.client_port = _free_port(host)
+        self.peer_port = _free_port(host)
+        self.name = f"turnout-test-{uuid.uuid4().hex[:8]}"
+        self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        self.process: subprocess.Popen[bytes] | None = None
+        self._paused = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [self.url]
+
+    # -- process ----------------------------------------------------------------------------
+
+    def start(self) -> EtcdServer:
+        assert self.process is None, "already running"
+        peer = f"http://{self.host}:{self.peer_port}"
+        args = [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--heartbeat-interval", "50",
+            "--election-timeout", "250",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            log.close()
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_DEADLINE_SECONDS
+        assert self.process is not None
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.process.returncode}: {self._tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        return
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"etcd did not answer within {START_DEADLINE_SECONDS}s")
+            time.sleep(0.02)
+
+    def _tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop etcd cleanly (SIGTERM), waiting for it to exit."""
+        self._end(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Kill etcd (SIGKILL), as a crash would."""
+        self._end(signal.SIGKILL)
+
+    def _end(self, sig: signal.Signals) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if self._paused:
+            process.send_signal(signal.SIGCONT)
+            self._paused = False
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def restart(self) -> None:
+        """Start again on the same data directory and ports (stops it first if running)."""
+        self.stop()
+        self.start()
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open, nothing answers."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """Thaw a paused etcd (SIGCONT)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+        self._paused = False
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def remove_data(self) -> None:
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- client-side helpers (each opens and closes its own channel) ------------------------
+
+    def _client(self, token: str | None = None) -> Etcd3Client:
+        return Etcd3Client([f"{self.host}:{self.client_port}"], token=token)
+
+    async def compact(self, revision: int) -> None:
+        """Compact etcd's history up to ``revision`` (watches cannot start before it)."""
+        async with self._client() as client:
+            assert client.kv is not None
+            await client.kv.compact(revision, physical=True, timeout=5)
+
+    async def revision(self) -> int:
+        """The current store revision."""
+        async with self._client() as client:
+            assert client.kv is not None
+            resp = await client.kv.get(b"\0", range_end=b"\0", count_only=True, timeout=5)
+            return int(resp.header.revision)
+
+    async def wipe(self) -> None:
+        """Delete every key and revoke every lease: a clean store for the next test."""
+        async with self._client() as client:
+            assert client.kv is not None and client.lease is not None
+            await client.kv.delete(b"\0", range_end=b"\0", timeout=5)
+            leases = await client.lease.leases(timeout=5)
+            for lease in leases.leases:
+                await client.lease.revoke(lease.ID, timeout=5)
+
+    async def enable_auth(self, user: str, password: str) -> None:
+        """Add ``root`` (etcd's only way to enable auth) with ``password`` and ``user`` with the
+        root role, then turn auth on: afterwards every call needs credentials."""
+        async with self._client() as client:
+            assert client.auth is not None
+            await client.auth.role_add("root", timeout=5)
+            await client.auth.user_add("root", password, timeout=5)
+            await client.auth.user_grant_role("root", "root", timeout=5)
+            if user != "root":
+                await client.auth.user_add(user, password, timeout=5)
+                await client.auth.user_grant_role(user, "root", timeout=5)
+            await client.auth.auth_enable(timeout=5)
+
+    def __repr__(self) -> str:
+        pid = self.process.pid if self.process is not None else None
+        return f"EtcdServer({self.url}, pid={pid}, data={os.fspath(self.data_dir)})"
