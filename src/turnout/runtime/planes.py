@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from turnout.runtime.addresses import DEFAULT_HOST, resolve_advertise_host
 from turnout.runtime.component import DistributedRuntime
-from turnout.runtime.discovery import DiscoveryStore
+from turnout.runtime.discovery import DiscoveryStore, open_store
 
 if TYPE_CHECKING:
     from turnout.runtime.nats import NatsConnection, NatsOptions
@@ -84,16 +84,7 @@ async def open_runtime(config: PlanesConfig) -> DistributedRuntime:
 
 async def open_store_only(config: PlanesConfig) -> DiscoveryStore:
     """The store alone (``turnout status``, tools): the caller closes it."""
-    from turnout.runtime import discovery
-
-    # TEMPORARY until open_store lands beside make_store.
-    open_store = getattr(discovery, "open_store", None)
-    if open_store is None:
-        return discovery.make_store(config.store, config.store_path)
-    store: DiscoveryStore = await open_store(
-        config.store, config.store_path, **config.store_options
-    )
-    return store
+    return await open_store(config.store, config.store_path, **config.store_options)
 
 
 async def _connect_nats(config: PlanesConfig) -> NatsConnection:
