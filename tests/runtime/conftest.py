@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 import uvloop
-
 from tests.servers.etcd import EtcdServer, etcd_binary
+
 from turnout.runtime.discovery import DiscoveryStore, EtcdStore, FileStore, MemoryStore
 from turnout.runtime.request_plane import local as local_plane
 

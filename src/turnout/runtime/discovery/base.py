@@ -9,6 +9,11 @@ Contract:
   some revision R), then every change after R, in revision order, each exactly once. Passing
   ``start_revision`` resumes after a known revision instead of taking a snapshot.
 * Revisions increase by one with every change of the store.
+* History is finite (``compact`` drops it up to a revision; stores also trim it themselves).
+  A watcher resuming from a revision no longer in the history is brought up to date as if
+  it had not missed anything: PUTs of the keys added or changed since, DELETEs of the keys
+  that vanished since, in revision order; then the changes that follow. No key that vanished
+  is ever left behind (a DELETE of a key the watcher never saw may come, and is harmless).
 """
 
 from __future__ import annotations
@@ -79,6 +84,10 @@ class DiscoveryStore(abc.ABC):
 
         The iterator ends when the store is closed; ``aclose()`` stops it early.
         """
+
+    async def compact(self, revision: int) -> None:
+        """Drop the history of changes up to ``revision`` (inclusive)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compact")
 
     @abc.abstractmethod
     async def close(self) -> None: ...

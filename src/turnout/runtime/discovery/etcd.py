@@ -156,6 +156,34 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _grpc_tasks(before: set[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
+    """The tasks gRPC started for a streaming call since ``before`` (taken just before the
+    call was made): one that waits for the call's final status."""
+    return [
+        task
+        for task in asyncio.all_tasks() - before
+        if "_handle_status_once_received" in getattr(task.get_coro(), "__qualname__", "")
+    ]
+
+
+async def _finish(call: grpc.aio.Call, tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel a streaming ``call`` and wait (briefly) for gRPC's ``tasks`` of it to end.
+
+    gRPC runs a task per streaming call that ends only when the cancellation comes back from
+    its own thread; it must not outlive the store (nor the event loop).
+    """
+    call.cancel()
+    pending = [task for task in tasks if not task.done()]
+    if not pending:
+        return
+    try:
+        await asyncio.wait(pending, timeout=1.0)
+    except asyncio.CancelledError:
+        # Our caller is being cancelled: still settle the call, then let it go on.
+        await asyncio.wait(pending, timeout=1.0)
+        raise
+
+
 @dataclass(slots=True)
 class _Endpoint:
     """One etcd endpoint and, once used, its channel and service facades."""
@@ -414,13 +442,14 @@ class EtcdStore(DiscoveryStore):
         async def keep(ep: _Endpoint) -> bool:
             assert ep.lease_stub is not None
             requests = iter([LeaseKeepAliveRequest(ID=lease_id)])
+            before = asyncio.all_tasks()
             call = ep.lease_stub.LeaseKeepAlive(
                 requests, metadata=self._metadata(), timeout=self.connect_timeout
             )
             try:
                 resp = await call.read()
             finally:
-                call.cancel()
+                await _finish(call, _grpc_tasks(before))
             if resp is grpc.aio.EOF:
                 raise _Unreachable("keep-alive stream ended without an answer")
             return int(resp.TTL) > 0
@@ -591,7 +620,9 @@ class EtcdStore(DiscoveryStore):
             yield create
             await closed.wait()
 
+        before = asyncio.all_tasks()
         call = ep.watch_stub.Watch(requests(), metadata=self._metadata())
+        grpc_tasks: list[asyncio.Task[Any]] | None = None
         closer = asyncio.ensure_future(closed.wait())
         reader: asyncio.Future[Any] | None = None
         created = False
@@ -612,6 +643,8 @@ class EtcdStore(DiscoveryStore):
                     if closer in done:
                         return
                     raise _Unreachable("watch creation timed out")
+                if grpc_tasks is None:
+                    grpc_tasks = _grpc_tasks(before)
                 try:
                     resp: WatchResponse = reader.result()
                 except asyncio.CancelledError:
@@ -656,7 +689,7 @@ class EtcdStore(DiscoveryStore):
                         yield WatchEvent(WatchEventKind.PUT, self._kv(kv))
         finally:
             closer.cancel()
-            call.cancel()
+            await _finish(call, _grpc_tasks(before) if grpc_tasks is None else grpc_tasks)
             pending = [f for f in (closer, reader) if f is not None]
             for f in pending:
                 f.cancel()

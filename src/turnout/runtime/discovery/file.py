@@ -13,8 +13,11 @@ file is a peer, and every one of them keeps the store honest:
   the keys of leases whose deadline has passed (logging DELETE events) in one write
   transaction. A ``kill -9``'d process therefore vanishes for everyone within TTL plus one poll
   interval, with nobody in charge.
-* The log is trimmed to the last ``HISTORY_LIMIT`` changes; a watcher that resumes from before
-  the trimmed point gets a fresh snapshot instead (it cannot see the DELETEs it missed).
+* The log is trimmed to the last ``HISTORY_LIMIT`` changes (or by ``compact``); a watcher that
+  resumes from before the trimmed point is resynced instead: PUTs of the keys whose
+  ``mod_revision`` is newer, and DELETEs from ``tombstones(key, revision)``, which keeps the
+  revision of every deleted key's last deletion (a key put again loses its tombstone). So
+  it learns what vanished while it was away, never keeping a ghost.
 
 The database runs in WAL mode (readers never block the writer) with a busy timeout, so any
 number of processes may open the same path at once. Each store object talks to SQLite through
@@ -64,6 +67,10 @@ CREATE TABLE IF NOT EXISTS events (
     key TEXT NOT NULL,
     value BLOB NOT NULL,
     lease_id INTEGER
+);
+CREATE TABLE IF NOT EXISTS tombstones (
+    key TEXT PRIMARY KEY,
+    revision INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0);
@@ -180,6 +187,7 @@ class FileStore(DiscoveryStore):
         for key, lease_id in keys:
             rev = self._next_revision(db)
             db.execute("DELETE FROM kv WHERE key=?", (key,))
+            db.execute("INSERT OR REPLACE INTO tombstones VALUES (?, ?)", (key, rev))
             self._log(db, rev, _DELETE, key, b"", lease_id)
 
     def _end_leases(self, db: sqlite3.Connection, lease_ids: list[int]) -> None:
@@ -258,6 +266,7 @@ class FileStore(DiscoveryStore):
                     raise DiscoveryError(f"cannot put {key!r}: lease {lease_id:x} does not exist")
             rev = self._next_revision(db)
             db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?)", (key, value, lease_id, rev))
+            db.execute("DELETE FROM tombstones WHERE key=?", (key,))
             self._log(db, rev, _PUT, key, value, lease_id)
             return rev
 
@@ -313,16 +322,40 @@ class FileStore(DiscoveryStore):
 
         return self._read(snap)
 
-    def _changes(self, prefix: str, after: int) -> tuple[list[WatchEvent], int] | None:
-        """Changes under ``prefix`` after revision ``after`` and the store revision they reach;
-        None when the log was trimmed past ``after`` (the watcher must take a snapshot)."""
+    @staticmethod
+    def _resync(db: sqlite3.Connection, prefix: str, after: int) -> list[WatchEvent]:
+        """What changed under ``prefix`` since ``after`` when the log no longer reaches back:
+        PUTs of newer keys, DELETEs of newer tombstones, in revision order."""
+        end = _prefix_end(prefix)
+        bound = "" if end is None else " AND key < ?"
+        params: tuple[object, ...] = (after, prefix) if end is None else (after, prefix, end)
+        puts = db.execute(
+            "SELECT key, value, mod_revision, lease_id FROM kv"
+            " WHERE mod_revision > ? AND key >= ?" + bound,
+            params,
+        ).fetchall()
+        deletes = db.execute(
+            "SELECT key, revision FROM tombstones WHERE revision > ? AND key >= ?" + bound,
+            params,
+        ).fetchall()
+        events = [WatchEvent(WatchEventKind.PUT, KeyValue(*row)) for row in puts]
+        events += [
+            WatchEvent(WatchEventKind.DELETE, KeyValue(key=key, value=b"", revision=rev))
+            for key, rev in deletes
+        ]
+        events.sort(key=lambda ev: ev.kv.revision)
+        return events
+
+    def _changes(self, prefix: str, after: int) -> tuple[list[WatchEvent], int]:
+        """Changes under ``prefix`` after revision ``after`` and the store revision they reach
+        (a resync when the log was trimmed past ``after``)."""
         self._sweep()
 
-        def changes(db: sqlite3.Connection) -> tuple[list[WatchEvent], int] | None:
+        def changes(db: sqlite3.Connection) -> tuple[list[WatchEvent], int]:
             (compacted,) = db.execute("SELECT value FROM meta WHERE name='compacted'").fetchone()
-            if after < compacted:
-                return None
             (rev,) = db.execute("SELECT value FROM meta WHERE name='revision'").fetchone()
+            if after < compacted:
+                return self._resync(db, prefix, after), int(rev)
             if rev <= after:
                 return [], after
             end = _prefix_end(prefix)
@@ -352,12 +385,11 @@ class FileStore(DiscoveryStore):
         after = start_revision
         while not self._closed:
             try:
-                batch = None if after is None else await self._call(self._changes, prefix, after)
-                if batch is None:
+                if after is None:
                     kvs, after = await self._call(self._snapshot, prefix)
                     events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
                 else:
-                    events, after = batch
+                    events, after = await self._call(self._changes, prefix, after)
             except DiscoveryError:
                 if self._closed:
                     return
@@ -365,6 +397,15 @@ class FileStore(DiscoveryStore):
             for event in events:
                 yield event
             await asyncio.sleep(self.poll_interval)
+
+    async def compact(self, revision: int) -> None:
+        """Drop the log up to ``revision``; watchers resuming before it resync."""
+
+        def compact(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM events WHERE revision <= ?", (revision,))
+            db.execute("UPDATE meta SET value=max(value, ?) WHERE name='compacted'", (revision,))
+
+        await self._call(self._write, compact)
 
     async def close(self) -> None:
         if self._closed:

@@ -6,6 +6,11 @@ a watcher registered at revision R sees exactly the changes after R, in order, o
 
 Leases expire by a timer (``loop.call_at``) that ``keep_alive`` pushes back; expiry deletes
 the lease's keys like ``revoke_lease`` does.
+
+The history of changes is bounded (``HISTORY_LIMIT``, or ``compact``). A watcher resuming
+from before it is brought up to date from the current keys and a tombstone per deleted key
+(the revision of its last deletion): PUTs of keys changed since, DELETEs of keys deleted
+since, in revision order. It never keeps a key that vanished while it was away.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class MemoryStore(DiscoveryStore):
         self._kvs: dict[str, KeyValue] = {}
         self._leases: dict[int, _Lease] = {}
         self._history: collections.deque[WatchEvent] = collections.deque(maxlen=HISTORY_LIMIT)
+        #: Deleted keys → the revision of their last deletion (dropped when put again).
+        self._tombstones: dict[str, int] = {}
         self._watchers: list[_Watcher] = []
         self._closed = False
 
@@ -107,6 +114,7 @@ class MemoryStore(DiscoveryStore):
         self._revision += 1
         kv = KeyValue(key=key, value=bytes(value), revision=self._revision, lease_id=lease_id)
         self._kvs[key] = kv
+        self._tombstones.pop(key, None)
         if lease_id is not None:
             self._leases[lease_id].keys.add(key)
         self._publish(WatchEvent(WatchEventKind.PUT, kv))
@@ -133,6 +141,7 @@ class MemoryStore(DiscoveryStore):
             if lease is not None:
                 lease.keys.discard(key)
         self._revision += 1
+        self._tombstones[key] = self._revision
         kv = KeyValue(key=key, value=b"", revision=self._revision, lease_id=old.lease_id)
         self._publish(WatchEvent(WatchEventKind.DELETE, kv))
         return True
@@ -146,21 +155,41 @@ class MemoryStore(DiscoveryStore):
             if key.startswith(watcher.prefix):
                 watcher.queue.put_nowait(event)
 
+    async def compact(self, revision: int) -> None:
+        """Forget the history up to ``revision``; watchers resuming before it resync."""
+        self._check_open()
+        while self._history and self._history[0].kv.revision <= revision:
+            self._history.popleft()
+
     def _backlog(self, prefix: str, start_revision: int | None) -> list[WatchEvent]:
-        """What a new watcher sees before live changes: history after ``start_revision``, or
-        a snapshot when no revision is given or the history no longer reaches back to it."""
+        """What a new watcher sees before live changes: history after ``start_revision``; a
+        snapshot when no revision is given; a resync (see the module docstring) when the
+        history no longer reaches back to it."""
         oldest = self._history[0].kv.revision if self._history else self._revision + 1
-        if start_revision is not None and start_revision + 1 >= oldest:
+        if start_revision is None:
+            return [
+                WatchEvent(WatchEventKind.PUT, kv)
+                for key, kv in sorted(self._kvs.items())
+                if key.startswith(prefix)
+            ]
+        if start_revision + 1 >= oldest:
             return [
                 ev
                 for ev in self._history
                 if ev.kv.revision > start_revision and ev.kv.key.startswith(prefix)
             ]
-        return [
+        events = [
             WatchEvent(WatchEventKind.PUT, kv)
-            for key, kv in sorted(self._kvs.items())
-            if key.startswith(prefix)
+            for key, kv in self._kvs.items()
+            if key.startswith(prefix) and kv.revision > start_revision
         ]
+        events += [
+            WatchEvent(WatchEventKind.DELETE, KeyValue(key=key, value=b"", revision=rev))
+            for key, rev in self._tombstones.items()
+            if key.startswith(prefix) and rev > start_revision
+        ]
+        events.sort(key=lambda ev: ev.kv.revision)
+        return events
 
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
