@@ -26,9 +26,9 @@ __all__ = [
     "request_plane_kinds",
 ]
 
-_SERVERS: dict[str, Callable[[str], RequestPlaneServer]] = {
-    "local": lambda host: LocalServer(),
-    "tcp": lambda host: TcpServer(host),
+_SERVERS: dict[str, Callable[[str, str | None], RequestPlaneServer]] = {
+    "local": lambda host, advertise_host: LocalServer(),
+    "tcp": lambda host, advertise_host: TcpServer(host, advertise_host=advertise_host),
 }
 _CLIENTS: dict[str, Callable[[], RequestPlaneClient]] = {
     "local": LocalClient,
@@ -46,10 +46,13 @@ def _unknown(kind: str) -> ConfigError:
     )
 
 
-def make_server(kind: str, host: str = "127.0.0.1") -> RequestPlaneServer:
-    """A request-plane server of ``kind``; ``host`` is the interface tcp binds."""
+def make_server(
+    kind: str, host: str = "127.0.0.1", *, advertise_host: str | None = None
+) -> RequestPlaneServer:
+    """A request-plane server of ``kind``; ``host`` is the interface tcp binds and
+    ``advertise_host`` the one it publishes (default: the bound address)."""
     try:
-        return _SERVERS[kind](host)
+        return _SERVERS[kind](host, advertise_host)
     except KeyError:
         raise _unknown(kind) from None
 
