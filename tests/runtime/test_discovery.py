@@ -1,4 +1,7 @@
-"""Discovery stores (memory and file) against the DiscoveryStore contract."""
+"""Discovery stores against the DiscoveryStore contract: the ``store`` fixture runs each
+contract test on ``memory``, ``file`` and ``etcd`` (a real etcd; see conftest.py). Tests of one
+kind only say so in their names; etcd's own (restarts, outages, auth) are in
+test_discovery_etcd.py."""
 
 from __future__ import annotations
 
@@ -11,12 +14,14 @@ import pytest
 from turnout.errors import ConfigError, DiscoveryError
 from turnout.runtime.discovery import (
     DiscoveryStore,
+    EtcdStore,
     FileStore,
     MemoryStore,
     WatchEvent,
     WatchEventKind,
     default_file_store_path,
     make_store,
+    open_store,
 )
 from turnout.runtime.discovery import file as file_store
 from turnout.runtime.lease import Lease
@@ -31,6 +36,10 @@ async def take(watch: AsyncIterator[WatchEvent], n: int, timeout: float = 3.0) -
 
 def brief(events: list[WatchEvent]) -> list[tuple[WatchEventKind, str, bytes]]:
     return [(e.kind, e.kv.key, e.kv.value) for e in events]
+
+
+def unordered(events: list[WatchEvent]) -> set[tuple[WatchEventKind, str, bytes]]:
+    return set(brief(events))
 
 
 async def test_put_get_prefix_delete(store: DiscoveryStore) -> None:
@@ -86,7 +95,8 @@ async def test_lease_expiry_deletes_keys_for_watchers(store: DiscoveryStore) -> 
     watch = store.watch_prefix("p/")
     try:
         assert {e.kv.key for e in await take(watch, 2)} == {"p/leased", "p/kept"}
-        (event,) = await take(watch, 1, timeout=2.0)
+        # etcd rounds the TTL up to 1 s and checks expiry twice a second.
+        (event,) = await take(watch, 1, timeout=5.0)
         assert (event.kind, event.kv.key) == (DELETE, "p/leased")
         assert await store.get("p/leased") is None
         assert await store.get("p/kept") is not None
@@ -122,6 +132,96 @@ async def test_lease_lost_when_ended_elsewhere(store: DiscoveryStore) -> None:
     await lease.revoke()
 
 
+async def test_watch_delivers_every_change_in_revision_order(store: DiscoveryStore) -> None:
+    await store.put("p/start", b"")
+    watch = store.watch_prefix("p/")
+    try:
+        await take(watch, 1)  # the snapshot: the watch is open
+        expected = []
+        for i in range(30):
+            key = f"p/{i % 4}"
+            if i % 7 == 6:
+                if await store.delete(key):
+                    expected.append((DELETE, key, b""))
+            else:
+                await store.put(key, str(i).encode())
+                expected.append((PUT, key, str(i).encode()))
+        events = await take(watch, len(expected))
+        assert brief(events) == expected
+        revisions = [e.kv.revision for e in events]
+        assert revisions == sorted(set(revisions))
+    finally:
+        await watch.aclose()
+
+
+async def test_many_watchers_on_one_prefix_see_lease_keys_vanish(store: DiscoveryStore) -> None:
+    lease_id = await store.grant_lease(30)
+    await store.put("p/a", b"1", lease_id=lease_id)
+    await store.put("p/b", b"2", lease_id=lease_id)
+    await store.put("p/c", b"3")
+    watches = [store.watch_prefix("p/") for _ in range(8)]
+    try:
+        for watch in watches:
+            assert unordered(await take(watch, 3)) == {
+                (PUT, "p/a", b"1"),
+                (PUT, "p/b", b"2"),
+                (PUT, "p/c", b"3"),
+            }
+        await store.revoke_lease(lease_id)
+        for watch in watches:
+            assert sorted(brief(await take(watch, 2))) == [
+                (DELETE, "p/a", b""),
+                (DELETE, "p/b", b""),
+            ]
+        assert [kv.key for kv in await store.get_prefix("p/")] == ["p/c"]
+        await store.put("p/d", b"4")
+        for watch in watches:  # nothing else came in between
+            assert brief(await take(watch, 1)) == [(PUT, "p/d", b"4")]
+    finally:
+        for watch in watches:
+            await watch.aclose()
+
+
+async def test_resume_past_compaction_reports_what_vanished(store: DiscoveryStore) -> None:
+    """A watcher away while its revision was compacted comes back to the right keys: the
+    changed and added ones as PUTs, the vanished ones as DELETEs, no ghost."""
+    await store.put("p/gone", b"1")
+    await store.put("p/kept", b"2")
+    await store.put("p/changed", b"3")
+    lease_id = await store.grant_lease(30)
+    await store.put("p/leased", b"4", lease_id=lease_id)
+    watch = store.watch_prefix("p/")
+    try:
+        seen = await take(watch, 4)
+    finally:
+        await watch.aclose()
+    resume_at = max(e.kv.revision for e in seen)
+    # While the watcher is away: changes, deletions, a lease ending, then compaction.
+    await store.delete("p/gone")
+    await store.put("p/changed", b"33")
+    await store.put("p/new", b"5")
+    await store.revoke_lease(lease_id)
+    last = await store.put("q/other", b"")
+    await store.compact(last)
+
+    watch = store.watch_prefix("p/", start_revision=resume_at)
+    try:
+        events = await take(watch, 4)
+        revisions = [e.kv.revision for e in events]
+        assert revisions == sorted(revisions) and min(revisions) > resume_at
+        assert unordered(events) == {
+            (PUT, "p/changed", b"33"),
+            (PUT, "p/new", b"5"),
+            (DELETE, "p/gone", b""),
+            (DELETE, "p/leased", b""),
+        }
+        # Then the stream goes on, from after the resync.
+        await store.put("p/after", b"6")
+        assert brief(await take(watch, 1)) == [(PUT, "p/after", b"6")]
+    finally:
+        await watch.aclose()
+
+
 async def test_put_under_unknown_lease_fails(store: DiscoveryStore) -> None:
     with pytest.raises(DiscoveryError, match="lease"):
         await store.put("k", b"v", lease_id=12345)
@@ -153,7 +253,7 @@ async def test_two_file_stores_on_one_path_see_each_other(tmp_path: Path) -> Non
         await b.close()
 
 
-async def test_file_store_resume_before_trimmed_log_gets_snapshot(
+async def test_file_store_resume_before_trimmed_log_gets_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(file_store, "HISTORY_LIMIT", 10)
@@ -173,6 +273,29 @@ async def test_file_store_resume_before_trimmed_log_gets_snapshot(
         await store.close()
 
 
+async def test_file_store_resume_before_trimmed_log_reports_deletions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deletions fall out of the trimmed log; their tombstones still tell a late watcher,
+    even one in another process that never saw the keys."""
+    monkeypatch.setattr(file_store, "HISTORY_LIMIT", 10)
+    monkeypatch.setattr(file_store, "_TRIM_EVERY", 5)
+    store = FileStore(tmp_path / "d.sqlite", poll_interval=0.02)
+    try:
+        first = await store.put("p/x", b"x")
+        await store.put("p/y", b"y")
+        await store.delete("p/x")
+        for i in range(30):
+            await store.put("q/filler", str(i).encode())
+        watch = store.watch_prefix("p/", start_revision=first)
+        try:
+            assert brief(await take(watch, 2)) == [(PUT, "p/y", b"y"), (DELETE, "p/x", b"")]
+        finally:
+            await watch.aclose()
+    finally:
+        await store.close()
+
+
 def test_make_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(make_store("memory"), MemoryStore)
     file = make_store("file", str(tmp_path / "x.sqlite"))
@@ -182,5 +305,35 @@ def test_make_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_file_store_path() == str(tmp_path / "env.sqlite")
     monkeypatch.delenv("TURNOUT_STORE_PATH")
     assert default_file_store_path().endswith("/discovery.sqlite")
-    with pytest.raises(ConfigError, match="file, memory"):
+    with pytest.raises(ConfigError, match="etcd, file, memory"):
         make_store("zookeeper")
+    etcd = make_store("etcd", endpoints=["http://h1:2379", "http://h2:12379"], connect_timeout=1)
+    assert isinstance(etcd, EtcdStore) and etcd.endpoints == ["http://h1:2379", "http://h2:12379"]
+    assert make_store("etcd", endpoints="http://a:1,http://b:2").endpoints == [  # type: ignore[attr-defined]
+        "http://a:1",
+        "http://b:2",
+    ]
+    # Unset CLI flags arrive as None: not an option given.
+    assert isinstance(make_store("memory", user=None), MemoryStore)
+    with pytest.raises(ConfigError, match="file discovery store does not take endpoints"):
+        make_store("file", str(tmp_path / "y.sqlite"), endpoints=["http://h:2379"])
+    with pytest.raises(ConfigError, match="etcd discovery store does not take colour"):
+        make_store("etcd", colour="blue")
+    with pytest.raises(ConfigError, match="both cert and key"):
+        make_store("etcd", endpoints=["https://h:2379"], cert="c.pem")
+    with pytest.raises(ConfigError, match="mix http and https"):
+        make_store("etcd", endpoints=["https://h:2379", "http://g:2379"])
+    with pytest.raises(ConfigError, match=r"ca_cert '/nonexistent\.pem'"):
+        make_store("etcd", endpoints=["https://h:2379"], ca_cert="/nonexistent.pem")
+    with pytest.raises(ConfigError, match="scheme"):
+        make_store("etcd", endpoints=["nats://h:4222"])
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_open_store_embedded(kind: str, tmp_path: Path) -> None:
+    store = await open_store(kind, str(tmp_path / "o.sqlite"))
+    try:
+        assert store.kind == kind
+        await store.put("k", b"v")
+    finally:
+        await store.close()

@@ -45,7 +45,6 @@ import grpc.aio
 from etcd3aio import (
     EtcdConnectionError,
     EtcdError,
-    EtcdPermissionDeniedError,
     EtcdTransientError,
     EtcdUnauthenticatedError,
 )
@@ -336,56 +335,88 @@ class EtcdStore(DiscoveryStore):
         if self._current == index:
             self._current = (index + 1) % len(self._endpoints)
 
-    async def _call(self, what: str, fn: Callable[[_Endpoint], Awaitable[_T]]) -> _T:
-        """Run ``fn`` on the current endpoint, failing over to the others; each attempt is
-        bounded by ``connect_timeout``. Errors become ``DiscoveryError`` naming ``what``."""
+    async def _call(
+        self, what: str, fn: Callable[[_Endpoint], Awaitable[_T]], *, retry: bool = True
+    ) -> _T:
+        """Run ``fn`` on the current endpoint, failing over to the others.
+
+        With ``retry``, rounds over the endpoints repeat with a short backoff until
+        ``connect_timeout`` has passed (a restarting etcd or a reconnecting channel answers
+        within it); without, one round (start-up checks: a refused connection fails at
+        once). Errors become ``DiscoveryError`` naming ``what``.
+        """
         self._check_open()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        backoff = 0.05
         reasons: list[str] = []
-        start = self._current
-        for step in range(len(self._endpoints)):
-            index = (start + step) % len(self._endpoints)
-            ep = self._connect(self._endpoints[index])
-            reauthenticated = False
-            while True:
+        while True:
+            start = self._current
+            for step in range(len(self._endpoints)):
+                index = (start + step) % len(self._endpoints)
                 try:
-                    if self.user is not None and self._token is None:
-                        await self._authenticate(ep)
-                    async with asyncio.timeout(self.connect_timeout):
-                        result = await fn(ep)
-                except (_Unreachable, EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
-                    reasons.append(f"{ep.url}: {_one_line(exc)}")
+                    result = await self._attempt(what, fn, index, deadline)
+                except _Unreachable as exc:
+                    reasons.append(f"{self._endpoints[index].url}: {exc}")
                     self._advance(index)
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() in _TRANSIENT_CODES:
-                        reasons.append(f"{ep.url}: {_one_line(exc)}")
-                        self._advance(index)
-                        break
-                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._retry_auth(
-                        reauthenticated
-                    ):
-                        reauthenticated = True
-                        continue
-                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
-                except EtcdUnauthenticatedError as exc:
-                    if self._retry_auth(reauthenticated):
-                        reauthenticated = True
-                        continue
-                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
-                except EtcdPermissionDeniedError as exc:
-                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
-                except EtcdError as exc:
-                    raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
+                    self._check_open()
+                    continue
                 self._current = index
                 self._mark(True)
                 return result
-            if self._closed:
+            if not retry or loop.time() + backoff >= deadline:
                 break
-        reason = "; ".join(reasons) or "store closed"
+            await asyncio.sleep(backoff)
+            self._check_open()
+            backoff = min(2 * backoff, 0.5)
+        # The last failure of each endpoint says enough.
+        last = {reason.split(": ", 1)[0]: reason for reason in reasons}
+        reason = "; ".join(last.values())
         self._mark(False, reason)
-        if self._closed:
-            raise DiscoveryError(f"etcd store {self.endpoints} is closed")
         raise EtcdUnavailable(f"etcd {what}: unreachable at {self.endpoints}: {reason}")
+
+    async def _attempt(
+        self, what: str, fn: Callable[[_Endpoint], Awaitable[_T]], index: int, deadline: float
+    ) -> _T:
+        """``fn`` on endpoint ``index``: its result, ``_Unreachable`` when the endpoint did not
+        answer in time, or ``DiscoveryError`` when it answered no."""
+        ep = self._connect(self._endpoints[index])
+        loop = asyncio.get_running_loop()
+        reauthenticated = False
+        while True:
+            try:
+                if self.user is not None and self._token is None:
+                    await self._authenticate(ep)
+                # Leave time for the other endpoints: one that swallows packets must not use
+                # the whole budget.
+                share = max(self.connect_timeout / len(self._endpoints), 0.5)
+                budget = min(max(deadline - loop.time(), 0.05), share)
+                async with asyncio.timeout(budget):
+                    return await fn(ep)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and task is not None and task.cancelling() == 0:
+                    # gRPC cancels the calls of a closing channel: not our caller's doing.
+                    raise DiscoveryError(f"etcd store {self.endpoints} is closed") from None
+                raise
+            except (EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
+                raise _Unreachable(_one_line(exc)) from None
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _TRANSIENT_CODES:
+                    raise _Unreachable(_one_line(exc)) from None
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._retry_auth(
+                    reauthenticated
+                ):
+                    reauthenticated = True
+                    continue
+                raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
+            except EtcdUnauthenticatedError as exc:
+                if self._retry_auth(reauthenticated):
+                    reauthenticated = True
+                    continue
+                raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
+            except EtcdError as exc:
+                raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
 
     def _retry_auth(self, already: bool) -> bool:
         """An UNAUTHENTICATED answer: drop the token and retry once when we have a user
@@ -421,7 +452,7 @@ class EtcdStore(DiscoveryStore):
             assert ep.kv is not None
             await ep.kv.get(b"\0", timeout=self.connect_timeout, count_only=True)
 
-        await self._call("check", ping)
+        await self._call("check", ping, retry=False)
 
     # -- leases ---------------------------------------------------------------------------
 
