@@ -318,6 +318,11 @@ class EtcdStore(DiscoveryStore):
             raise DiscoveryError(
                 f"etcd at {ep.url} rejected user {self.user!r}: {_one_line(exc)}"
             ) from None
+        except grpc.aio.AioRpcError as exc:
+            # etcd answers a wrong password with INVALID_ARGUMENT.
+            raise DiscoveryError(
+                f"etcd at {ep.url} rejected user {self.user!r}: {_one_line(exc)}"
+            ) from None
         self._set_token(resp.token)
 
     def _mark(self, reachable: bool, reason: str = "") -> None:
@@ -638,7 +643,8 @@ class EtcdStore(DiscoveryStore):
         """One watch stream from revision ``start``; ends when the store closes, raises
         ``_Unreachable`` when the stream breaks and ``_Compacted`` when ``start`` is gone."""
         assert ep.watch_stub is not None
-        if self.user is not None and self._token is None:
+        fresh_token = self.user is not None and self._token is None
+        if fresh_token:
             await self._authenticate(ep)
         key, end = self._range(prefix)
         create = WatchRequest(
@@ -697,7 +703,9 @@ class EtcdStore(DiscoveryStore):
                     raise _Compacted()
                 if resp.canceled:
                     reason = resp.cancel_reason or "cancelled by etcd"
-                    if "auth" in reason and self.user is not None:
+                    if self.user is not None and not fresh_token:
+                        # Likely a token etcd forgot (it restarted) or let expire: retry
+                        # once with a fresh one before calling it a refusal.
                         self._token = None
                         raise _Unreachable(reason)
                     raise DiscoveryError(f"etcd watch of {prefix!r}: {reason}")
@@ -754,7 +762,10 @@ async def open_etcd_store(**options: Any) -> EtcdStore:
         raise ConfigError(f"cannot reach etcd at {store.endpoints}: {reason}") from None
     except DiscoveryError as exc:
         await store.close()
-        raise ConfigError(f"etcd at {store.endpoints}: {exc}") from None
+        reason = str(exc).removeprefix("etcd check: ")
+        if reason.startswith("etcd at "):
+            raise ConfigError(reason) from None
+        raise ConfigError(f"etcd at {store.endpoints} refused the check: {reason}") from None
     except BaseException:
         await store.close()
         raise
