@@ -165,6 +165,18 @@ def _grpc_tasks(before: set[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
     ]
 
 
+def _discard(future: asyncio.Future[Any]) -> None:
+    """Forget the outcome of a finished helper ``future`` (a cancelled ``call.read()``):
+    its exception's traceback holds the frames of the read, hence the call, and a live call
+    keeps its connection open after the channel closed, until a garbage collection."""
+    if not future.done():
+        return
+    try:
+        future.result()
+    except BaseException as exc:
+        _one_line(exc)
+
+
 async def _finish(call: grpc.aio.Call, tasks: list[asyncio.Task[Any]]) -> None:
     """Cancel a streaming ``call`` and wait (briefly) for gRPC's ``tasks`` of it to end.
 
@@ -172,6 +184,9 @@ async def _finish(call: grpc.aio.Call, tasks: list[asyncio.Task[Any]]) -> None:
     its own thread; it must not outlive the store (nor the event loop).
     """
     call.cancel()
+    # Hold no reference to the call from here: if a cancellation passes through, this frame
+    # lives on in its traceback, and a live call object keeps its connection open.
+    del call
     pending = [task for task in tasks if not task.done()]
     if not pending:
         return
@@ -486,6 +501,7 @@ class EtcdStore(DiscoveryStore):
                 resp = await call.read()
             finally:
                 await _finish(call, _grpc_tasks(before))
+                del call  # see _finish
             if resp is grpc.aio.EOF:
                 raise _Unreachable("keep-alive stream ended without an answer")
             return int(resp.TTL) > 0
@@ -733,6 +749,10 @@ class EtcdStore(DiscoveryStore):
             for f in pending:
                 f.cancel()
             await asyncio.wait(pending)
+            for f in pending:
+                _discard(f)
+            # This frame may live on in a traceback: let it hold nothing of the call.
+            del call, reader, pending
 
     async def close(self) -> None:
         if self._closed:
