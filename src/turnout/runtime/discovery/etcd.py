@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,8 +147,16 @@ def _one_line(exc: BaseException) -> str:
         seen.add(id(link))
         link.__traceback__ = None
         link = link.__cause__ or link.__context__
+    if isinstance(exc, EtcdError) and isinstance(exc.__cause__, grpc.aio.AioRpcError):
+        exc = exc.__cause__  # etcd3aio's wrapper adds only "failed after N attempts"
     if isinstance(exc, grpc.aio.AioRpcError):
-        text = f"{exc.code().name}: {exc.details() or ''}"
+        details = exc.details() or ""
+        # "failed to connect to all addresses; last error: UNKNOWN: ipv4:h:p: Connection
+        # refused" says the endpoint twice and the cause last: keep the cause.
+        details = re.sub(
+            r"^failed to connect to all addresses; last error: \w+: \S+: ", "", details
+        )
+        text = f"{exc.code().name}: {details}" if details else exc.code().name
     elif isinstance(exc, TimeoutError):
         text = "timed out"
     else:
@@ -389,10 +398,14 @@ class EtcdStore(DiscoveryStore):
             await asyncio.sleep(backoff)
             self._check_open()
             backoff = min(2 * backoff, 0.5)
-        # The last failure of each endpoint says enough.
+        # The last failure of each endpoint says enough (and with one endpoint, the error
+        # names it already).
         last = {reason.split(": ", 1)[0]: reason for reason in reasons}
+        if len(self._endpoints) == 1:
+            last = {url: text.split(": ", 1)[1] for url, text in last.items()}
         reason = "; ".join(last.values())
-        self._mark(False, reason)
+        if retry:  # a start-up check says it once, as an error, not as a retry
+            self._mark(False, reason)
         raise EtcdUnavailable(f"etcd {what}: unreachable at {self.endpoints}: {reason}")
 
     async def _attempt(
