@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import uvloop
-from tests.servers.etcd import EtcdServer, etcd_binary
+from tests.servers.etcd import EtcdServer, TlsFiles, etcd_binary
 
 from turnout.runtime.discovery import DiscoveryStore, EtcdStore, FileStore, MemoryStore
 from turnout.runtime.request_plane import local as local_plane
@@ -45,11 +45,11 @@ async def no_leaks(request: pytest.FixtureRequest) -> AsyncIterator[None]:
     assert _tcp_sockets() <= sockets_before, "tcp sockets left open"
 
 
-def start_etcd(data_dir: Path, host: str = "127.0.0.1") -> EtcdServer:
+def start_etcd(data_dir: Path, host: str = "127.0.0.1", tls: TlsFiles | None = None) -> EtcdServer:
     """A running ``EtcdServer`` in ``data_dir``; skips the test when etcd is not installed."""
     if etcd_binary() is None:
         pytest.skip("the etcd binary is not installed (Debian package etcd-server)")
-    return EtcdServer(data_dir, host=host).start()
+    return EtcdServer(data_dir, host=host, tls=tls).start()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from tests.runtime.conftest import start_etcd
-from tests.servers.etcd import EtcdServer
+from tests.servers.etcd import EtcdServer, make_tls_files
 
 from turnout.errors import ConfigError, DiscoveryError
 from turnout.runtime.discovery import (
@@ -329,6 +330,36 @@ async def test_user_and_password(own_etcd: EtcdServer) -> None:
     finally:
         await watch.aclose()
         await store.close()
+
+
+async def test_mutual_tls(tmp_path: Path) -> None:
+    """https endpoints with a CA and a client certificate; etcd requires the certificate."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    tls = make_tls_files(tmp_path / "tls")
+    server = start_etcd(tmp_path / "etcd", tls=tls)
+    try:
+        endpoints = server.endpoints
+        assert endpoints[0].startswith("https://")
+        store = await open_store(
+            "etcd",
+            endpoints=endpoints,
+            ca_cert=str(tls.ca),
+            cert=str(tls.client_cert),
+            key=str(tls.client_key),
+        )
+        watch = store.watch_prefix("p/")
+        try:
+            await store.put("p/a", b"1")
+            assert brief(await take(watch, 1)) == [(PUT, "p/a", b"1")]
+        finally:
+            await watch.aclose()
+            await store.close()
+        with pytest.raises(ConfigError, match=r"cannot reach etcd at \['https://"):
+            # No client certificate: etcd ends the handshake.
+            await open_store("etcd", endpoints=endpoints, ca_cert=str(tls.ca), connect_timeout=2)
+    finally:
+        server.kill()
 
 
 async def test_closing_ends_watches_waiting_on_a_dead_etcd(own_etcd: EtcdServer) -> None:

@@ -15,11 +15,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -34,6 +36,48 @@ def etcd_binary() -> str | None:
     return shutil.which(ETCD_BINARY)
 
 
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files of a throwaway CA, a server certificate for 127.0.0.1/localhost and a
+    client certificate, all signed by that CA."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """Create ``TlsFiles`` in ``directory`` with the ``openssl`` command (EC keys: fast)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    d = directory
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem",
+            "-days", "2", "-subj", "/CN=turnout test CA")  # fmt: skip
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        (d / f"{name}.ext").write_text(ext + "\n")
+        openssl("req", *ec, "-keyout", f"{d}/{name}.key", "-out", f"{d}/{name}.csr",
+                "-subj", f"/CN=turnout test {name}")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/ca.pem",
+                "-CAkey", f"{d}/ca.key", "-CAcreateserial", "-days", "2",
+                "-out", f"{d}/{name}.pem", "-extfile", f"{d}/{name}.ext")  # fmt: skip
+    return TlsFiles(
+        ca=d / "ca.pem",
+        server_cert=d / "server.pem",
+        server_key=d / "server.key",
+        client_cert=d / "client.pem",
+        client_key=d / "client.key",
+    )
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -44,7 +88,9 @@ class EtcdServer:
     """One etcd process. ``start()`` waits (with a deadline) until it answers ``/health``;
     ``restart()`` brings it back on the same ports and data, as after a crash or reboot."""
 
-    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, data_dir: Path, host: str = "127.0.0.1", tls: TlsFiles | None = None
+    ) -> None:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("the etcd binary is not installed (Debian: etcd-server)")
@@ -55,12 +101,15 @@ class EtcdServer:
         self.peer_port = _free_port(host)
         self.name = f"turnout-test-{uuid.uuid4().hex[:8]}"
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        #: With TLS, clients must show a certificate signed by ``tls.ca`` (mutual TLS).
+        self.tls = tls
         self.process: subprocess.Popen[bytes] | None = None
         self._paused = False
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def endpoints(self) -> list[str]:
@@ -84,6 +133,13 @@ class EtcdServer:
             "--election-timeout", "250",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.tls is not None:
+            args += [
+                "--cert-file", str(self.tls.server_cert),
+                "--key-file", str(self.tls.server_key),
+                "--trusted-ca-file", str(self.tls.ca),
+                "--client-cert-auth",
+            ]  # fmt: skip
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         try:
@@ -98,11 +154,16 @@ class EtcdServer:
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_DEADLINE_SECONDS
         assert self.process is not None
+        context: ssl.SSLContext | None = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.process.returncode}: {self._tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+                url = f"{self.url}/health"
+                with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                     if json.loads(resp.read()).get("health") == "true":
                         return
             except (OSError, urllib.error.URLError, ValueError):
@@ -179,6 +240,7 @@ class EtcdServer:
     # -- client-side helpers (each opens and closes its own channel) ------------------------
 
     def _client(self, token: str | None = None) -> Etcd3Client:
+        assert self.tls is None, "the client helpers speak plain http only"
         return Etcd3Client([f"{self.host}:{self.client_port}"], token=token)
 
     async def compact(self, revision: int) -> None:
