@@ -30,6 +30,9 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
     add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
              help="largest accepted request body (413 above)")  # fmt: skip
+    add_flag(p, "--artifact-cache",
+             help="directory caching the tokenizers fetched from workers, by checksum "
+                  "(off: none; default ~/.cache/turnout/artifacts)")  # fmt: skip
 
 
 def add_kv_router_flags(p: argparse.ArgumentParser) -> None:
@@ -73,6 +76,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         kv=kv_router_config(args),
         kv_share_active=not args.no_router_replica_sync,
         router_min_initial_workers=args.router_min_initial_workers,
+        artifact_cache=args.artifact_cache,
     )
 
 

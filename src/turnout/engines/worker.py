@@ -99,15 +99,15 @@ class Worker:
             self.card = msgspec.structs.replace(base, instance_id=instance_id)
             return [(mdc_key(self.endpoint, instance_id), _json.encode(self.card))]
 
-        self.serving = await self.runtime.endpoint(self.endpoint).serve(
-            self._handle, records=records
-        )
-        # Registered right after the card is published: a frontend that asks in between gets
-        # an unknown-handler error and retries (frontend.artifacts).
-        self.serving.add_handler(ARTIFACT_HANDLER, artifact_handler(artifacts, self.artifacts))
+        # Side handlers go up before the card is published: a frontend that sees the card
+        # can fetch its artifacts at once.
+        handlers = {ARTIFACT_HANDLER: artifact_handler(artifacts, self.artifacts)}
         snapshot = getattr(self.engine, "kv_snapshot", None)
         if snapshot is not None:
-            self.serving.add_handler(KV_SNAPSHOT_HANDLER, self._snapshot_handler(snapshot))
+            handlers[KV_SNAPSHOT_HANDLER] = self._snapshot_handler(snapshot)
+        self.serving = await self.runtime.endpoint(self.endpoint).serve(
+            self._handle, records=records, handlers=handlers
+        )
         log.info(
             "worker %x serving model %r at %s",
             self.serving.instance_id,

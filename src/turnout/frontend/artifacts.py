@@ -86,7 +86,12 @@ class DiskArtifactCache:
     def from_env(cls) -> DiskArtifactCache | None:
         """The cache ``$TURNOUT_ARTIFACT_CACHE`` names (default ``~/.cache/turnout/artifacts``),
         or ``None`` when it is switched off."""
-        value = os.environ.get(CACHE_ENV)
+        return cls.from_setting(os.environ.get(CACHE_ENV))
+
+    @classmethod
+    def from_setting(cls, value: str | None) -> DiskArtifactCache | None:
+        """The cache at ``value`` (``--artifact-cache``): a directory, ``off`` for none,
+        ``None`` for the default ``~/.cache/turnout/artifacts``."""
         if value is None:
             return cls(Path.home() / ".cache" / "turnout" / "artifacts")
         if value.strip().lower() in ("", "off", "none", "0"):

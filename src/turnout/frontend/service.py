@@ -17,6 +17,7 @@ from turnout.router.mode import RouterMode
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import PlanesConfig, open_runtime
 
+from .artifacts import ArtifactFetcher, DiskArtifactCache
 from .http import DEFAULT_MAX_BODY_BYTES, HttpService
 from .metrics import FrontendMetrics
 from .model_manager import ModelManager
@@ -42,6 +43,9 @@ class FrontendConfig:
     kv_share_active: bool = True
     #: A model answers 503 until this many of its instances have been up (0 or 1: at once).
     router_min_initial_workers: int = 0
+    #: Where fetched model artifacts are cached on disk (``off``: nowhere; None: what
+    #: ``$TURNOUT_ARTIFACT_CACHE`` says, else ``~/.cache/turnout/artifacts``).
+    artifact_cache: str | None = None
 
 
 class Frontend:
@@ -74,6 +78,11 @@ class Frontend:
             kv_share_active=cfg.kv_share_active,
             event_plane=self.runtime.event_plane,
             min_initial_workers=cfg.router_min_initial_workers,
+            artifacts=ArtifactFetcher(
+                disk="env"
+                if cfg.artifact_cache is None
+                else DiskArtifactCache.from_setting(cfg.artifact_cache)
+            ),
         )
         self.metrics.watch_kv_routers(factory.kv_routers)
         self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)

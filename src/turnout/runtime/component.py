@@ -196,11 +196,22 @@ class Endpoint:
         self.runtime = runtime
         self.id = endpoint_id
 
-    async def serve(self, handler: Handler, *, records: RecordsFn | None = None) -> ServingInstance:
-        """Serve ``handler`` as a new instance of this endpoint, under a new lease."""
+    async def serve(
+        self,
+        handler: Handler,
+        *,
+        records: RecordsFn | None = None,
+        handlers: dict[str, Handler] | None = None,
+    ) -> ServingInstance:
+        """Serve ``handler`` as a new instance of this endpoint, under a new lease.
+
+        ``handlers`` are side handlers (see ``ServingInstance.add_handler``) registered before
+        the instance and its ``records`` are published, so whoever sees them can call them.
+        """
         runtime = self.runtime
         server, address = await runtime._serving_server()
         serving = ServingInstance(runtime, server, self.id, address, handler, records)
+        serving._side_handlers.update(handlers or {})
         try:
             await serving._register()
         except BaseException:
