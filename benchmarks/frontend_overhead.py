@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import pstats
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+
+from tests.servers.etcd import EtcdServer  # noqa: E402
+from tests.servers.nats import NatsServerProcess  # noqa: E402
 
 from bench_http import percentile, render_post, run_load  # noqa: E402
 from turnout.frontend.service import free_port  # noqa: E402
@@ -86,6 +92,28 @@ def long_prompt(tokens: int = 512) -> str:
         words.append(WORDS[i % len(WORDS)])
         i += 1
     return " ".join(words)
+
+
+PLANES = ("file+tcp+zmq", "etcd+tcp+zmq", "etcd+nats+nats")
+
+
+@contextlib.contextmanager
+def plane_services(planes: str, tmp: Path) -> Iterator[list[str]]:
+    """Start what ``planes`` needs (etcd, nats-server) on free ports; yield the flags every
+    process of the stack takes."""
+    store, request_plane, event_plane = planes.split("+")
+    flags = ["--request-plane", request_plane, "--event-plane", event_plane,
+             "--log-level", "warning"]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if store == "etcd":
+            etcd = stack.enter_context(EtcdServer(tmp / f"etcd-{planes}"))
+            flags += ["--store", "etcd", "--store-endpoints", etcd.url]
+        else:
+            flags += ["--store", "file", "--store-path", str(tmp / f"{planes}.sqlite")]
+        if "nats" in (request_plane, event_plane):
+            nats = stack.enter_context(NatsServerProcess())
+            flags += ["--nats-url", nats.url]
+        yield flags
 
 
 def wait_ready(url: str, workers: int, models: int = 1, timeout: float = 120) -> None:
@@ -199,31 +227,16 @@ def summarize_pyspy(raw_path: Path, main_tid: int, top: int = 30) -> dict[str, A
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--short-requests", type=int, default=2000)
-    ap.add_argument("--stream-requests", type=int, default=400)
-    ap.add_argument("--repeat", type=int, default=1, help="measured runs per row (median kept)")
-    ap.add_argument("--scenarios", nargs="+", default=["short", "long_stream", "paced_stream"])
-    ap.add_argument("--paced-delay-ms", type=float, default=2.0)
-    ap.add_argument("--profile", choices=["py-spy", "cprofile"],
-                    help="profile the frontend: py-spy (sampled, CPU only, low overhead) or "
-                         "cprofile (deterministic, thread CPU time, slow)")  # fmt: skip
-    ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/frontend_overhead.json"))
-    args = ap.parse_args()
-
-    tmp = Path(tempfile.mkdtemp(prefix="turnout-bench-"))
+def run_stack(
+    args: argparse.Namespace, planes: str, common: list[str], tmp: Path, prof_out: Path
+) -> tuple[list[dict[str, Any]], int]:
+    """Start a frontend and echo workers on ``common``'s planes; measure every scenario.
+    Returns the rows and the frontend's pid (what a profile is of)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    common = ["--store", "file", "--store-path", str(tmp / "store.sqlite"),
-              "--log-level", "warning"]  # fmt: skip
     py = sys.executable
     front_args = ["frontend", "--port", str(port), *common]
     front_cmd = [py, "-m", "turnout", *front_args]
-    prof_out = tmp / ("frontend.prof" if args.profile == "cprofile" else "frontend.pyspy.txt")
     if args.profile == "cprofile":
         front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
@@ -240,17 +253,7 @@ def main() -> None:
                  "--endpoint", "turnout/paced/generate", *common],
                 start_new_session=True,
             ))  # fmt: skip
-    results: dict[str, Any] = {
-        "label": args.label,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        },
-        "workers": args.workers,
-        "client": "bench_http (raw asyncio HTTP/1.1 keep-alive)",
-        "scenarios": [],
-    }
+    rows: list[dict[str, Any]] = []
     front_pid = procs[0].pid
     try:
         wait_ready(url, args.workers, models=2 if paced else 1)
@@ -284,11 +287,11 @@ def main() -> None:
                         for _ in range(args.repeat)]  # fmt: skip
                 key = "frontend_cpu_ms_per_request"
                 med = statistics.median_low([r[key] for r in runs])
-                row = {"scenario": name, "concurrency": conc,
+                row = {"planes": planes, "scenario": name, "concurrency": conc,
                        **next(r for r in runs if r[key] == med)}  # fmt: skip
                 if args.repeat > 1:
                     row["cpu_ms_per_request_runs"] = [r[key] for r in runs]
-                results["scenarios"].append(row)
+                rows.append(row)
                 print(json.dumps(row), flush=True)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
@@ -303,6 +306,45 @@ def main() -> None:
         for p in procs[1:]:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    return rows, front_pid
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--short-requests", type=int, default=2000)
+    ap.add_argument("--stream-requests", type=int, default=400)
+    ap.add_argument("--repeat", type=int, default=1, help="measured runs per row (median kept)")
+    ap.add_argument("--scenarios", nargs="+", default=["short", "long_stream", "paced_stream"])
+    ap.add_argument("--paced-delay-ms", type=float, default=2.0)
+    ap.add_argument("--profile", choices=["py-spy", "cprofile"],
+                    help="profile the frontend: py-spy (sampled, CPU only, low overhead) or "
+                         "cprofile (deterministic, thread CPU time, slow)")  # fmt: skip
+    ap.add_argument("--planes", nargs="+", default=["file+tcp+zmq"], choices=PLANES,
+                    help="store+request plane+event plane stacks to measure, one after the "
+                         "other in this run (etcd and NATS are started here)")  # fmt: skip
+    ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/frontend_overhead.json"))
+    args = ap.parse_args()
+
+    results: dict[str, Any] = {
+        "label": args.label,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        },
+        "workers": args.workers,
+        "client": "bench_http (raw asyncio HTTP/1.1 keep-alive)",
+        "scenarios": [],
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="turnout-bench-"))
+    prof_out = tmp / ("frontend.prof" if args.profile == "cprofile" else "frontend.pyspy.txt")
+    for planes in args.planes:
+        with plane_services(planes, tmp) as common:
+            rows, front_pid = run_stack(args, planes, common, tmp, prof_out)
+            results["scenarios"] += rows
     if args.profile == "cprofile" and prof_out.exists():
         stats = pstats.Stats(str(prof_out))
         stats.sort_stats("tottime").print_stats(30)
