@@ -327,6 +327,8 @@ def test_make_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         make_store("etcd", endpoints=["https://h:2379"], ca_cert="/nonexistent.pem")
     with pytest.raises(ConfigError, match="scheme"):
         make_store("etcd", endpoints=["nats://h:4222"])
+    with pytest.raises(ConfigError, match="user/password"):
+        make_store("etcd", endpoints=["http://root:pw@h:2379"])
 
 
 @pytest.mark.parametrize("kind", ["memory", "file"])

@@ -169,6 +169,19 @@ async def test_fails_over_to_an_endpoint_that_answers(etcd_server: EtcdServer) -
         await store.close()
 
 
+async def test_etcd_on_another_loopback_address(tmp_path: Path) -> None:
+    server = start_etcd(tmp_path / "etcd", host="127.0.0.4")
+    try:
+        assert server.url.startswith("http://127.0.0.4:")
+        store = await open_store("etcd", endpoints=server.endpoints)
+        try:
+            await store.put("k", b"v")
+        finally:
+            await store.close()
+    finally:
+        server.kill()
+
+
 async def test_fractional_ttl_is_rounded_up(etcd_server: EtcdServer) -> None:
     await etcd_server.wipe()
     store = EtcdStore(etcd_server.endpoints)

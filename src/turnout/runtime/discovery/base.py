@@ -8,7 +8,8 @@ Contract:
 * ``watch_prefix`` first yields the current keys under the prefix as PUT events (a snapshot at
   some revision R), then every change after R, in revision order, each exactly once. Passing
   ``start_revision`` resumes after a known revision instead of taking a snapshot.
-* Revisions increase by one with every change of the store.
+* Revisions increase by one with every change of the store (etcd: the keys of one ending
+  lease are deleted in one transaction and share its revision).
 * History is finite (``compact`` drops it up to a revision; stores also trim it themselves).
   A watcher resuming from a revision no longer in the history is brought up to date as if
   it had not missed anything: PUTs of the keys added or changed since, DELETEs of the keys

@@ -5,7 +5,8 @@ a thin, defensive translation over the asyncio client ``etcd3aio``:
 
 * Revisions are etcd's: a key's ``mod_revision``, a change's header revision. etcd bumps the
   revision once per transaction and every call here is one transaction, so "one change, one
-  revision" holds.
+  revision" holds; the one exception is a lease ending, which deletes all its keys in one
+  transaction: their DELETEs share a revision (and arrive together, in one watch response).
 * Leases are etcd leases. etcd TTLs are whole seconds, so a fractional TTL is rounded **up**
   (at least 1 s), and the cluster may raise it further to its own minimum (1.5 election
   timeouts, 2 s with etcd's default timings). A lease therefore never ends *earlier* than
@@ -115,6 +116,8 @@ def _parse_endpoint(endpoint: str) -> tuple[str, bool | None]:
             raise ConfigError(f"etcd endpoint {endpoint!r}: scheme must be http or https")
         if parts.path not in ("", "/"):
             raise ConfigError(f"etcd endpoint {endpoint!r}: no path expected")
+        if "@" in parts.netloc:
+            raise ConfigError(f"etcd endpoint {endpoint!r}: give credentials as user/password")
         target, tls = parts.netloc, parts.scheme == "https"
     if not target:
         raise ConfigError(f"etcd endpoint {endpoint!r}: no host")
