@@ -1,4 +1,4 @@
-"""Request planes (local and tcp) against the RequestPlane contract."""
+"""Request planes (local, tcp and nats) against the RequestPlane contract."""
 
 from __future__ import annotations
 
@@ -6,14 +6,16 @@ import asyncio
 import gc
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from tests.servers.nats import NatsServerProcess, nats_binary
 
 from turnout.errors import ConfigError, PeerUnavailable, RemoteError, StreamBroken
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
+from turnout.runtime.nats import NatsConnection, NatsOptions, connect_nats
 from turnout.runtime.request_plane import (
     RequestPlaneClient,
     RequestPlaneServer,
@@ -81,16 +83,32 @@ class Plane:
         return self.client.stream(self.address, path, payload, RequestContext())
 
 
-@pytest.fixture(params=["local", "tcp"])
+@pytest.fixture(scope="module")
+def nats_server() -> Iterator[NatsServerProcess]:
+    """One nats-server for the module's contract tests (they never disrupt it)."""
+    if nats_binary() is None:
+        pytest.skip("nats-server is not installed")
+    with NatsServerProcess() as server:
+        yield server
+
+
+@pytest.fixture(params=["local", "tcp", "nats"])
 async def plane(request: pytest.FixtureRequest) -> AsyncIterator[Plane]:
-    server = make_server(request.param)
+    """Each request plane kind in turn: the contract tests run against all of them."""
+    conn: NatsConnection | None = None
+    if request.param == "nats":
+        nats_server: NatsServerProcess = request.getfixturevalue("nats_server")
+        conn = await connect_nats(NatsOptions(servers=[nats_server.url]))
+    server = make_server(request.param, nats=conn)
     server.register("ns/c/count", count)
     server.register("ns/c/fail", fail_after_one)
     address = await server.start()
-    client = make_client(request.param)
+    client = make_client(request.param, nats=conn)
     yield Plane(server, client, address)
     await client.close()
     await server.stop(drain_timeout=0)
+    if conn is not None:
+        await conn.close()
 
 
 async def collect(stream: AsyncIterator[bytes]) -> list[bytes]:
@@ -196,21 +214,31 @@ async def test_drain_one_path_cancels_its_stragglers(plane: Plane) -> None:
     assert await collect(plane.stream("ns/c/count", b"a:1")) == [b"a:0"]
 
 
-@pytest.mark.parametrize("kind", ["local", "tcp"])
-async def test_nothing_listening_is_peer_unavailable(kind: str) -> None:
-    if kind == "tcp":
+@pytest.mark.parametrize("kind", ["local", "tcp", "nats"])
+async def test_nothing_listening_is_peer_unavailable(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    conn: NatsConnection | None = None
+    if kind == "nats":
+        nats_server: NatsServerProcess = request.getfixturevalue("nats_server")
+        conn = await connect_nats(NatsOptions(servers=[nats_server.url]))
+        address = TransportAddress(kind="nats", address="turnout.rp.nobody-here")
+    elif kind == "tcp":
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         address = TransportAddress(kind="tcp", address=f"127.0.0.1:{port}")
     else:
         address = TransportAddress(kind="local", address="nobody-here")
-    client = make_client(kind)
+    client = make_client(kind, nats=conn)
     try:
         with pytest.raises(PeerUnavailable, match=address.address):
-            await collect(client.stream(address, "a/b/c", b"", RequestContext()))
+            async with asyncio.timeout(2):
+                await collect(client.stream(address, "a/b/c", b"", RequestContext()))
     finally:
         await client.close()
+        if conn is not None:
+            await conn.close()
 
 
 async def test_slow_consumer_bounds_the_handler(plane: Plane) -> None:
@@ -276,10 +304,17 @@ async def test_tcp_peer_killed_mid_stream_is_stream_broken() -> None:
 
 
 def test_unknown_plane_is_config_error() -> None:
-    with pytest.raises(ConfigError, match="local, tcp"):
+    with pytest.raises(ConfigError, match="local, nats, tcp"):
         make_server("carrier-pigeon")
-    with pytest.raises(ConfigError, match="local, tcp"):
+    with pytest.raises(ConfigError, match="local, nats, tcp"):
         make_client("carrier-pigeon")
+
+
+def test_nats_plane_without_a_connection_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="NATS connection"):
+        make_server("nats")
+    with pytest.raises(ConfigError, match="NATS connection"):
+        make_client("nats")
 
 
 async def test_non_bytes_item_is_remote_error_not_a_broken_connection(plane: Plane) -> None:

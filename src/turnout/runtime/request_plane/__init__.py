@@ -1,17 +1,22 @@
 """Request planes: how a request reaches one instance and its responses stream back.
 
-``make_server(kind)`` / ``make_client(kind)`` build one by registry name: ``local`` (in-process)
-or ``tcp`` (one multiplexed connection per peer).
+``make_server(kind)`` / ``make_client(kind)`` build one by registry name: ``local``
+(in-process), ``tcp`` (one multiplexed connection per peer) or ``nats`` (through a NATS
+server; needs the process's ``NatsConnection``, see ``turnout.runtime.nats``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from turnout.errors import ConfigError
 from turnout.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
 from turnout.runtime.request_plane.local import LocalClient, LocalServer
 from turnout.runtime.request_plane.tcp import TcpClient, TcpServer
+
+if TYPE_CHECKING:
+    from turnout.runtime.nats import NatsConnection
 
 __all__ = [
     "Handler",
@@ -26,13 +31,37 @@ __all__ = [
     "request_plane_kinds",
 ]
 
-_SERVERS: dict[str, Callable[[str, str | None], RequestPlaneServer]] = {
-    "local": lambda host, advertise_host: LocalServer(),
-    "tcp": lambda host, advertise_host: TcpServer(host, advertise_host=advertise_host),
+
+def _nats_server(
+    host: str, advertise_host: str | None, nats: NatsConnection | None
+) -> RequestPlaneServer:
+    # Imported on use: a process on the tcp or local plane never loads the NATS client.
+    from turnout.runtime.request_plane.nats import NatsServer
+
+    return NatsServer(_need(nats))
+
+
+def _nats_client(nats: NatsConnection | None) -> RequestPlaneClient:
+    from turnout.runtime.request_plane.nats import NatsClient
+
+    return NatsClient(_need(nats))
+
+
+def _need(nats: NatsConnection | None) -> NatsConnection:
+    if nats is None:
+        raise ConfigError("the nats request plane needs a NATS connection (--nats-url)")
+    return nats
+
+
+_SERVERS: dict[str, Callable[[str, str | None, NatsConnection | None], RequestPlaneServer]] = {
+    "local": lambda host, advertise_host, nats: LocalServer(),
+    "nats": _nats_server,
+    "tcp": lambda host, advertise_host, nats: TcpServer(host, advertise_host=advertise_host),
 }
-_CLIENTS: dict[str, Callable[[], RequestPlaneClient]] = {
-    "local": LocalClient,
-    "tcp": TcpClient,
+_CLIENTS: dict[str, Callable[[NatsConnection | None], RequestPlaneClient]] = {
+    "local": lambda nats: LocalClient(),
+    "nats": _nats_client,
+    "tcp": lambda nats: TcpClient(),
 }
 
 
@@ -47,18 +76,24 @@ def _unknown(kind: str) -> ConfigError:
 
 
 def make_server(
-    kind: str, host: str = "127.0.0.1", *, advertise_host: str | None = None
+    kind: str,
+    host: str = "127.0.0.1",
+    *,
+    advertise_host: str | None = None,
+    nats: NatsConnection | None = None,
 ) -> RequestPlaneServer:
     """A request-plane server of ``kind``; ``host`` is the interface tcp binds and
-    ``advertise_host`` the one it publishes (default: the bound address)."""
-    try:
-        return _SERVERS[kind](host, advertise_host)
-    except KeyError:
-        raise _unknown(kind) from None
+    ``advertise_host`` the one it publishes (default: the bound address); ``nats`` is the
+    connection the ``nats`` kind serves on (``ConfigError`` without one)."""
+    factory = _SERVERS.get(kind)
+    if factory is None:
+        raise _unknown(kind)
+    return factory(host, advertise_host, nats)
 
 
-def make_client(kind: str) -> RequestPlaneClient:
-    try:
-        return _CLIENTS[kind]()
-    except KeyError:
-        raise _unknown(kind) from None
+def make_client(kind: str, *, nats: NatsConnection | None = None) -> RequestPlaneClient:
+    """A request-plane client of ``kind`` (``nats``: over the connection ``nats``)."""
+    factory = _CLIENTS.get(kind)
+    if factory is None:
+        raise _unknown(kind)
+    return factory(nats)

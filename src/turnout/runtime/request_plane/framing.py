@@ -44,6 +44,11 @@ class Kind(enum.IntEnum):
     CREDIT = 6
     REJECT = 7
     ABORT = 8
+    #: ``nats`` only: one piece of an item too large for one message; the item's last piece
+    #: follows as a DATA frame holding that item alone.
+    PART = 9
+    #: ``nats`` only: "still here" from the server, ``num`` = the last sequence number sent.
+    HEARTBEAT = 10
 
 
 class Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -54,7 +59,8 @@ class Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data: bytes | list[bytes] = b""
     #: REQUEST: the endpoint path; ERROR / REJECT: the message.
     text: str = ""
-    #: CREDIT: how many items were consumed.
+    #: CREDIT: how many items were consumed (``nats``: in total, since the stream began);
+    #: ``nats`` server frames: their sequence number within the stream (gaps are detected).
     num: int = 0
     #: REQUEST: the request id, so the server's logs name the same request.
     text2: str = ""

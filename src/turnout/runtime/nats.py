@@ -1,0 +1,170 @@
+"""One process's connection to NATS, shared by the ``nats`` request plane and event plane.
+
+``connect_nats(NatsOptions(servers=["nats://host:4222"]))`` connects once and fails fast when
+no server can be reached (``ConfigError`` naming the servers: a wrong URL or a server that is
+down is a start-up mistake, reported in one line). Once connected, the connection rides out
+outages: it reconnects forever with a back-off, logging one line when it loses the server and
+one when it is back, never one per attempt. Subscriptions are restored by the client library
+on reconnect; what was published while disconnected is buffered (bounded) or lost, as the
+request and event planes' contracts allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import ssl
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.client import Client
+
+from turnout.errors import ConfigError
+
+logger = logging.getLogger("turnout.runtime.nats")
+
+#: Seconds between reconnect attempts to one server while disconnected.
+RECONNECT_WAIT = 0.5
+
+
+@dataclass
+class NatsOptions:
+    """Where and how to connect. ``servers`` are URLs such as ``nats://host:4222`` (a
+    ``user:password@`` in the URL works too); ``ca_cert``/``cert``/``key`` are PEM paths for
+    TLS (``ca_cert`` alone: verify the server; with ``cert`` and ``key``: mutual TLS)."""
+
+    servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    #: Seconds to reach a server at start (per attempt, and the whole start-up budget).
+    connect_timeout: float = 5.0
+    #: Shown in the server's monitoring (``connz``).
+    name: str | None = None
+    #: Seconds between client pings; two unanswered pings mark the server lost.
+    ping_interval: float = 10.0
+
+
+class NatsConnection:
+    """A connected NATS client plus this process's bookkeeping of its state."""
+
+    def __init__(self, client: Client, options: NatsOptions) -> None:
+        self.client = client
+        self.options = options
+        self._closed = False
+
+    @property
+    def servers(self) -> list[str]:
+        return list(self.options.servers)
+
+    @property
+    def is_connected(self) -> bool:
+        return self.client.is_connected
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server accepts (1 MiB by default)."""
+        return int(self.client.max_payload)
+
+    async def close(self) -> None:
+        """Close the connection, dropping what is unsent; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.client.is_closed:
+            await self.client.close()
+
+
+def _tls_context(options: NatsOptions) -> ssl.SSLContext | None:
+    if not (options.ca_cert or options.cert or options.key):
+        return None
+    if bool(options.cert) != bool(options.key):
+        raise ConfigError("NATS TLS needs both a client certificate and its key, or neither")
+    try:
+        ctx = ssl.create_default_context(cafile=options.ca_cert)
+        if options.cert and options.key:
+            ctx.load_cert_chain(options.cert, options.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load NATS TLS files: {exc}") from exc
+    return ctx
+
+
+def _redact(url: str) -> str:
+    """``url`` with any password replaced, fit for logs and error messages."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+def _reason(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no answer"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def connect_nats(options: NatsOptions) -> NatsConnection:
+    """Connect to NATS, or raise ``ConfigError`` once every server has failed once or the
+    ``connect_timeout`` has passed (whichever is first)."""
+    if not options.servers:
+        raise ConfigError("no NATS server given")
+    tls = _tls_context(options)
+    servers = list(options.servers)
+    state = {"connected": False, "online": True, "failures": 0}
+    last_error: list[BaseException] = []
+    loop = asyncio.get_running_loop()
+    timeout_cm: asyncio.Timeout | None = None
+
+    async def error_cb(exc: Exception) -> None:
+        if not state["connected"]:
+            last_error[:] = [exc]
+            state["failures"] += 1
+            if state["failures"] >= len(servers) and timeout_cm is not None:
+                timeout_cm.reschedule(loop.time())  # every server refused: give up now
+            return
+        logger.debug("NATS connection error: %r", exc)
+
+    async def disconnected_cb() -> None:
+        if state["connected"] and state["online"] and not client.is_closed:
+            state["online"] = False
+            logger.warning(
+                "lost the NATS server; reconnecting to %s", [_redact(u) for u in servers]
+            )
+
+    async def reconnected_cb() -> None:
+        if not state["online"]:
+            state["online"] = True
+            url = client.connected_url
+            logger.warning("reconnected to NATS at %s", url.hostname if url else "?")
+
+    client = Client()
+    try:
+        async with asyncio.timeout(options.connect_timeout) as timeout_cm:
+            await client.connect(
+                servers=servers,
+                name=options.name,
+                user=options.user,
+                password=options.password,
+                token=options.token,
+                tls=tls,
+                connect_timeout=max(1, round(options.connect_timeout)),
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=RECONNECT_WAIT,  # type: ignore[arg-type]
+                ping_interval=options.ping_interval,  # type: ignore[arg-type]
+                max_outstanding_pings=2,
+                error_cb=error_cb,
+                disconnected_cb=disconnected_cb,
+                reconnected_cb=reconnected_cb,
+            )
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        await client.close()
+        cause = last_error[0] if last_error else exc
+        if isinstance(exc, TimeoutError) and not last_error:
+            cause = TimeoutError(f"no answer within {options.connect_timeout:g}s")
+        shown = [_redact(url) for url in servers]
+        raise ConfigError(f"cannot reach NATS at {shown}: {_reason(cause)}") from cause
+    state["connected"] = True
+    return NatsConnection(client, options)

@@ -1,0 +1,143 @@
+"""``NatsServerProcess``: a real ``nats-server`` for the tests, on a free port of one address.
+
+It starts in a few milliseconds, so tests that disrupt it (stop, kill, restart, pause) own one,
+and the others share one per module. Readiness is the server's ``INFO`` line on a fresh TCP
+connection, waited for with a deadline.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+NATS_BINARY = "nats-server"
+START_DEADLINE_SECONDS = 10.0
+
+
+def nats_binary() -> str | None:
+    """The path of ``nats-server``, or None when it is not installed."""
+    return shutil.which(NATS_BINARY) or (
+        "/usr/sbin/nats-server" if Path("/usr/sbin/nats-server").exists() else None
+    )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsServerProcess:
+    """One nats-server. ``restart()`` brings it back on the same port, as after a crash."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        binary = nats_binary()
+        if binary is None:
+            raise RuntimeError("nats-server is not installed (Debian: nats-server)")
+        self.binary = binary
+        self.host = host
+        self.port = _free_port(host)
+        self.user = user
+        self.password = password
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self._paused = False
+
+    @property
+    def url(self) -> str:
+        """The client URL, credentials included when the server has them."""
+        auth = f"{self.user}:{self.password}@" if self.user else ""
+        return f"nats://{auth}{self.host}:{self.port}"
+
+    @property
+    def plain_url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self) -> NatsServerProcess:
+        assert self.process is None, "already running"
+        args = [self.binary, "-a", self.host, "-p", str(self.port)]
+        if self.user:
+            args += ["--user", self.user, "--pass", self.password or ""]
+        out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            if self.log_path:
+                out.close()  # type: ignore[union-attr]
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_DEADLINE_SECONDS
+        assert self.process is not None
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.process.returncode}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=1) as sock:
+                    if sock.recv(4) == b"INFO":
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"nats-server did not answer within {START_DEADLINE_SECONDS}s")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop cleanly (SIGTERM), waiting for the process to exit."""
+        self._end(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Kill (SIGKILL), as a crash would."""
+        self._end(signal.SIGKILL)
+
+    def _end(self, sig: signal.Signals) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if self._paused:
+            process.send_signal(signal.SIGCONT)
+            self._paused = False
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def restart(self) -> None:
+        """Start again on the same port (stops it first if running)."""
+        self.stop()
+        self.start()
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open, nothing answers."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+        self._paused = False
+
+    def __enter__(self) -> NatsServerProcess:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
