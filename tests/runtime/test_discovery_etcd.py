@@ -302,6 +302,14 @@ async def test_watch_cut_off_past_compaction_reports_what_vanished(
         assert set(brief(events)) == {(DELETE, "p/a", b""), (PUT, "p/b", b"2"), (PUT, "p/d", b"1")}
         await writer.put("p/e", b"1")
         assert brief(await take(watch, 1)) == [(PUT, "p/e", b"1")]
+        # A second cut past compaction reports only what is new: p/a's DELETE was delivered.
+        await proxy.cut()
+        await writer.put("p/f", b"1")
+        await writer.compact(await writer.put("q/other", b""))
+        await proxy.restore()
+        assert brief(await take(watch, 1)) == [(PUT, "p/f", b"1")]
+        await writer.put("p/g", b"1")
+        assert brief(await take(watch, 1)) == [(PUT, "p/g", b"1")]
     finally:
         await watch.aclose()
         await watcher.close()

@@ -284,10 +284,13 @@ class EtcdStore(DiscoveryStore):
         self._closed = False
         self._closed_event: asyncio.Event | None = None
         self._reachable = True
-        #: Every key a watch of this store reported present: after a compaction, the ones
-        #: that are gone are reported as DELETEs (a DELETE of a key a watcher never saw is
-        #: harmless; a ghost key is not).
-        self._seen_keys: set[str] = set()
+        #: Every key a watch of this store reported present → the revision of the DELETE it
+        #: reported last (None while present). A watcher resynced after a compaction gets a
+        #: DELETE for each such key that is gone now, unless it already had that DELETE
+        #: (revision ≤ where it resumes). One entry per distinct key seen: bounded by the
+        #: churn of the prefixes watched, small for discovery keys. A DELETE of a key a
+        #: watcher never saw is harmless; a ghost key is not.
+        self._seen_keys: dict[str, int | None] = {}
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.endpoints})"
@@ -602,11 +605,18 @@ class EtcdStore(DiscoveryStore):
         self, prefix: str, kvs: list[KeyValue], after: int, revision: int
     ) -> list[WatchEvent]:
         """Events that bring a watcher current at ``after`` to the listing ``kvs`` at
-        ``revision``: PUTs of keys changed since, DELETEs of seen keys that are gone."""
+        ``revision``: PUTs of keys changed since, DELETEs of seen keys that are gone (at the
+        listing's revision: when they went is lost to the compaction)."""
         events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs if kv.revision > after]
-        present = {kv.key for kv in kvs}
-        gone = sorted(k for k in self._seen_keys if k.startswith(prefix) and k not in present)
         events.sort(key=lambda e: e.kv.revision)
+        present = {kv.key for kv in kvs}
+        gone = sorted(
+            key
+            for key, deleted in self._seen_keys.items()
+            if key.startswith(prefix)
+            and key not in present
+            and (deleted is None or deleted > after)
+        )
         for key in gone:
             events.append(
                 WatchEvent(WatchEventKind.DELETE, KeyValue(key=key, value=b"", revision=revision))
@@ -614,8 +624,11 @@ class EtcdStore(DiscoveryStore):
         return events
 
     def _note(self, event: WatchEvent) -> WatchEvent:
+        """Remember what ``event`` (about to be delivered) says of its key, for resyncs."""
         if event.kind is WatchEventKind.PUT:
-            self._seen_keys.add(event.kv.key)
+            self._seen_keys[event.kv.key] = None
+        elif event.kv.key in self._seen_keys:
+            self._seen_keys[event.kv.key] = event.kv.revision
         return event
 
     async def watch_prefix(
