@@ -12,6 +12,7 @@ request and event planes' contracts allow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import ssl
@@ -105,6 +106,18 @@ def _reason(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+async def _abandon(client: Client) -> None:
+    """Close a client whose first connect was given up. Cut off mid-attempt, the library may
+    still hold that attempt's socket, which ``close`` alone does not always reach."""
+    await client.close()
+    transport = getattr(client, "_transport", None)
+    if transport is not None:
+        transport.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await transport.wait_closed()
+
+
 async def connect_nats(options: NatsOptions) -> NatsConnection:
     """Connect to NATS, or raise ``ConfigError`` once every server has failed once or the
     ``connect_timeout`` has passed (whichever is first)."""
@@ -160,7 +173,7 @@ async def connect_nats(options: NatsOptions) -> NatsConnection:
                 reconnected_cb=reconnected_cb,
             )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        await client.close()
+        await _abandon(client)
         cause = last_error[0] if last_error else exc
         if isinstance(exc, TimeoutError) and not last_error:
             cause = TimeoutError(f"no answer within {options.connect_timeout:g}s")

@@ -1,14 +1,15 @@
-"""The event plane contract, run against every implementation (``local``, ``zmq``)."""
+"""The event plane contract, run against every implementation (``local``, ``zmq``, ``nats``)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.servers.nats import NatsServerProcess, nats_binary
 
 from turnout.errors import ConfigError
 from turnout.protocols.kv import (
@@ -32,6 +33,7 @@ from turnout.runtime.event_plane import (
     make_event_plane,
 )
 from turnout.runtime.event_plane.zmq import ZmqEventPlane, ZmqEventPublisher, publishers_key
+from turnout.runtime.nats import NatsConnection, NatsOptions, connect_nats
 
 PROBE = b"\x00probe"
 FENCE = b"\x00fence"
@@ -45,21 +47,39 @@ async def store() -> AsyncIterator[MemoryStore]:
     await s.close()
 
 
-@pytest.fixture(params=["local", "zmq"])
+@pytest.fixture(scope="module")
+def nats_server() -> Iterator[NatsServerProcess]:
+    """One nats-server for the module's contract tests (they never disrupt it)."""
+    if nats_binary() is None:
+        pytest.skip("nats-server is not installed")
+    with NatsServerProcess() as server:
+        yield server
+
+
+@pytest.fixture(params=["local", "zmq", "nats"])
 async def planes(
     request: pytest.FixtureRequest, store: MemoryStore
 ) -> AsyncIterator[tuple[EventPlane, EventPlane]]:
     """(publishing plane, subscribing plane): one bus for ``local``; for ``zmq`` two planes
-    (two ZeroMQ contexts, as in two processes) sharing the discovery store."""
+    (two ZeroMQ contexts, as in two processes) sharing the discovery store; for ``nats`` two
+    planes on two connections to one nats-server."""
     kind: str = request.param
+    conns: list[NatsConnection] = []
     if kind == "local":
         plane = make_event_plane("local", store)
         made = [plane, plane]
-    else:
+    elif kind == "zmq":
         made = [make_event_plane("zmq", store), make_event_plane("zmq", store)]
+    else:
+        server: NatsServerProcess = request.getfixturevalue("nats_server")
+        for _ in range(2):
+            conns.append(await connect_nats(NatsOptions(servers=[server.url])))
+        made = [make_event_plane("nats", None, nats=conn) for conn in conns]
     yield made[0], made[1]
     for plane in made:
         await plane.close()
+    for conn in conns:
+        await conn.close()
     # Nothing left behind: no task (watch, reader, lease keep-alive) and no registration.
     current = asyncio.current_task()
     left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
@@ -276,10 +296,12 @@ async def test_bad_names_are_config_errors(planes: tuple[EventPlane, EventPlane]
 
 
 def test_make_event_plane_rejects_unknown_kind() -> None:
-    with pytest.raises(ConfigError, match=r"'nats'.*local, zmq"):
-        make_event_plane("nats", None)
+    with pytest.raises(ConfigError, match=r"'carrier-pigeon'.*local, zmq, nats"):
+        make_event_plane("carrier-pigeon", None)
     with pytest.raises(ConfigError, match="discovery store"):
         make_event_plane("zmq", None)
+    with pytest.raises(ConfigError, match="NATS connection"):
+        make_event_plane("nats", None)
 
 
 # --- zmq only: discovery-driven connections ----------------------------------------------------

@@ -1,0 +1,281 @@
+"""The NATS event plane: publishers and subscribers meet on subjects of a NATS server.
+
+Mental model::
+
+    publisher ──PUB turnout.ev.{namespace}.{component}.{topic}──▶ nats-server
+    subscriber ──SUB turnout.ev.{namespace}.{component}.{topic}   (topic "" : ….*)
+
+No discovery records: the NATS server routes by subject, so a subscription follows publishers
+that come and go by construction. Names are escaped into single subject tokens (see
+``subject_token``): a namespace holding ``.``, ``*``, ``>`` or a space cannot change the shape
+of a subject, and the subscribe-to-all wildcard recovers each topic from its token.
+
+Joining: ``subscribe`` returns once the NATS server has registered the subscription (a
+round-trip ``flush``), so unlike ZeroMQ there is no slow-joiner window; what is published after
+that reaches the subscriber.
+
+Ordering: NATS keeps the order of one connection's messages to one subscriber; each plane's
+publishers send through one writer task in call order, so FIFO per publisher holds.
+
+Never blocks the publisher: ``publish_nowait`` appends to the plane's outbox (bounded at
+``max_outbox`` messages, beyond which new messages are dropped and counted in
+``num_dropped``); the writer task hands them to the NATS client, which buffers while
+reconnecting and drops past its own buffer. Subscribers get what arrives in their
+``EventBuffer`` (``max_pending``, counted drops), as with every plane. Messages published while
+the connection is down are lost: at-most-once, as the contract says.
+
+Shutdown: ``close`` unsubscribes and ends iterations; the plane never closes the connection,
+which belongs to the process (``turnout.runtime.nats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import re
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from turnout.errors import ConfigError
+from turnout.runtime.event_plane.base import (
+    DEFAULT_MAX_PENDING,
+    Event,
+    EventBuffer,
+    EventPlane,
+    EventPublisher,
+    EventSubscription,
+    check_name,
+    check_topic,
+)
+from turnout.runtime.nats import NatsConnection
+
+logger = logging.getLogger(__name__)
+
+SUBJECT_ROOT = "turnout.ev"
+#: Messages the plane's outbox holds while the NATS client is slower than the publishers.
+DEFAULT_MAX_OUTBOX = 65_536
+
+_SAFE = re.compile(r"[A-Za-z0-9_\-]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
+_ESCAPED = re.compile(r"~([0-9a-f]{2})")
+
+
+def subject_token(name: str) -> str:
+    """``name`` as one NATS subject token: ASCII letters, digits, ``_`` and ``-`` stay, every
+    other byte of its UTF-8 becomes ``~xx`` (hex). Reversible (``token_name``)."""
+    if _SAFE.fullmatch(name):
+        return name
+    return _UNSAFE.sub(lambda m: "".join(f"~{b:02x}" for b in m.group().encode()), name)
+
+
+def token_name(token: str) -> str:
+    """The name ``subject_token`` escaped into ``token``."""
+    if "~" not in token:
+        return token
+    raw = bytearray()
+    pos = 0
+    for m in _ESCAPED.finditer(token):
+        raw += token[pos : m.start()].encode()
+        raw.append(int(m.group(1), 16))
+        pos = m.end()
+    raw += token[pos:].encode()
+    return raw.decode(errors="replace")
+
+
+def component_subject(namespace: str, component: str) -> str:
+    return f"{SUBJECT_ROOT}.{subject_token(namespace)}.{subject_token(component)}"
+
+
+class NatsEventPublisher(EventPublisher):
+    def __init__(self, plane: NatsEventPlane, namespace: str, component: str) -> None:
+        self._plane = plane
+        self.namespace = namespace
+        self.component = component
+        self._prefix = component_subject(namespace, component) + "."
+        self._subjects: dict[str, str] = {}
+        self._num_published = 0
+        self._closed = False
+
+    def publish_nowait(self, topic: str, payload: bytes) -> None:
+        subject = self._subjects.get(topic)
+        if subject is None:
+            check_topic(topic)
+            subject = self._subjects[topic] = self._prefix + subject_token(topic)
+        if self._closed:
+            raise RuntimeError(f"event publisher {self._prefix[:-1]} is closed")
+        self._plane._put(subject, payload)
+        self._num_published += 1
+
+    @property
+    def num_published(self) -> int:
+        return self._num_published
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._plane._publishers.discard(self)
+
+
+class NatsEventSubscription(EventSubscription):
+    def __init__(
+        self, plane: NatsEventPlane, namespace: str, component: str, topic: str, max_pending: int
+    ) -> None:
+        self._plane = plane
+        self.namespace = namespace
+        self.component = component
+        self.topic = topic
+        prefix = component_subject(namespace, component)
+        self.subject = f"{prefix}.{subject_token(topic) if topic else '*'}"
+        self._prefix_len = len(prefix) + 1
+        self._buffer = EventBuffer(max_pending, name=f"nats:{namespace}/{component}/{topic}")
+        self._sub: Subscription | None = None
+        self._closed = False
+        #: Topic tokens already decoded (the wildcard subscription sees few distinct ones).
+        self._topics: dict[str, str] = {}
+
+    async def _start(self) -> None:
+        client = self._plane.conn.client
+        self._sub = await client.subscribe(self.subject, cb=self._on_msg)
+        await client.flush()  # registered at the server: from here on nothing is missed
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if self.topic:
+            topic = self.topic
+        else:
+            token = msg.subject[self._prefix_len :]
+            topic = self._topics.get(token) or self._topics.setdefault(token, token_name(token))
+        self._buffer.offer(Event(topic, msg.data))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._plane._subscriptions.discard(self)
+        self._buffer.close()
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(Exception):  # the connection may be closed already
+                await sub.unsubscribe()
+
+
+class NatsEventPlane(EventPlane):
+    """Publish/subscribe through the NATS server of ``conn``; see the module docstring."""
+
+    kind = "nats"
+
+    def __init__(self, conn: NatsConnection, *, max_outbox: int = DEFAULT_MAX_OUTBOX) -> None:
+        self.conn = conn
+        self.max_outbox = max_outbox
+        self._outbox: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._wakeup: asyncio.Future[None] | None = None
+        self._idle: asyncio.Future[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._publishers: set[NatsEventPublisher] = set()
+        self._subscriptions: set[NatsEventSubscription] = set()
+        #: Messages dropped because the outbox was full (or the client refused them).
+        self.num_dropped = 0
+        self._dropping = False
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("nats event plane is closed")
+
+    # -- the outbox -----------------------------------------------------------------------------
+
+    def _put(self, subject: str, payload: bytes) -> None:
+        outbox = self._outbox
+        if len(outbox) >= self.max_outbox:
+            self._drop(f"the outbox holds {len(outbox)} messages")
+            return
+        outbox.append((subject, payload))
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
+    def _drop(self, why: str) -> None:
+        self.num_dropped += 1
+        if not self._dropping:
+            self._dropping = True
+            logger.warning("nats event plane dropping messages: %s", why)
+
+    async def _write(self) -> None:
+        outbox = self._outbox
+        publish = self.conn.client.publish
+        loop = asyncio.get_running_loop()
+        while True:
+            while not outbox:
+                idle = self._idle
+                if idle is not None and not idle.done():
+                    idle.set_result(None)
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                self._wakeup = None
+            subject, payload = outbox.popleft()
+            try:
+                await publish(subject, payload)
+                self._dropping = False
+            except Exception as exc:  # disconnected past the client's buffer, or closed
+                self._drop(repr(exc))
+
+    async def _flush(self, timeout: float = 1.0) -> None:
+        if not self._outbox or self._writer is None or self._writer.done():
+            return
+        self._idle = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._idle), timeout)
+
+    # -- the interface --------------------------------------------------------------------------
+
+    async def publisher(self, namespace: str, component: str) -> NatsEventPublisher:
+        self._check_open()
+        check_name("namespace", namespace)
+        check_name("component", component)
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(
+                self._write(), name="nats-event-plane-writer"
+            )
+        pub = NatsEventPublisher(self, namespace, component)
+        self._publishers.add(pub)
+        return pub
+
+    async def subscribe(
+        self,
+        namespace: str,
+        component: str,
+        topic: str,
+        *,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> NatsEventSubscription:
+        self._check_open()
+        check_name("namespace", namespace)
+        check_name("component", component)
+        sub = NatsEventSubscription(self, namespace, component, topic, max_pending)
+        await sub._start()
+        self._subscriptions.add(sub)
+        return sub
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pub in list(self._publishers):
+            await pub.close()
+        for sub in list(self._subscriptions):
+            await sub.close()
+        if self._writer is not None:
+            await self._flush()
+            self._writer.cancel()
+            await asyncio.wait([self._writer])
+            self._writer = None
+
+
+def make_nats_event_plane(nats: NatsConnection | None, **options: Any) -> EventPlane:
+    if nats is None:
+        raise ConfigError("the nats event plane needs a NATS connection (--nats-url)")
+    return NatsEventPlane(nats, **options)
