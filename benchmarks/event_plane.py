@@ -4,29 +4,38 @@ One publisher and one subscriber in this process (two planes, as two processes w
 on one event loop, so the numbers are the cost of both ends together. Three measurements per
 plane kind:
 
-* ``publish``: ``publish`` calls per second alone (nobody reads; the transport drops).
+* ``publish``: ``publish`` calls per second alone (nobody reads; the transport drops), for
+  ``nats`` until the last message is handed to the NATS client.
 * ``windowed``: end to end with flow control: publish a window, wait until it has all
   arrived, repeat. Nothing is dropped; this is the sustainable delivered rate.
 * ``flood``: publish everything as fast as possible, yielding to the loop every ``burst``
   messages, then count what arrived: delivered rate and drops when the publisher outruns
   the subscriber.
 
-Usage: ``python benchmarks/event_plane.py [--messages N] [--size BYTES]``; writes
-``benchmarks/results/event_plane.json``.
+``nats`` runs through a nats-server this script starts on a free port (two connections, as two
+processes would have); ``local`` is the floor.
+
+Usage: ``python benchmarks/event_plane.py [--messages N] [--size BYTES] [--kinds zmq,nats,local]``;
+writes ``benchmarks/results/event_plane.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.servers.nats import NatsServerProcess
 
 from turnout.runtime.discovery.memory import MemoryStore
 from turnout.runtime.event_plane import (
@@ -35,6 +44,7 @@ from turnout.runtime.event_plane import (
     EventSubscription,
     make_event_plane,
 )
+from turnout.runtime.nats import NatsConnection, NatsOptions, connect_nats
 
 TOPIC = "kv_events"
 RESULTS = Path(__file__).parent / "results" / "event_plane.json"
@@ -88,10 +98,18 @@ class Counter:
         return last_t
 
 
-async def measure(kind: str, messages: int, size: int, window: int, burst: int) -> dict[str, Any]:
+async def measure(
+    kind: str, messages: int, size: int, window: int, burst: int, nats_url: str | None = None
+) -> dict[str, Any]:
     store = MemoryStore()
+    conns: list[NatsConnection] = []
     if kind == "local":
         pub_plane = sub_plane = make_event_plane("local", store)
+    elif kind == "nats":
+        assert nats_url is not None
+        for _ in range(2):
+            conns.append(await connect_nats(NatsOptions(servers=[nats_url])))
+        pub_plane, sub_plane = (make_event_plane("nats", None, nats=conn) for conn in conns)
     else:
         pub_plane, sub_plane = make_event_plane(kind, store), make_event_plane(kind, store)
     planes: list[EventPlane] = list({id(p): p for p in (pub_plane, sub_plane)}.values())
@@ -104,10 +122,18 @@ async def measure(kind: str, messages: int, size: int, window: int, burst: int) 
 
         # publish only: a second component nobody subscribes to
         lone = await pub_plane.publisher("bench", "nobody")
+        # (yielding every ``burst`` like the flood run: the nats plane hands messages to its
+        # client in a writer task; the time includes handing over the last one)
         t0 = time.perf_counter()
-        for _ in range(messages):
+        for i in range(messages):
             await lone.publish(TOPIC, payload)
+            if i % burst == burst - 1:
+                await asyncio.sleep(0)
+        flush = getattr(pub_plane, "flush", None)
+        if flush is not None:
+            await flush(timeout=30.0)
         result["publish_msgs_per_s"] = messages / (time.perf_counter() - t0)
+        result["publish_dropped"] = getattr(pub_plane, "num_dropped", 0)
         await lone.close()
 
         counter = Counter(sub)
@@ -144,6 +170,8 @@ async def measure(kind: str, messages: int, size: int, window: int, burst: int) 
     finally:
         for plane in planes:
             await plane.close()
+        for conn in conns:
+            await conn.close()
         await store.close()
     return result
 
@@ -154,15 +182,18 @@ async def main() -> None:
     parser.add_argument("--size", type=int, default=200, help="payload bytes")
     parser.add_argument("--window", type=int, default=1000, help="windowed run: in flight")
     parser.add_argument("--burst", type=int, default=100, help="flood run: yield every N")
-    parser.add_argument("--kinds", default="zmq,local")
+    parser.add_argument("--kinds", default="zmq,nats,local")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
+    kinds = args.kinds.split(",")
     load_before = os.getloadavg()[0]
-    runs = [
-        await measure(kind, args.messages, args.size, args.window, args.burst)
-        for kind in args.kinds.split(",")
-    ]
+    with contextlib.ExitStack() as stack:
+        nats_url = stack.enter_context(NatsServerProcess()).url if "nats" in kinds else None
+        runs = [
+            await measure(kind, args.messages, args.size, args.window, args.burst, nats_url)
+            for kind in kinds
+        ]
     report = {
         "benchmark": "event_plane",
         "messages": args.messages,

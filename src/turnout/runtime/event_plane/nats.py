@@ -223,7 +223,9 @@ class NatsEventPlane(EventPlane):
             except Exception as exc:  # disconnected past the client's buffer, or closed
                 self._drop(repr(exc))
 
-    async def _flush(self, timeout: float = 1.0) -> None:
+    async def flush(self, timeout: float = 1.0) -> None:
+        """Wait (up to ``timeout`` seconds) until every message published so far has been
+        handed to the NATS client (benchmarks and orderly shutdown use it)."""
         if not self._outbox or self._writer is None or self._writer.done():
             return
         self._idle = asyncio.get_running_loop().create_future()
@@ -269,7 +271,7 @@ class NatsEventPlane(EventPlane):
         for sub in list(self._subscriptions):
             await sub.close()
         if self._writer is not None:
-            await self._flush()
+            await self.flush()
             self._writer.cancel()
             await asyncio.wait([self._writer])
             self._writer = None
