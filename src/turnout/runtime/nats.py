@@ -46,8 +46,11 @@ class NatsOptions:
     connect_timeout: float = 5.0
     #: Shown in the server's monitoring (``connz``).
     name: str | None = None
-    #: Seconds between client pings; two unanswered pings mark the server lost.
-    ping_interval: float = 10.0
+    #: Seconds between client pings; two unanswered pings mark the connection dead and start
+    #: a reconnect on a fresh socket. Short, because a connection that silently stopped
+    #: moving (a network cut) would otherwise hold this process's subscriptions hostage for
+    #: minutes of TCP retransmission back-off after the network is back.
+    ping_interval: float = 2.0
 
 
 class NatsConnection:
