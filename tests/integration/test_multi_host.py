@@ -25,6 +25,7 @@ import openai
 import pytest
 from tests.integration.hosts import Hosts
 from tests.integration.procs import health, wait_until
+from tests.servers.etcd import EtcdServer
 
 from turnout.frontend.service import free_port
 
@@ -48,12 +49,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("hosts")
     hosts = Hosts(["fe", "w1", "w2", "svc"], tmp)
     print(f"multi-host test: hosts are {hosts.mode} ({hosts.hosts})")
+    cluster = Cluster(hosts, tmp)
     try:
-        cluster = Cluster(hosts, tmp)
         cluster.start_services()
         yield cluster
     finally:
         hosts.close()
+        cluster.etcd.stop()
 
 
 class Cluster:
@@ -65,33 +67,23 @@ class Cluster:
         svc = hosts.address("svc")
         netns = hosts.mode == "netns"
         # In namespaces every host has its own ports; on shared loopback they must be free.
-        self.etcd_port = 2379 if netns else free_port(svc)
-        self.etcd_peer_port = 2380 if netns else free_port(svc)
+        self.etcd = EtcdServer(
+            tmp / "etcd",
+            svc,
+            command_prefix=hosts["svc"].prefix(),
+            ports=(2379, 2380) if netns else None,
+        )
         self.nats_port = 4222 if netns else free_port(svc)
         self.http_port = HTTP_PORT if netns else free_port(hosts.address("fe"))
-        self.etcd_url = f"http://{svc}:{self.etcd_port}"
+        self.etcd_url = self.etcd.url
         self.nats_url = f"nats://{svc}:{self.nats_port}"
         self.url = f"http://{hosts.address('fe')}:{self.http_port}"
         self._runs = 0
 
     def start_services(self) -> None:
+        self.etcd.start()
         svc = self.hosts.address("svc")
-        peer = f"http://{svc}:{self.etcd_peer_port}"
-        self.hosts.spawn(
-            "svc",
-            ["etcd", "--name", "svc", "--data-dir", str(self.tmp / "etcd"),
-             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"svc={peer}"],
-            "etcd",
-        )  # fmt: skip
         self.hosts.spawn("svc", ["nats-server", "-a", svc, "-p", str(self.nats_port)], "nats")
-        wait_until(
-            lambda: httpx.get(f"{self.etcd_url}/health", timeout=2).status_code == 200,
-            30,
-            "etcd",
-            self.hosts.logs,
-        )
 
     def new_namespace(self) -> str:
         """A namespace of its own for each run: leftovers of an earlier one never mix in."""

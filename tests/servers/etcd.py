@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -89,16 +90,25 @@ class EtcdServer:
     ``restart()`` brings it back on the same ports and data, as after a crash or reboot."""
 
     def __init__(
-        self, data_dir: Path, host: str = "127.0.0.1", tls: TlsFiles | None = None
+        self,
+        data_dir: Path,
+        host: str = "127.0.0.1",
+        tls: TlsFiles | None = None,
+        *,
+        command_prefix: Sequence[str] = (),
+        ports: tuple[int, int] | None = None,
     ) -> None:
+        """``command_prefix`` runs etcd through another command (``ip netns exec NS``: on a
+        test host of its own); ``ports`` (client, peer) are then needed, since free ports
+        cannot be probed from here."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("the etcd binary is not installed (Debian: etcd-server)")
         self.binary = binary
         self.host = host
         self.data_dir = Path(data_dir)
-        self.client_port = _free_port(host)
-        self.peer_port = _free_port(host)
+        self.command_prefix = list(command_prefix)
+        self.client_port, self.peer_port = ports or (_free_port(host), _free_port(host))
         self.name = f"turnout-test-{uuid.uuid4().hex[:8]}"
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
         #: With TLS, clients must show a certificate signed by ``tls.ca`` (mutual TLS).
@@ -121,6 +131,7 @@ class EtcdServer:
         assert self.process is None, "already running"
         peer = f"http://{self.host}:{self.peer_port}"
         args = [
+            *self.command_prefix,
             self.binary,
             "--name", self.name,
             "--data-dir", str(self.data_dir),
