@@ -61,7 +61,23 @@ async def test_unreachable_nats_is_a_quick_config_error() -> None:
         ConfigError, match=rf"cannot reach NATS at \['{url}'\]: ConnectionRefusedError"
     ):
         await connect_nats(NatsOptions(servers=[url], connect_timeout=5.0))
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 2.0  # one refused connect, not the 5 s budget
+
+
+async def test_nats_on_another_loopback_address() -> None:
+    with NatsServerProcess(host="127.0.0.5") as server:
+        c = await connect_nats(NatsOptions(servers=[server.url], name="turnout-test"))
+        srv = NatsServer(c)
+        srv.register("p", ticks)
+        client = NatsClient(c)
+        try:
+            address = await srv.start()
+            assert address.address.startswith("turnout.rp.")
+            assert await collect(client.stream(address, "p", b"1", RequestContext())) == [b"0"]
+        finally:
+            await client.close()
+            await srv.stop(drain_timeout=0)
+            await c.close()
 
 
 async def test_wrong_password_is_a_config_error_without_the_password() -> None:
@@ -185,7 +201,7 @@ async def test_worker_vanishing_mid_stream_is_stream_broken(
             async with asyncio.timeout(5):
                 while True:
                     await anext(stream)
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 3.0  # idle_timeout 0.4 s, with room for a slow CI
     finally:
         if child.returncode is None:
             child.kill()
