@@ -101,6 +101,8 @@ class _Outbox:
         self._wakeup: asyncio.Future[None] | None = None
         self._idle: asyncio.Future[None] | None = None
         self._failed_logged = False
+        #: True while the writer publishes the messages of an entry it took.
+        self._busy = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=name)
 
     def put(self, entry: Message | Callable[[], list[Message]]) -> None:
@@ -123,6 +125,7 @@ class _Outbox:
                 self._wakeup = None
             entry = entries.popleft()
             messages = [entry] if isinstance(entry, tuple) else entry()
+            self._busy = True
             for subject, payload, reply in messages:
                 try:
                     await publish(subject, payload, reply=reply)
@@ -131,10 +134,11 @@ class _Outbox:
                     if not self._failed_logged:
                         self._failed_logged = True
                         logger.warning("nats request plane: cannot publish to %s: %r", subject, exc)
+            self._busy = False
 
     async def flush(self, timeout: float = 1.0) -> None:
         """Wait (up to ``timeout``) until every queued entry has been handed to NATS."""
-        if not self._entries or self._task.done():
+        if not (self._entries or self._busy) or self._task.done():
             return
         self._idle = asyncio.get_running_loop().create_future()
         with contextlib.suppress(TimeoutError):
@@ -237,6 +241,8 @@ class NatsServer(RequestPlaneServer):
         if self._outbox is not None:
             await self._outbox.close()
             self._outbox = None
+            with contextlib.suppress(Exception):  # written out: the last ENDs and ABORTs
+                await self.conn.client.flush(timeout=1)
 
     # -- sending --------------------------------------------------------------------------------
 
