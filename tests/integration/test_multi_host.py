@@ -26,6 +26,7 @@ import pytest
 from tests.integration.hosts import Hosts
 from tests.integration.procs import health, wait_until
 from tests.servers.etcd import EtcdServer
+from tests.servers.nats import NatsServerProcess
 
 from turnout.frontend.service import free_port
 
@@ -56,6 +57,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         hosts.close()
         cluster.etcd.stop()
+        cluster.nats.stop()
 
 
 class Cluster:
@@ -73,17 +75,21 @@ class Cluster:
             command_prefix=hosts["svc"].prefix(),
             ports=(2379, 2380) if netns else None,
         )
-        self.nats_port = 4222 if netns else free_port(svc)
+        self.nats = NatsServerProcess(
+            svc,
+            command_prefix=hosts["svc"].prefix(),
+            port=4222 if netns else None,
+            log_path=tmp / "nats.log",
+        )
         self.http_port = HTTP_PORT if netns else free_port(hosts.address("fe"))
         self.etcd_url = self.etcd.url
-        self.nats_url = f"nats://{svc}:{self.nats_port}"
+        self.nats_url = self.nats.url
         self.url = f"http://{hosts.address('fe')}:{self.http_port}"
         self._runs = 0
 
     def start_services(self) -> None:
         self.etcd.start()
-        svc = self.hosts.address("svc")
-        self.hosts.spawn("svc", ["nats-server", "-a", svc, "-p", str(self.nats_port)], "nats")
+        self.nats.start()
 
     def new_namespace(self) -> str:
         """A namespace of its own for each run: leftovers of an earlier one never mix in."""

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 NATS_BINARY = "nats-server"
@@ -41,13 +42,19 @@ class NatsServerProcess:
         user: str | None = None,
         password: str | None = None,
         log_path: Path | None = None,
+        command_prefix: Sequence[str] = (),
+        port: int | None = None,
     ) -> None:
+        """``command_prefix`` runs nats-server through another command (``ip netns exec NS``:
+        on a test host of its own); ``port`` is then needed, since free ports cannot be
+        probed from here."""
         binary = nats_binary()
         if binary is None:
             raise RuntimeError("nats-server is not installed (Debian: nats-server)")
         self.binary = binary
         self.host = host
-        self.port = _free_port(host)
+        self.command_prefix = list(command_prefix)
+        self.port = port or _free_port(host)
         self.user = user
         self.password = password
         self.log_path = log_path
@@ -66,7 +73,7 @@ class NatsServerProcess:
 
     def start(self) -> NatsServerProcess:
         assert self.process is None, "already running"
-        args = [self.binary, "-a", self.host, "-p", str(self.port)]
+        args = [*self.command_prefix, self.binary, "-a", self.host, "-p", str(self.port)]
         if self.user:
             args += ["--user", self.user, "--pass", self.password or ""]
         out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
