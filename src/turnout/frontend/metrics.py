@@ -159,6 +159,12 @@ class FrontendMetrics:
             "turnout_rejections", "Requests refused before generation, by reason",
             ["model", "reason"], registry=r,
         )  # fmt: skip
+        self.card_switches = Counter(
+            "turnout_model_card_switches",
+            "Times a model moved to another card (rolling upgrade: the last instance of the "
+            "served card left while instances of another card remained)",
+            ["model"], registry=r,
+        )  # fmt: skip
 
         self._models: dict[str, ModelMetrics] = {}
         self._requests: dict[tuple[str, str, str, str], Any] = {}
