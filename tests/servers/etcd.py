@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 from types import TracebackType
 
 from etcd3aio import Etcd3Client
+from tests.servers.process import ServerProcess, free_port
 
 ETCD_BINARY = "etcd"
 START_DEADLINE_SECONDS = 20.0
@@ -79,13 +78,7 @@ def make_tls_files(directory: Path) -> TlsFiles:
     )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-class EtcdServer:
+class EtcdServer(ServerProcess):
     """One etcd process. ``start()`` waits (with a deadline) until it answers ``/health``;
     ``restart()`` brings it back on the same ports and data, as after a crash or reboot."""
 
@@ -101,6 +94,7 @@ class EtcdServer:
         """``command_prefix`` runs etcd through another command (``ip netns exec NS``: on a
         test host of its own); ``ports`` (client, peer) are then needed, since free ports
         cannot be probed from here."""
+        super().__init__()
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("the etcd binary is not installed (Debian: etcd-server)")
@@ -108,13 +102,11 @@ class EtcdServer:
         self.host = host
         self.data_dir = Path(data_dir)
         self.command_prefix = list(command_prefix)
-        self.client_port, self.peer_port = ports or (_free_port(host), _free_port(host))
+        self.client_port, self.peer_port = ports or (free_port(host), free_port(host))
         self.name = f"turnout-test-{uuid.uuid4().hex[:8]}"
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
         #: With TLS, clients must show a certificate signed by ``tls.ca`` (mutual TLS).
         self.tls = tls
-        self.process: subprocess.Popen[bytes] | None = None
-        self._paused = False
 
     @property
     def url(self) -> str:
@@ -189,50 +181,6 @@ class EtcdServer:
             return self.log_path.read_text(errors="replace")[-2000:]
         except OSError:
             return "(no log)"
-
-    def stop(self) -> None:
-        """Stop etcd cleanly (SIGTERM), waiting for it to exit."""
-        self._end(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """Kill etcd (SIGKILL), as a crash would."""
-        self._end(signal.SIGKILL)
-
-    def _end(self, sig: signal.Signals) -> None:
-        process, self.process = self.process, None
-        if process is None:
-            return
-        if self._paused:
-            process.send_signal(signal.SIGCONT)
-            self._paused = False
-        if process.poll() is None:
-            process.send_signal(sig)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def restart(self) -> None:
-        """Start again on the same data directory and ports (stops it first if running)."""
-        self.stop()
-        self.start()
-
-    def pause(self) -> None:
-        """Freeze etcd (SIGSTOP): connections stay open, nothing answers."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-        self._paused = True
-
-    def resume(self) -> None:
-        """Thaw a paused etcd (SIGCONT)."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
-        self._paused = False
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
     def remove_data(self) -> None:
         shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -8,12 +8,13 @@ connection, waited for with a deadline.
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests.servers.process import ServerProcess, free_port
 
 NATS_BINARY = "nats-server"
 START_DEADLINE_SECONDS = 10.0
@@ -26,13 +27,7 @@ def nats_binary() -> str | None:
     )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-class NatsServerProcess:
+class NatsServerProcess(ServerProcess):
     """One nats-server. ``restart()`` brings it back on the same port, as after a crash."""
 
     def __init__(
@@ -48,18 +43,17 @@ class NatsServerProcess:
         """``command_prefix`` runs nats-server through another command (``ip netns exec NS``:
         on a test host of its own); ``port`` is then needed, since free ports cannot be
         probed from here."""
+        super().__init__()
         binary = nats_binary()
         if binary is None:
             raise RuntimeError("nats-server is not installed (Debian: nats-server)")
         self.binary = binary
         self.host = host
         self.command_prefix = list(command_prefix)
-        self.port = port or _free_port(host)
+        self.port = port or free_port(host)
         self.user = user
         self.password = password
         self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-        self._paused = False
 
     @property
     def url(self) -> str:
@@ -103,45 +97,6 @@ class NatsServerProcess:
                 self.kill()
                 raise RuntimeError(f"nats-server did not answer within {START_DEADLINE_SECONDS}s")
             time.sleep(0.01)
-
-    def stop(self) -> None:
-        """Stop cleanly (SIGTERM), waiting for the process to exit."""
-        self._end(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """Kill (SIGKILL), as a crash would."""
-        self._end(signal.SIGKILL)
-
-    def _end(self, sig: signal.Signals) -> None:
-        process, self.process = self.process, None
-        if process is None:
-            return
-        if self._paused:
-            process.send_signal(signal.SIGCONT)
-            self._paused = False
-        if process.poll() is None:
-            process.send_signal(sig)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def restart(self) -> None:
-        """Start again on the same port (stops it first if running)."""
-        self.stop()
-        self.start()
-
-    def pause(self) -> None:
-        """Freeze the server (SIGSTOP): connections stay open, nothing answers."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-        self._paused = True
-
-    def resume(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
-        self._paused = False
 
     def __enter__(self) -> NatsServerProcess:
         return self.start() if self.process is None else self
