@@ -290,3 +290,48 @@ def test_a_cut_off_host_loses_its_instances_its_streams_migrate_and_it_comes_bac
             time.sleep(0.1)
     finally:
         cluster.stop_run()
+
+
+def test_an_etcd_outage_costs_no_request_and_no_restart(cluster: Cluster) -> None:
+    """etcd goes away for three lease TTLs and comes back: the frontend keeps routing from
+    what it knew, the worker's lease is lost and it registers again by itself, and no
+    request fails, during the outage or after."""
+    ns = cluster.new_namespace()
+    planes = cluster.planes("tcp", "zmq")
+    try:
+        cluster.frontend(ns, planes)
+        worker = cluster.worker("w1", ns, planes, "--engine", "echo", "--model-name", "echo")
+        cluster.wait_models({"echo": 1})
+        before = set(health(cluster.url)["echo"])
+        processes = [*cluster.hosts["fe"].procs, worker]
+
+        def ask() -> None:
+            r = httpx.post(
+                cluster.url + "/v1/completions",
+                json={"model": "echo", "prompt": "a b c", "max_tokens": 3},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+
+        cluster.etcd.stop()
+        try:
+            outage_end = time.monotonic() + 3 * float(LEASE_TTL)
+            while time.monotonic() < outage_end:
+                ask()
+                time.sleep(0.2)
+        finally:
+            cluster.etcd.start()
+        # The worker comes back under a new lease; the old one ends; requests never fail.
+        deadline = time.monotonic() + 60
+        while (
+            set(health(cluster.url).get("echo", [])) in (before, set())
+            or len(health(cluster.url).get("echo", [])) != 1
+        ):
+            assert time.monotonic() < deadline, cluster.hosts.logs()
+            ask()
+            time.sleep(0.2)
+        for _ in range(10):
+            ask()
+        assert all(p.poll() is None for p in processes), "a process exited"
+    finally:
+        cluster.stop_run()

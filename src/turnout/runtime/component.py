@@ -20,7 +20,9 @@ Calling::
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import itertools
 import logging
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -49,6 +51,8 @@ WATCH_RETRY_SECONDS = 1.0
 #: Streams of an instance that left discovery may run this long (a draining worker's own
 #: drain timeout, plus a margin) before they are failed as broken.
 LEFT_STREAM_GRACE_SECONDS = 6.0
+#: Earlier registrations of an instance whose handlers stay reachable (see ``_former_paths``).
+MAX_FORMER_REGISTRATIONS = 4
 #: Backoff between attempts to register again after a lost lease.
 REREGISTER_MIN_DELAY = 0.5
 REREGISTER_MAX_DELAY = 5.0
@@ -261,6 +265,9 @@ class ServingInstance:
         self._records = records
         self._path = ""
         self._side_handlers: dict[str, Handler] = {}
+        #: Handler paths of earlier registrations, still served: a frontend that has not yet
+        #: seen the new id keeps reaching this process under the old one (same engine).
+        self._former_paths: collections.deque[list[str]] = collections.deque()
         self._guard: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -275,8 +282,11 @@ class ServingInstance:
         self._server.register(self._path, self._handler)
         for name, handler in self._side_handlers.items():
             self._server.register(f"{self._path}#{name}", handler)
-        for path in old_paths:
-            self._server.unregister(path)
+        if old_paths:
+            self._former_paths.append(old_paths)
+            while len(self._former_paths) > MAX_FORMER_REGISTRATIONS:
+                for path in self._former_paths.popleft():
+                    self._server.unregister(path)
         store = runtime.store
         await store.put(instance.key(), _instance_encoder.encode(instance), lease_id=lease.id)
         for key, value in self._records(lease.id) if self._records else []:
@@ -345,9 +355,9 @@ class ServingInstance:
         if self.lease is not None:
             await self.lease.revoke()
         paths = self._paths()
-        for path in paths:
+        for path in [*paths, *itertools.chain.from_iterable(self._former_paths)]:
             self._server.unregister(path)
-        for path in paths[:1]:
+        for path in [paths[0], *(former[0] for former in self._former_paths)] if paths else []:
             await self._server.drain(path, drain_timeout)
         logger.info("stopped %s instance %x", self.endpoint.path(), self.instance_id)
 
