@@ -11,9 +11,12 @@
     │   ├── StreamBroken            the peer went away mid-stream: migrate
     │   └── RemoteError             the worker's handler raised; carries its message
     ├── RequestError                the request itself is wrong (HTTP 400)
-    │   └── ContextLengthExceeded   prompt does not fit the model's context
+    │   ├── ContextLengthExceeded   prompt does not fit the model's context
+    │   └── EngineBadRequest        the engine refused the request as invalid
     ├── ModelNotFound               no such model (HTTP 404)
     ├── NoInstanceAvailable         the model has no live, not-busy instance (HTTP 503)
+    │   └── EngineOverloaded        the worker's engine queue is full (HTTP 503, Retry-After)
+    ├── RequestTimedOut             the request's deadline passed (HTTP 504)
     └── NotYetSupported             a named feature that is not implemented yet
 
 Lower-layer exceptions are translated at the layer boundary into the most specific type here,
@@ -77,3 +80,16 @@ class NoInstanceAvailable(TurnoutError):
 
 class NotYetSupported(TurnoutError):
     pass
+
+
+class EngineBadRequest(RequestError):
+    """The worker's engine refused the request as one it can never run (HTTP 400)."""
+
+
+class EngineOverloaded(NoInstanceAvailable):
+    """The worker's engine queue is full; the client should retry later (HTTP 503)."""
+
+
+class RequestTimedOut(TurnoutError):
+    """The request's deadline (``--request-timeout``, ``nvext.request_timeout``) passed; its
+    work was cancelled (HTTP 504)."""

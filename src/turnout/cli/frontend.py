@@ -25,6 +25,15 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                   "device-aware-weighted: not yet supported)")  # fmt: skip
     add_flag(p, "--migration-limit", default=3, type=int,
              help="times a request may move to another worker when its worker dies")  # fmt: skip
+    add_flag(p, "--request-timeout", default=0.0, type=float,
+             help="seconds a request may take in all, migrations included; past it 504 "
+                  "(0: none; nvext.request_timeout overrides)")  # fmt: skip
+    add_flag(p, "--ttft-timeout", default=0.0, type=float,
+             help="seconds a worker may take to its first token before the request "
+                  "migrates (0: none)")  # fmt: skip
+    add_flag(p, "--stall-timeout", default=0.0, type=float,
+             help="seconds a stream may go without a token before it migrates "
+                  "(0: none)")  # fmt: skip
     add_flag(p, "--router-min-initial-workers", default=0, type=int,
              help="a model answers 503 until this many of its workers are up")  # fmt: skip
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
@@ -77,6 +86,9 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         kv_share_active=not args.no_router_replica_sync,
         router_min_initial_workers=args.router_min_initial_workers,
         artifact_cache=args.artifact_cache,
+        request_timeout=args.request_timeout,
+        ttft_timeout=args.ttft_timeout,
+        stall_timeout=args.stall_timeout,
     )
 
 

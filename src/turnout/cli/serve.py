@@ -65,7 +65,8 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
         "llamacpp": ("n_ctx", "n_parallel", "threads"),
         "echo": ("echo_delay_ms",),
         "mocker": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                   "speedup_ratio", "seed", "dp_size", "no_prefix_caching", "no_chunked_prefill"),
+                   "speedup_ratio", "seed", "dp_size", "no_prefix_caching", "no_chunked_prefill",
+                   "max_waiting", "fail_after_steps"),
     }[args.engine]  # fmt: skip
     values = {name: getattr(args, name) for name in engine_flags}
     if args.engine == "llamacpp":

@@ -10,7 +10,7 @@ from typing import Any
 
 from turnout.engines.base import Engine
 from turnout.engines.worker import Worker
-from turnout.errors import ConfigError
+from turnout.errors import ConfigError, TurnoutError
 from turnout.protocols.model import EndpointId
 from turnout.runtime.planes import open_runtime
 
@@ -49,6 +49,10 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(g, "--dp-size", default=1, type=int, help="data-parallel ranks per worker")
     add_flag(g, "--no-prefix-caching", action="store_true", help="disable prefix caching")
     add_flag(g, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    add_flag(g, "--max-waiting", default=1024, type=int,
+             help="most queued requests per worker; more get overloaded (503)")  # fmt: skip
+    add_flag(g, "--fail-after-steps", default=0, type=int,
+             help="testing aid: the step loop fails after this many steps (0: never)")  # fmt: skip
 
 
 def mocker_config(args: argparse.Namespace) -> Any:
@@ -64,6 +68,8 @@ def mocker_config(args: argparse.Namespace) -> Any:
         dp_size=args.dp_size,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        max_waiting=args.max_waiting,
+        fail_after_steps=args.fail_after_steps,
     )
 
 
@@ -139,7 +145,20 @@ async def run_worker(args: argparse.Namespace) -> None:
         finally:
             await runtime.shutdown()
 
-    await run_until_signal(start, stop, asyncio.Event().wait)
+    async def wait() -> None:
+        """Until an engine fails: its instance already left discovery; the process exits
+        non-zero (one error line) so that a supervisor restarts it."""
+        waits = [asyncio.ensure_future(w.failed.wait()) for w in workers]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        failed = next(w for w in workers if w.failed.is_set())
+        instance = failed.serving.instance_id if failed.serving is not None else 0
+        raise TurnoutError(f"worker {instance:x}: engine failed ({failed.failure}); exiting")
+
+    await run_until_signal(start, stop, wait)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,13 +13,19 @@ Contract:
   (``aclose()``), which raises ``GeneratorExit``/``CancelledError`` inside it; clean up and
   let it propagate.
 * Bad requests (e.g. a prompt longer than the engine can hold) end the stream with
-  ``finish_reason=ERROR`` and ``error`` set, never a hang.
+  ``finish_reason=ERROR`` and ``error`` set, never a hang; ``error_kind`` says what the
+  frontend should do (``protocols.llm.ErrorKind``: ``bad_request`` -> 400, ``overloaded``
+  -> 503, ``engine_failed`` -> migrate elsewhere).
+* An engine that breaks for good (its loop died, its native library failed) calls
+  ``report_failure``: the worker takes the instance out of discovery at once, fails the
+  in-flight streams as ``engine_failed`` (they migrate) and the process exits non-zero.
+  ``health()`` is probed periodically by the worker; a reason it returns has the same effect.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
@@ -28,6 +34,32 @@ from turnout.runtime.context import RequestContext
 
 class Engine(abc.ABC):
     """One model replica (or, for the mocker, one simulated worker)."""
+
+    #: Set by the worker (``on_failure``): called once with the reason the engine broke.
+    _failure_handler: Callable[[str], None] | None = None
+    #: Why the engine broke, once it did.
+    failure: str | None = None
+
+    def on_failure(self, handler: Callable[[str], None]) -> None:
+        """Call ``handler(reason)`` when the engine breaks for good (see the module doc)."""
+        self._failure_handler = handler
+        if self.failure is not None:
+            handler(self.failure)
+
+    def report_failure(self, reason: str) -> None:
+        """Say the engine broke for good (first call only); engines call this from their
+        loop's failure path."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        if self._failure_handler is not None:
+            self._failure_handler(reason)
+
+    def health(self) -> str | None:
+        """A cheap, synchronous liveness probe: None when healthy, else why not (e.g. the
+        step loop has not stepped for too long while it had work). Called by the worker
+        every few seconds; must not block."""
+        return self.failure
 
     @abc.abstractmethod
     def generate(

@@ -6,13 +6,21 @@ frontend's model watcher sees the model appear and, when the lease ends, disappe
 
 The card names its artifacts (the tokenizer) by content only; the worker serves their bytes
 through the ``artifact`` side handler, in chunks, to any frontend that asks by sha256.
+
+Engine failure: when the engine reports that it broke (``Engine.report_failure``) or its
+``health()`` probe, run every ``health_interval`` seconds, returns a reason, the worker
+(1) ends every in-flight stream with an ``ERROR`` output of kind ``engine_failed`` (the
+frontend migrates those requests), (2) revokes the instance's lease at once (frontends stop
+routing to it) and (3) sets ``failed``; ``turnout worker`` then exits non-zero, so a
+supervisor (``turnout serve``, systemd, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import msgspec
 
@@ -21,7 +29,7 @@ from turnout.engines.events import EventPlaneSink
 from turnout.errors import ConfigError
 from turnout.llm.artifacts import LOCAL_ARTIFACTS, ArtifactError, ArtifactRegistry, iter_chunks
 from turnout.protocols.kv import KV_SNAPSHOT_HANDLER, KvSnapshot, KvSnapshotRequest
-from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import (
     ARTIFACT_HANDLER,
     ArtifactRef,
@@ -43,6 +51,11 @@ _json = msgspec.json.Encoder()
 _snapshot_request_decoder = msgspec.msgpack.Decoder(KvSnapshotRequest)
 _artifact_request_decoder = msgspec.msgpack.Decoder(ArtifactRequest)
 
+#: Seconds between two ``Engine.health()`` probes.
+HEALTH_INTERVAL_SECONDS = 5.0
+#: How long in-flight streams get to deliver their final output after an engine failure.
+FAILURE_DRAIN_SECONDS = 1.0
+
 
 class Worker:
     def __init__(
@@ -54,6 +67,7 @@ class Worker:
         model_name: str | None = None,
         migration_limit: int | None = None,
         artifacts: ArtifactRegistry = LOCAL_ARTIFACTS,
+        health_interval: float = HEALTH_INTERVAL_SECONDS,
     ) -> None:
         self.runtime = runtime
         #: Where the bytes of the card's artifacts are (the process's registry; tests give
@@ -66,6 +80,13 @@ class Worker:
         self.card: ModelDeploymentCard | None = None
         self.serving: ServingInstance | None = None
         self._publisher: EventPublisher | None = None
+        self._health_interval = health_interval
+        #: Set once the engine failed (``failure`` says why) and the instance left discovery.
+        self.failed = asyncio.Event()
+        self.failure: str | None = None
+        #: The output buffers of the streams in flight (failed at once if the engine breaks).
+        self._buffers: set[_OutputBuffer] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> ServingInstance:
         set_sink = getattr(self.engine, "set_event_sink", None)
@@ -114,7 +135,55 @@ class Worker:
             base.display_name,
             self.endpoint.path(),
         )
+        self.engine.on_failure(self.engine_failed)
+        if self._health_interval > 0:
+            self._spawn(self._probe_loop())
         return self.serving
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe_loop(self) -> None:
+        while self.failure is None:
+            await asyncio.sleep(self._health_interval)
+            self.probe()
+
+    def probe(self) -> str | None:
+        """Ask the engine whether it is healthy; act on the answer. Returns the reason it
+        is not (None: healthy)."""
+        try:
+            reason = self.engine.health()
+        except Exception as exc:  # a probe that raises is a failed probe
+            reason = f"health probe raised {exc!r}"
+        if reason is not None:
+            self.engine_failed(f"health probe failed: {reason}")
+        return reason
+
+    def engine_failed(self, reason: str) -> None:
+        """The engine broke: fail the streams in flight as ``engine_failed`` (they migrate),
+        leave discovery at once, then set ``failed``. Idempotent."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        instance = self.serving.instance_id if self.serving is not None else 0
+        log.error("worker %x: engine failed (%s); leaving discovery", instance, reason)
+        final = LLMEngineOutput(
+            finish_reason=FinishReason.ERROR,
+            error=f"engine failed: {reason}",
+            error_kind=ErrorKind.ENGINE_FAILED.value,
+        )
+        for buffer in list(self._buffers):
+            buffer.fail(final)
+        self._spawn(self._leave())
+
+    async def _leave(self) -> None:
+        try:
+            if self.serving is not None:
+                await self.serving.stop(FAILURE_DRAIN_SECONDS)
+        finally:
+            self.failed.set()
 
     async def _handle(self, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
         """Run one request on the engine and stream its outputs, merging bursts.
@@ -127,15 +196,26 @@ class Worker:
         output, so one SSE event, per token. Cancelling this generator cancels the engine.
         """
         request = _request_decoder.decode(payload)
+        if self.failure is not None:
+            yield _encode(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=f"engine failed: {self.failure}",
+                    error_kind=ErrorKind.ENGINE_FAILED.value,
+                )
+            )
+            return
         buffer = _OutputBuffer()
-        producer = asyncio.get_running_loop().create_task(
+        producer = buffer.producer = asyncio.get_running_loop().create_task(
             buffer.fill(self.engine.generate(request, ctx))
         )
+        self._buffers.add(buffer)
         try:
             while outputs := await buffer.take():
                 for output in merge_outputs(outputs):
                     yield _encode(output)
         finally:
+            self._buffers.discard(buffer)
             if not producer.done():
                 producer.cancel()
                 await asyncio.wait([producer])
@@ -150,6 +230,10 @@ class Worker:
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Leave discovery, drain in-flight streams, stop the engine and its publisher."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
         if self.serving is not None:
             await self.serving.stop(drain_timeout)
             self.serving = None
@@ -194,7 +278,7 @@ class _OutputBuffer:
     own future (``_taker`` / ``_filler``) only when it cannot proceed.
     """
 
-    __slots__ = ("_filler", "_taker", "done", "error", "items")
+    __slots__ = ("_filler", "_taker", "done", "error", "items", "producer")
 
     def __init__(self) -> None:
         self.items: list[LLMEngineOutput] = []
@@ -202,11 +286,25 @@ class _OutputBuffer:
         self.error: BaseException | None = None
         self._taker: asyncio.Future[None] | None = None
         self._filler: asyncio.Future[None] | None = None
+        #: The task running ``fill`` (cancelled by ``fail``).
+        self.producer: asyncio.Task[None] | None = None
+
+    def fail(self, final: LLMEngineOutput) -> None:
+        """End the stream now with ``final`` after what is buffered; stop the engine side."""
+        if self.done:
+            return
+        self.items.append(final)
+        self.done = True
+        _wake(self._taker)
+        if self.producer is not None:
+            self.producer.cancel()
 
     async def fill(self, stream: AsyncIterator[LLMEngineOutput]) -> None:
         loop = asyncio.get_running_loop()
         try:
             async for output in stream:
+                if self.done:
+                    break  # failed meanwhile (``fail``): the final output is queued
                 self.items.append(output)
                 _wake(self._taker)
                 if len(self.items) >= _MAX_BUFFERED:

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from turnout.errors import ConfigError, NoInstanceAvailable
+from turnout.errors import ConfigError, NoInstanceAvailable, RequestTimedOut
 from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
 from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.migration import Migration
@@ -34,6 +34,7 @@ from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane
 
 from .artifacts import ArtifactFetcher
+from .http_errors import HttpError
 from .metrics import FrontendMetrics
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
@@ -108,8 +109,13 @@ class TokensPipeline:
         self, request: ChatCompletionRequest | CompletionRequest
     ) -> PreprocessedRequest:
         if isinstance(request, ChatCompletionRequest):
-            return await self.preprocessor.preprocess_chat(request)
-        return await self.preprocessor.preprocess_completion(request)
+            pre = await self.preprocessor.preprocess_chat(request)
+        else:
+            pre = await self.preprocessor.preprocess_completion(request)
+        nvext = request.nvext
+        if nvext is not None and nvext.request_timeout is not None:
+            pre.request_timeout = nvext.request_timeout
+        return pre
 
     def generate(self, request: PreprocessedRequest, ctx: RequestContext) -> Generation:
         decoder = self.backend.decoder(request)
@@ -133,6 +139,9 @@ class TokensPipeline:
             # The worker ended its stream without saying why: report it, don't invent "stop"
             # (``end`` also releases any text held back for a possible stop string).
             yield decoder.end(FinishReason.ERROR, "worker stream ended without a finish reason")
+        except RequestTimedOut as exc:
+            # 504 before streaming starts; an SSE error event (with this body) after.
+            raise HttpError(504, str(exc), type="timeout", code="request_timeout") from exc
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
 
@@ -173,6 +182,9 @@ class PipelineFactory:
         event_plane: EventPlane | None = None,
         min_initial_workers: int = 0,
         artifacts: ArtifactFetcher | None = None,
+        request_timeout: float = 0.0,
+        ttft_timeout: float = 0.0,
+        stall_timeout: float = 0.0,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -184,6 +196,18 @@ class PipelineFactory:
                 f"--router-min-initial-workers must be >= 0, got {min_initial_workers}"
             )
         self.min_initial_workers = min_initial_workers
+        for flag, value in (
+            ("--request-timeout", request_timeout),
+            ("--ttft-timeout", ttft_timeout),
+            ("--stall-timeout", stall_timeout),
+        ):
+            if not (value >= 0) or value == float("inf"):
+                raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {value}")
+        #: Seconds (0: none): a request's whole deadline, the silence allowed before an
+        #: attempt's first output, and between outputs (see ``Migration``).
+        self.request_timeout = request_timeout
+        self.ttft_timeout = ttft_timeout
+        self.stall_timeout = stall_timeout
         self.router_mode = router_mode
         self.migration_limit = migration_limit
         self.metrics = metrics
@@ -273,6 +297,10 @@ class PipelineFactory:
             router.generate,
             migration_limit=self.migration_limit,
             on_migration=migrations.inc if migrations is not None else None,
+            request_timeout=self.request_timeout,
+            ttft_timeout=self.ttft_timeout,
+            stall_timeout=self.stall_timeout,
+            report_down=getattr(client, "report_instance_down", None),
         )
         return TokensPipeline(
             name=card.display_name,

@@ -46,6 +46,13 @@ class FrontendConfig:
     #: Where fetched model artifacts are cached on disk (``off``: nowhere; None: what
     #: ``$TURNOUT_ARTIFACT_CACHE`` says, else ``~/.cache/turnout/artifacts``).
     artifact_cache: str | None = None
+    #: Seconds a request may take in all, migrations included (0: no deadline); a request's
+    #: ``nvext.request_timeout`` overrides it. Past it: 504 (an SSE error once streaming).
+    request_timeout: float = 0.0
+    #: Seconds an attempt may wait for its first output, and between outputs, before its
+    #: worker counts as stalled and the request migrates (0: no limit).
+    ttft_timeout: float = 0.0
+    stall_timeout: float = 0.0
 
 
 class Frontend:
@@ -78,6 +85,9 @@ class Frontend:
             kv_share_active=cfg.kv_share_active,
             event_plane=self.runtime.event_plane,
             min_initial_workers=cfg.router_min_initial_workers,
+            request_timeout=cfg.request_timeout,
+            ttft_timeout=cfg.ttft_timeout,
+            stall_timeout=cfg.stall_timeout,
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None

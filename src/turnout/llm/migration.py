@@ -1,10 +1,29 @@
-"""Migration: when a worker dies mid-stream, continue the request on another worker.
+"""Migration: when a worker dies, stalls or fails mid-stream, continue the request elsewhere.
 
 The re-issued request is the original prompt with every token generated so far appended,
 and ``max_tokens`` / ``min_tokens`` reduced by what was already produced, so the client sees
 one seamless stream: no token lost, none repeated. Requests pinned to one instance, cancelled
-requests and requests that failed for any other reason (bad input, engine error) are never
-migrated.
+requests and requests that failed for a reason of their own (bad input) are never migrated.
+
+What counts as a broken stream (migrated, up to ``migration_limit`` times):
+
+* ``StreamBroken`` from the request plane (the peer vanished, went silent, or aborted);
+* an ``ERROR`` output of kind ``engine_failed`` (the worker's engine died under the request);
+* a **stall**: no output for ``ttft_timeout`` seconds after an attempt started, or for
+  ``stall_timeout`` seconds after its last output. The stalled attempt is cancelled (the
+  worker is told) and its instance is set aside (``report_down``).
+
+Deadlines: ``request_timeout`` (or the request's own ``request_timeout``) bounds the whole
+request, migrations included; past it the attempt is cancelled and ``RequestTimedOut`` is
+raised. The other error kinds become exceptions the HTTP layer maps: ``bad_request`` ->
+``EngineBadRequest`` (400), ``overloaded`` -> ``EngineOverloaded`` (503 with Retry-After).
+
+Cost on the per-token path: with no timeout configured, none (the plain loop). Otherwise one
+``_Watchdog`` per request: a single timer re-armed lazily (when it fires early it moves
+itself to the next possible expiry), and per output three attribute writes and one clock
+read. No task or timer is created per token. The timer cancels the consuming task only while
+it is awaiting the upstream; time the consumer spends elsewhere (writing to a slow client)
+never counts as a worker stall.
 
 Placement: turnout runs migration *below* the detokenizing backend, so the backend's decoder
 (and its stop-string state) spans the whole request across migrations.
@@ -12,35 +31,133 @@ Placement: turnout runs migration *below* the detokenizing backend, so the backe
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
-from turnout.errors import StreamBroken
-from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
+from turnout.errors import EngineBadRequest, EngineOverloaded, RequestTimedOut, StreamBroken
+from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.runtime.context import RequestContext
 
 log = logging.getLogger("turnout.migration")
 
 EngineFn = Callable[[PreprocessedRequest, RequestContext], AsyncIterator[LLMEngineOutput]]
 
+_ERROR = FinishReason.ERROR
+_ENGINE_FAILED = ErrorKind.ENGINE_FAILED.value
+_BAD_REQUEST = ErrorKind.BAD_REQUEST.value
+_OVERLOADED = ErrorKind.OVERLOADED.value
+
+#: Why a watchdog fired.
+_DEADLINE = "deadline"
+_STALL = "stall"
+
+
+class _Watchdog:
+    """One request's timer: the request deadline and the per-attempt stall limit.
+
+    Written by the stream loop: ``since`` (when the current wait for the upstream began),
+    ``limit`` (the allowed silence: TTFT before an attempt's first output, then the stall
+    timeout; ``inf`` for none), ``waiting`` (awaiting the upstream now). Written by the
+    timer: ``fired`` (why it cancelled the task), read and cleared by the loop.
+    """
+
+    __slots__ = ("_handle", "_loop", "_task", "deadline", "fired", "limit", "since", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[object]) -> None:
+        self._loop = loop
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self.deadline = math.inf
+        self.limit = math.inf
+        self.since = loop.time()
+        self.waiting = False
+        self.fired: str | None = None
+
+    def arm(self) -> None:
+        """(Re)arm the timer for the earliest moment something can expire."""
+        when = min(self.deadline, self.since + self.limit)
+        if when == math.inf:
+            return
+        handle = self._handle
+        if handle is not None:
+            if handle.when() <= when:
+                return  # an earlier check is already due; it re-arms itself
+            handle.cancel()
+        self._handle = self._loop.call_at(when, self._check)
+
+    def _check(self) -> None:
+        self._handle = None
+        if self.fired is not None:
+            return
+        now = self._loop.time()
+        if self.waiting:
+            if now >= self.deadline:
+                self.fired = _DEADLINE
+            elif now >= self.since + self.limit:
+                self.fired = _STALL
+            if self.fired is not None:
+                self._task.cancel()
+                return
+            self.arm()
+        else:
+            # The consumer holds the stream (e.g. writing to a slow client): nothing can
+            # stall now; look again after the shortest limit. The deadline is checked when
+            # the loop next waits.
+            if min(self.deadline, now + self.limit) < math.inf:
+                self._handle = self._loop.call_at(min(self.deadline, now + self.limit), self._check)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
 
 class Migration:
+    """See the module docstring. Timeouts are seconds; 0 (or None) means none."""
+
     def __init__(
         self,
         inner: EngineFn,
         *,
         migration_limit: int,
         on_migration: Callable[[], None] | None = None,
+        request_timeout: float | None = None,
+        ttft_timeout: float | None = None,
+        stall_timeout: float | None = None,
+        report_down: Callable[[int], None] | None = None,
     ) -> None:
+        for name, value in (
+            ("request_timeout", request_timeout),
+            ("ttft_timeout", ttft_timeout),
+            ("stall_timeout", stall_timeout),
+        ):
+            if value is not None and not (value >= 0):
+                raise ValueError(f"{name} must be >= 0 (0: none), got {value!r}")
         self._inner = inner
         self._limit = migration_limit
         self._on_migration = on_migration
+        self._request_timeout = request_timeout or 0.0
+        self._ttft = ttft_timeout or math.inf
+        self._stall = stall_timeout or math.inf
+        self._report_down = report_down
 
-    async def generate(
+    def generate(
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
+        """The request's output stream (an async generator: ``aclose()`` it)."""
+        timeout = request.request_timeout or self._request_timeout
+        if not timeout and self._ttft == math.inf and self._stall == math.inf:
+            return self._generate_plain(request, ctx)
+        return self._generate_timed(request, ctx, timeout)
+
+    async def _generate_plain(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """No timeouts: the loop of old, with error kinds."""
         generated: list[int] = []
         attempt = request
         migrations = 0
@@ -48,32 +165,142 @@ class Migration:
             stream = self._inner(attempt, ctx)
             try:
                 async for output in stream:
+                    if output.finish_reason is _ERROR and output.error_kind is not None:
+                        self._raise_for_kind(output, request, ctx, migrations, generated)
                     if output.token_ids:
                         generated.extend(output.token_ids)
                     yield output
                 return
             except StreamBroken as exc:
-                if (
-                    migrations >= self._limit
-                    or ctx.is_cancelled
-                    or request.backend_instance_id is not None
-                ):
-                    raise
-                migrations += 1
-                ctx.metadata["migrations"] = migrations
-                if self._on_migration is not None:
-                    self._on_migration()
-                log.warning(
-                    "request %s: stream broke after %d tokens (%s); migrating (%d/%d)",
-                    ctx.request_id,
-                    len(generated),
-                    exc,
-                    migrations,
-                    self._limit,
-                )
+                migrations = self._migrate(exc, request, ctx, migrations, generated)
                 attempt = continue_request(request, generated)
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _generate_timed(
+        self, request: PreprocessedRequest, ctx: RequestContext, timeout: float
+    ) -> AsyncIterator[LLMEngineOutput]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        time = loop.time
+        watch = _Watchdog(loop, task)
+        if timeout:
+            watch.deadline = time() + timeout
+        ttft, stall = self._ttft, self._stall
+        generated: list[int] = []
+        attempt = request
+        migrations = 0
+        try:
+            while True:
+                stream = self._inner(attempt, ctx)
+                anext_ = stream.__anext__
+                watch.limit = ttft
+                try:
+                    while True:
+                        now = watch.since = time()
+                        if now >= watch.deadline:
+                            raise self._timed_out(ctx, timeout, generated)
+                        watch.waiting = True
+                        watch.arm()
+                        try:
+                            output = await anext_()
+                        except StopAsyncIteration:
+                            return
+                        except asyncio.CancelledError:
+                            fired, watch.fired = watch.fired, None
+                            if fired is None or task.uncancel() > 0:
+                                raise
+                            if fired == _DEADLINE:
+                                raise self._timed_out(ctx, timeout, generated) from None
+                            instance = ctx.metadata.get("worker_instance_id")
+                            if self._report_down is not None and isinstance(instance, int):
+                                self._report_down(instance)
+                            limit = watch.limit
+                            raise StreamBroken(
+                                f"no output for {limit:g}s "
+                                f"({'time to first token' if limit == ttft else 'stall'})"
+                                + (
+                                    f" from instance {instance:x}"
+                                    if isinstance(instance, int)
+                                    else ""
+                                )
+                            ) from None
+                        finally:
+                            watch.waiting = False
+                        watch.limit = stall
+                        if output.finish_reason is _ERROR and output.error_kind is not None:
+                            self._raise_for_kind(output, request, ctx, migrations, generated)
+                        if output.token_ids:
+                            generated.extend(output.token_ids)
+                        yield output
+                except StreamBroken as exc:
+                    migrations = self._migrate(exc, request, ctx, migrations, generated)
+                    attempt = continue_request(request, generated)
+                finally:
+                    await stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            watch.close()
+
+    def _raise_for_kind(
+        self,
+        output: LLMEngineOutput,
+        request: PreprocessedRequest,
+        ctx: RequestContext,
+        migrations: int,
+        generated: list[int],
+    ) -> None:
+        """Turn an ``ERROR`` output with a kind into the exception the layers above act on
+        (``StreamBroken`` for a failed engine: the caller migrates or gives up)."""
+        kind = output.error_kind
+        message = output.error or "the engine reported an error"
+        if kind == _ENGINE_FAILED:
+            instance = ctx.metadata.get("worker_instance_id")
+            if self._report_down is not None and isinstance(instance, int):
+                self._report_down(instance)
+            raise StreamBroken(f"engine failed: {message}")
+        if kind == _BAD_REQUEST:
+            raise EngineBadRequest(message)
+        if kind == _OVERLOADED:
+            raise EngineOverloaded(f"worker overloaded: {message}")
+
+    def _migrate(
+        self,
+        exc: StreamBroken,
+        request: PreprocessedRequest,
+        ctx: RequestContext,
+        migrations: int,
+        generated: list[int],
+    ) -> int:
+        """Count one migration, or re-raise ``exc`` when the request may not move."""
+        if migrations >= self._limit or ctx.is_cancelled or request.backend_instance_id is not None:
+            raise exc
+        migrations += 1
+        ctx.metadata["migrations"] = migrations
+        if self._on_migration is not None:
+            self._on_migration()
+        log.warning(
+            "request %s: stream broke after %d tokens (%s); migrating (%d/%d)",
+            ctx.request_id,
+            len(generated),
+            exc,
+            migrations,
+            self._limit,
+        )
+        return migrations
+
+    @staticmethod
+    def _timed_out(ctx: RequestContext, timeout: float, generated: list[int]) -> RequestTimedOut:
+        log.warning(
+            "request %s: deadline of %gs passed after %d tokens; cancelled",
+            ctx.request_id,
+            timeout,
+            len(generated),
+        )
+        return RequestTimedOut(
+            f"the request did not finish within its {timeout:g}s deadline "
+            f"({len(generated)} tokens generated)"
+        )
 
 
 def continue_request(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:

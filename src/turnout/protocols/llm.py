@@ -31,6 +31,23 @@ class FinishReason(enum.StrEnum):
         return self.value
 
 
+class ErrorKind(enum.StrEnum):
+    """What kind of failure an ``ERROR`` output reports; it decides what the frontend does.
+
+    * ``ENGINE_FAILED``: the engine broke (its loop died, it was stopped, a native call
+      failed), not the request: the frontend migrates the request to another instance, like
+      a broken stream.
+    * ``BAD_REQUEST``: the request can never run on this engine: HTTP 400, never retried.
+    * ``OVERLOADED``: the engine's queue is full: HTTP 503 with ``Retry-After``.
+
+    An ``ERROR`` output without a kind is a request-specific failure: HTTP 500.
+    """
+
+    ENGINE_FAILED = "engine_failed"
+    BAD_REQUEST = "bad_request"
+    OVERLOADED = "overloaded"
+
+
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
     """When generation must end. Enforced by the frontend's backend operator; engines may
     enforce ``max_tokens`` and the token ids too (cheaper), never the strings."""
@@ -78,6 +95,9 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: The model card checksum the frontend built this request against.
     mdc_sum: str | None = None
     extra_args: dict[str, Any] | None = None
+    #: Seconds the whole request may take (``nvext.request_timeout``); enforced by the
+    #: frontend's migration operator, across migrations. None: the frontend's default.
+    request_timeout: float | None = None
 
 
 class CompletionUsage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -95,6 +115,8 @@ class LLMEngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     #: A human-readable reason when ``finish_reason`` is ``ERROR``.
     error: str | None = None
+    #: With ``ERROR``: an ``ErrorKind`` value (None: a failure of this request alone).
+    error_kind: str | None = None
     cum_log_probs: float | None = None
     log_probs: list[float] | None = None
     #: Engine-reported usage, normally on the last output only.

@@ -8,7 +8,7 @@ which the frontend turns into HTTP 400.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,6 +22,8 @@ class NvExt(msgspec.Struct, kw_only=True):
     extra_fields: list[str] | None = None
     annotations: list[str] | None = None
     greed_sampling: bool | None = None
+    #: Seconds this request may take in all (overrides ``--request-timeout``); > 0.
+    request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -64,6 +64,13 @@ class MockerConfig:
     dp_size: int = 1
     #: Seconds between steady load reports (reports on change come in between).
     load_report_interval_s: float = 1.0
+    #: Most requests in the waiting queue (per rank); more are refused as ``overloaded``.
+    max_waiting: int = 1024
+    #: Seconds the step loop may go without stepping while it has work before the health
+    #: probe calls the engine stuck.
+    health_timeout_s: float = 30.0
+    #: Testing aid (fault injection): the step loop raises after this many steps (0: never).
+    fail_after_steps: int = 0
 
     def validate(self, *, num_workers: int = 1, memory_bytes: int | None = None) -> None:
         """Raise ``ConfigError`` naming the first bad setting.
@@ -80,6 +87,13 @@ class MockerConfig:
         _positive_int("dp_size", self.dp_size)
         _positive_int("default_max_tokens", self.default_max_tokens)
         _positive_int("num_workers", num_workers)
+        _positive_int("max_waiting", self.max_waiting)
+        if isinstance(self.fail_after_steps, bool) or not isinstance(self.fail_after_steps, int):
+            raise ConfigError(f"fail_after_steps must be an integer, got {self.fail_after_steps!r}")
+        if self.fail_after_steps < 0:
+            raise ConfigError(f"fail_after_steps must be >= 0, got {self.fail_after_steps}")
+        if not (math.isfinite(self.health_timeout_s) and self.health_timeout_s > 0):
+            raise ConfigError(f"health_timeout_s must be > 0, got {self.health_timeout_s!r}")
         if not isinstance(self.vocab_size, int) or self.vocab_size < 2:
             raise ConfigError(f"vocab_size must be an integer >= 2, got {self.vocab_size!r}")
         bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]

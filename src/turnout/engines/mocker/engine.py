@@ -37,7 +37,7 @@ from turnout.engines.mocker.scheduler import Scheduler, StepResult
 from turnout.engines.mocker.timing import TimingModel
 from turnout.engines.mocker.tokens import TokenSampler
 from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport
-from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import EndpointId, ModelDeploymentCard, RuntimeConfig
 from turnout.runtime.context import RequestContext
 
@@ -111,6 +111,7 @@ class _Rank:
 
     __slots__ = (
         "dp_rank",
+        "last_beat",
         "last_load_key",
         "next_report",
         "scheduler",
@@ -129,6 +130,8 @@ class _Rank:
         self.last_load_key: tuple[int, ...] | None = None
         self.next_report = 0.0
         self.stats = MockerStats()
+        #: When the loop last went round (the health probe's heartbeat).
+        self.last_beat = 0.0
 
 
 class MockerEngine(Engine):
@@ -255,7 +258,11 @@ class MockerEngine(Engine):
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
         if self._closed:
-            yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error="engine stopped")
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.ERROR,
+                error=self.failure or "engine stopped",
+                error_kind=ErrorKind.ENGINE_FAILED.value,
+            )
             return
         if ctx.is_cancelled:
             yield LLMEngineOutput(finish_reason=FinishReason.CANCELLED)
@@ -336,9 +343,34 @@ class MockerEngine(Engine):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("mocker worker %s rank %s loop failed", self._worker_id, rank.dp_rank)
-            self._fail_streams(rank, f"mocker engine failed: {exc!r}")
+            # One line for the operator; the traceback at debug level.
+            log.debug("mocker worker %s rank %s loop failed", self._worker_id, rank.dp_rank,
+                      exc_info=True)  # fmt: skip
+            reason = f"mocker worker {self._worker_id:x} rank {rank.dp_rank} loop failed: {exc!r}"
             self._closed = True
+            for other in self._ranks:  # the whole engine is out of service
+                self._fail_streams(other, reason)
+            self.report_failure(reason)
+
+    def health(self) -> str | None:
+        """None while every rank's loop runs and steps when it has work."""
+        if self.failure is not None:
+            return self.failure
+        if not self._started or self._closed:
+            return None
+        now = self._clock()
+        for rank in self._ranks:
+            task = rank.task
+            if task is not None and task.done():
+                return f"rank {rank.dp_rank}: step loop ended"
+            scheduler = rank.scheduler
+            idle = now - rank.last_beat
+            if scheduler.has_work() and idle > self._config.health_timeout_s:
+                return (
+                    f"rank {rank.dp_rank}: step loop has not stepped for {idle:.1f}s with "
+                    f"{scheduler.num_waiting + scheduler.num_running} requests"
+                )
+        return None
 
     async def _loop(self, rank: _Rank) -> None:
         scheduler = rank.scheduler
@@ -347,8 +379,10 @@ class MockerEngine(Engine):
         sleep = self._sleep
         stats = rank.stats
         deadline = clock()
+        fail_after = self._config.fail_after_steps
         self._maybe_publish_load(rank, force=True)
         while True:
+            rank.last_beat = clock()
             if not scheduler.has_work():
                 rank.wake.clear()
                 timeout = max(0.0, rank.next_report - clock())
@@ -362,6 +396,10 @@ class MockerEngine(Engine):
             # Simulated time: the sum of step durations so far.
             result = scheduler.step(stats.simulated_s)
             stats.num_steps += 1
+            if fail_after and stats.num_steps >= fail_after:
+                raise RuntimeError(
+                    f"injected failure after {fail_after} steps (--fail-after-steps)"
+                )
             stats.simulated_s += result.duration_s
             if speedup > 0 and result.duration_s > 0:
                 # Aim at a deadline so loop overhead does not add up; a debt of more than
@@ -389,7 +427,13 @@ class MockerEngine(Engine):
         """End every stream of ``rank`` with an ERROR output and drop its requests."""
         for rid, stream in list(rank.streams.items()):
             rank.scheduler.abort(rid)
-            stream.push(LLMEngineOutput(finish_reason=FinishReason.ERROR, error=message))
+            stream.push(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=message,
+                    error_kind=ErrorKind.ENGINE_FAILED.value,
+                )
+            )
         rank.streams.clear()
 
     def _deliver(self, rank: _Rank, result: StepResult) -> None:

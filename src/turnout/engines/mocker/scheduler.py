@@ -37,6 +37,7 @@ from turnout.engines.mocker.timing import PolynomialTimingModel, TimingModel, st
 from turnout.engines.mocker.tokens import HashTokenSampler, TokenSampler, token_seed
 from turnout.protocols.llm import (
     CompletionUsage,
+    ErrorKind,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -111,6 +112,13 @@ class Scheduler:
             return _error(f"request id {request_id!r} is already in this engine", 0)
         prompt = request.token_ids
         n = len(prompt)
+        if len(self._waiting) >= self._config.max_waiting:
+            return _error(
+                f"{len(self._waiting)} requests are waiting (max_waiting="
+                f"{self._config.max_waiting}); try again later",
+                n,
+                ErrorKind.OVERLOADED,
+            )
         stop = request.stop_conditions
         error = None
         if n == 0:
@@ -129,7 +137,7 @@ class Scheduler:
         elif stop.max_tokens is not None and stop.max_tokens < 1:
             error = f"max_tokens must be at least 1, got {stop.max_tokens}"
         if error is not None:
-            return _error(error, n)
+            return _error(error, n, ErrorKind.BAD_REQUEST)
 
         eos = frozenset(request.eos_token_ids) if request.eos_token_ids else self._default_eos
         req = MockRequest(
@@ -168,6 +176,11 @@ class Scheduler:
         return True
 
     # ---- views ----------------------------------------------------------------------------
+
+    @property
+    def is_full(self) -> bool:
+        """The waiting queue is at its bound: new requests are refused as overloaded."""
+        return len(self._waiting) >= self._config.max_waiting
 
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
@@ -400,9 +413,10 @@ class Scheduler:
         del self._requests[req.request_id]
 
 
-def _error(message: str, prompt_tokens: int) -> LLMEngineOutput:
+def _error(message: str, prompt_tokens: int, kind: ErrorKind | None = None) -> LLMEngineOutput:
     return LLMEngineOutput(
         finish_reason=FinishReason.ERROR,
         error=message,
+        error_kind=kind.value if kind is not None else None,
         usage=CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=0, cached_tokens=0),
     )

@@ -1,0 +1,180 @@
+"""Migration's deadlines, stall detection and engine error kinds, against scripted streams.
+
+The scripted streams yield their outputs without suspending, so a watchdog can only fire
+where a script deliberately hangs: the tests do not depend on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from turnout.errors import EngineBadRequest, EngineOverloaded, RequestTimedOut, StreamBroken
+from turnout.llm.migration import Migration
+from turnout.protocols.llm import (
+    ErrorKind,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    StopConditions,
+)
+from turnout.runtime.context import RequestContext
+
+HANG = object()
+
+
+class Script:
+    """Per attempt, a list of outputs (``HANG``: wait forever). Records what it was sent."""
+
+    def __init__(self, *attempts: list[object]) -> None:
+        self.attempts = list(attempts)
+        self.requests: list[PreprocessedRequest] = []
+        self.closed = 0
+
+    async def __call__(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        n = len(self.requests)
+        self.requests.append(request)
+        ctx.metadata["worker_instance_id"] = 100 + n
+        try:
+            for item in self.attempts[n]:
+                if item is HANG:
+                    await asyncio.get_running_loop().create_future()
+                assert isinstance(item, LLMEngineOutput)
+                yield item
+        finally:
+            self.closed += 1
+
+
+def tok(*ids: int, finish: FinishReason | None = None) -> LLMEngineOutput:
+    return LLMEngineOutput(token_ids=list(ids), finish_reason=finish)
+
+
+def err(kind: ErrorKind, message: str = "boom") -> LLMEngineOutput:
+    return LLMEngineOutput(finish_reason=FinishReason.ERROR, error=message, error_kind=kind.value)
+
+
+def request(max_tokens: int = 3, timeout: float | None = None) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        model="m",
+        token_ids=[7, 8],
+        stop_conditions=StopConditions(max_tokens=max_tokens),
+        request_timeout=timeout,
+    )
+
+
+async def collect(migration: Migration, req: PreprocessedRequest) -> list[int]:
+    out: list[int] = []
+    stream = migration.generate(req, RequestContext("r"))
+    try:
+        async for output in stream:
+            out.extend(output.token_ids)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    return out
+
+
+async def test_a_stalled_stream_migrates_keeping_its_tokens() -> None:
+    script = Script([tok(1), tok(2), HANG], [tok(3, finish=FinishReason.LENGTH)])
+    down: list[int] = []
+    migration = Migration(script, migration_limit=2, stall_timeout=0.05, report_down=down.append)
+    assert await collect(migration, request()) == [1, 2, 3]
+    assert down == [100]
+    second = script.requests[1]
+    assert second.token_ids == [7, 8, 1, 2]
+    assert second.stop_conditions.max_tokens == 1
+    assert script.closed == 2
+
+
+async def test_no_first_token_within_ttft_migrates() -> None:
+    script = Script([HANG], [tok(1), tok(2), tok(3, finish=FinishReason.LENGTH)])
+    down: list[int] = []
+    migration = Migration(script, migration_limit=1, ttft_timeout=0.05, report_down=down.append)
+    assert await collect(migration, request()) == [1, 2, 3]
+    assert down == [100]
+
+
+async def test_stalls_past_the_migration_limit_are_broken_streams() -> None:
+    script = Script([tok(1), HANG], [HANG])
+    migration = Migration(script, migration_limit=1, stall_timeout=0.05, ttft_timeout=0.05)
+    with pytest.raises(StreamBroken, match="no output for 0.05s"):
+        await collect(migration, request())
+
+
+async def test_the_deadline_cancels_the_work_and_raises() -> None:
+    script = Script([tok(1), HANG])
+    migration = Migration(script, migration_limit=3, request_timeout=0.05)
+    with pytest.raises(RequestTimedOut, match="0.05s deadline"):
+        await collect(migration, request())
+    assert script.closed == 1
+
+
+async def test_a_request_timeout_overrides_the_default() -> None:
+    script = Script([HANG])
+    migration = Migration(script, migration_limit=3, request_timeout=3600)
+    with pytest.raises(RequestTimedOut):
+        await collect(migration, request(timeout=0.05))
+
+
+async def test_a_slow_consumer_is_not_a_stall() -> None:
+    script = Script([tok(1), tok(2), tok(3, finish=FinishReason.LENGTH)])
+    migration = Migration(script, migration_limit=0, stall_timeout=0.02, ttft_timeout=0.02)
+    got: list[int] = []
+    stream = migration.generate(request(), RequestContext("r"))
+    async for output in stream:
+        got.extend(output.token_ids)
+        await asyncio.sleep(0.05)  # longer than the stall timeout, outside the stream
+    assert got == [1, 2, 3]
+    assert len(script.requests) == 1
+
+
+async def test_outside_cancellation_is_not_swallowed() -> None:
+    script = Script([HANG])
+    migration = Migration(script, migration_limit=3, stall_timeout=3600)
+    task = asyncio.create_task(collect(migration, request()))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(script.requests) == 1
+
+
+@pytest.mark.parametrize("timed", [False, True])
+async def test_engine_failed_migrates_like_a_broken_stream(timed: bool) -> None:
+    script = Script(
+        [tok(1), err(ErrorKind.ENGINE_FAILED)], [tok(2), tok(3, finish=FinishReason.LENGTH)]
+    )
+    down: list[int] = []
+    migration = Migration(
+        script, migration_limit=1, report_down=down.append, stall_timeout=60 if timed else 0
+    )
+    assert await collect(migration, request()) == [1, 2, 3]
+    assert down == [100]
+    assert script.requests[1].token_ids == [7, 8, 1]
+
+
+async def test_engine_failed_past_the_limit_is_a_broken_stream() -> None:
+    script = Script([err(ErrorKind.ENGINE_FAILED, "loop died")])
+    with pytest.raises(StreamBroken, match="loop died"):
+        await collect(Migration(script, migration_limit=0), request())
+
+
+@pytest.mark.parametrize(
+    ("kind", "exc"),
+    [(ErrorKind.BAD_REQUEST, EngineBadRequest), (ErrorKind.OVERLOADED, EngineOverloaded)],
+)
+async def test_request_error_kinds_raise_and_never_migrate(
+    kind: ErrorKind, exc: type[Exception]
+) -> None:
+    script = Script([err(kind, "nope")], [tok(1, finish=FinishReason.LENGTH)])
+    with pytest.raises(exc, match="nope"):
+        await collect(Migration(script, migration_limit=3), request())
+    assert len(script.requests) == 1
+
+
+def test_negative_timeouts_are_refused() -> None:
+    with pytest.raises(ValueError, match="stall_timeout"):
+        Migration(Script(), migration_limit=1, stall_timeout=-1)
