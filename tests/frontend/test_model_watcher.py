@@ -18,6 +18,7 @@ import pytest
 
 from turnout.errors import DiscoveryError, ModelNotFound
 from turnout.frontend import model_watcher
+from turnout.frontend.metrics import FrontendMetrics
 from turnout.frontend.model_manager import ModelManager
 from turnout.frontend.model_watcher import (
     SUPPORTED_PAIRS,
@@ -61,6 +62,8 @@ class RecordingFactory:
         self.fail: set[tuple[str, str]] = set()
         #: When set, completions builds wait for it (to catch the watcher mid-build).
         self.gate: asyncio.Event | None = None
+        #: Where the watcher counts card switches.
+        self.metrics: FrontendMetrics | None = None
 
     async def _build(
         self, kind: str, card: ModelDeploymentCard, client: EndpointClient
@@ -160,7 +163,12 @@ class Harness:
         before it has been handled. Returns the updates queued before the barrier's own."""
         self.num_barriers += 1
         name = f"{BARRIER}{self.num_barriers}"
-        card = make_card(name, ep=endpoint(namespace, "barrier"), model_type=ModelType.Chat)
+        card = make_card(
+            name,
+            ep=endpoint(namespace, "barrier"),
+            instance_id=self.num_barriers,  # a key of its own: barriers stay served
+            model_type=ModelType.Chat,
+        )
         await self.put_card(card)
         await until(lambda: self.manager.has_model_any(name))
         drained = [self.updates.get_nowait() for _ in range(self.updates.qsize())]
@@ -370,19 +378,143 @@ async def test_unsupported_pair_is_rejected_with_message(
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
 
 
-async def test_checksum_mismatch_is_skipped(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+async def test_another_card_is_held_back_and_logged_once(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A card of a served model with another checksum is not served (it would get the served
+    card's tokenizer and template), but its pipelines are built, unregistered, for a switch."""
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     good = make_card("llama", instance_id=1)
     other = make_card("llama", instance_id=2, context_length=8192)
-    assert good.checksum() != other.checksum()
+    again = make_card("llama", instance_id=3, context_length=8192)
+    assert good.checksum() != other.checksum() == again.checksum()
     await h.put_card(good)
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
     await h.put_card(other)
+    await h.put_card(again)
     assert await h.barrier() == []
 
     assert [c.instance_id for c in h.manager.entries_for_model("llama")] == [1]
+    built = [("chat", "llama"), ("completions", "llama")]
+    assert h.built() == built * 2  # the served card's, then the standby card's, once
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "held back" in warning and good.checksum() in warning and other.checksum() in warning
+
+
+async def test_standby_card_that_cannot_be_built_is_refused(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    good = make_card("llama", instance_id=1)
+    other = make_card("llama", instance_id=2, context_length=8192)
+    good_key = await h.put_card(good)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    h.factory.fail.add(("chat", "llama"))
+    other_key = await h.put_card(other)
+    assert await h.barrier() == []
     (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert "llama" in error and good.checksum() in error and other.checksum() in error
+    assert "mismatch" in error and other.checksum() in error and "cannot build chat" in error
+
+    # Refused, so its DELETE is expected, and the last served instance removes the model
+    # (the barrier still serves chat).
+    await h.store.delete(other_key)
+    await h.store.delete(good_key)
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+
+
+async def test_last_served_instance_leaving_switches_to_the_largest_standby_card(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    metrics = h.factory.metrics = FrontendMetrics()
+    old = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    b1 = await h.serve("llama", context_length=8192)
+    small = await h.serve("llama", context_length=2048)  # seen before the second B
+    b2 = await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    client = h.factory.calls[0][2]
+    await until(lambda: len(client.announced_ids()) == 4)
+    assert client.instance_ids() == [old.instance_id]
+
+    await old.stop()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert await h.barrier() == []  # nothing removed, ever
+    b_ids = sorted([b1.instance_id, b2.instance_id])
+    entries = h.manager.entries_for_model("llama")
+    assert sorted(c.instance_id for c in entries) == b_ids
+    assert {c.context_length for c in entries} == {8192}
+    assert client.instance_ids() == b_ids  # the 2048 card still gets nothing
+    assert h.manager.model_instances("llama") == b_ids
+    # The standby pipelines were built once each, when their card first came; none since.
+    assert h.built() == [("chat", "llama"), ("completions", "llama")] * 3
+    (switch,) = [r.getMessage() for r in caplog.records if "switched card" in r.getMessage()]
+    assert b1.instance_id != small.instance_id
+    assert make_card("llama", context_length=8192).checksum() in switch
+    assert metrics.card_switches.labels("llama")._value.get() == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    # The new card's instances leave too: the last remaining card is served next.
+    await b1.stop()
+    await b2.stop()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await until(lambda: client.instance_ids() == [small.instance_id])
+    assert [c.context_length for c in h.manager.entries_for_model("llama")] == [2048]
+    await small.stop()
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+    assert h.served() == set()
+    assert client not in h.runtime._endpoint_clients  # closed
+    assert metrics.card_switches.labels("llama")._value.get() == 2
+
+
+async def test_switch_ties_go_to_the_card_seen_first(h: Harness) -> None:
+    """Cards with no instance announced (the card's DELETE is the only signal)."""
+    a = await h.put_card(make_card("llama", instance_id=1))
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await h.put_card(make_card("llama", instance_id=2, context_length=8192))
+    await h.put_card(make_card("llama", instance_id=3, context_length=2048))
+    await h.store.delete(a)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert [c.instance_id for c in h.manager.entries_for_model("llama")] == [2]
+
+
+async def test_switch_to_a_card_of_other_kinds_reports_them(h: Harness) -> None:
+    a = await h.put_card(make_card("llama", instance_id=1))
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    chat_only = make_card("llama", instance_id=2, model_type=ModelType.Chat, context_length=99)
+    await h.put_card(chat_only)
+    await h.store.delete(a)
+    assert await h.next_update() == ModelUpdate.Added(ModelType.Chat)
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+    assert h.manager.list_chat_models()[-1:] == ["llama"]
+    assert "llama" not in h.manager.list_completions_models()
+
+
+async def test_standby_card_leaving_is_quiet(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    a = await h.put_card(make_card("llama", instance_id=1))
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    b = await h.put_card(make_card("llama", instance_id=2, context_length=8192))
+    await h.store.delete(b)
+    assert await h.barrier() == []
+    await h.store.delete(a)
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+    assert h.served() == set()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_card_replaced_under_its_key(h: Harness) -> None:
+    """A key that now holds another card: its old entry leaves, the new one is placed."""
+    key = await h.put_card(make_card("llama", instance_id=1))
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await h.put_card(make_card("llama", instance_id=1, context_length=8192))
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Chat)
+    assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert [c.context_length for c in h.manager.entries_for_model("llama")] == [8192]
+    assert list(h.manager.model_cards("llama")) == [key]
 
 
 async def test_refused_instance_gets_no_requests(h: Harness) -> None:

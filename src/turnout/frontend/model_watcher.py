@@ -9,18 +9,34 @@ The ``ModelWatcher`` follows that prefix and keeps the ``ModelManager`` in step 
 * PUT of a card for a model nobody serves yet: build its pipelines (through the
   ``PipelineFactory``, chosen by the card's ``ModelInput`` x ``ModelType``), register them,
   remember the entry, send ``ModelUpdate.Added``.
-* PUT for a model already served: another instance joined; remember the entry, send
-  ``Added``. Nothing is rebuilt: the model's endpoint client already sees the new instance.
-  An instance whose card checksum disagrees with the model's is refused (it would be served
-  with the wrong tokenizer or template).
+* PUT for a model already served, with the served card (same ``checksum()``): another
+  instance joined; remember the entry, send ``Added``. Nothing is rebuilt: the model's
+  endpoint client already sees the new instance.
+* PUT for a model already served, with another card: the instance would be served with the
+  wrong tokenizer, template or limits, so it gets none of the served card's requests. Its
+  entry joins a *standby group* (one per checksum); the first instance of a new card builds
+  that group's pipelines at once, unregistered (logged once, as a warning: a rolling upgrade
+  looks like this). A card whose pipelines cannot be built is refused, as before.
+* DELETE (the worker left, or its lease expired): forget the entry. When it was the last
+  entry of the served card and standby groups remain, the model *switches* card: the
+  standby group with the most instances (ties: the earliest seen) becomes the served one,
+  its pre-built pipelines replacing the old ones in one step, with no await in between (a
+  model is never half-built, never missing), logged once and counted in
+  ``turnout_model_card_switches_total{model}``. When no group remains, unregister the model,
+  close its clients, and send ``ModelUpdate.Removed`` for each request kind that no model
+  serves any more.
+
+The switch also happens the moment the client sees the served card's last instance leave
+discovery (``_on_instances_changed``), when a standby card has a live instance: the instance
+key and the card key of a leaving worker vanish together, but the endpoint client and this
+watcher learn it on separate watches; in between, a request would find no instance of the
+served card to route to. Switching on the first of the two closes that gap, which is what
+lets a rolling upgrade (start the new workers, stop the old ones one by one) fail no request.
 
 The pipelines route through the model's endpoint client seen as ``AcceptedInstances``: only
-instances whose card the watcher accepted are candidates. An instance announced in discovery
-whose card was refused (checksum mismatch, artifacts that could not be fetched, invalid card)
-gets no request of this model.
-* DELETE (the worker left, or its lease expired): forget the entry; when it was the model's
-  last one, unregister the model, close its client, and send ``ModelUpdate.Removed`` for each
-  request kind that no model serves any more.
+instances of the served card are candidates. An instance announced in discovery whose card
+was refused (artifacts that could not be fetched, invalid card) or is on standby gets no
+request of this model.
 
 Events are handled one at a time, in store order. A bad event (invalid card, unsupported
 pair, failing factory) is logged and skipped; the watcher never stops for one.
@@ -37,9 +53,11 @@ This is a re-design of Dynamo's ``discovery/watcher.rs`` for asyncio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import msgspec
@@ -168,8 +186,53 @@ class _Outcome(enum.Enum):
     """What became of a PUT; the watcher's only state transition per key."""
 
     ADDED = "added"  # a new model was built and registered
-    JOINED = "joined"  # another instance of a served model
+    JOINED = "joined"  # another instance of the served card of a model
+    STANDBY = "standby"  # an instance of another card of a served model, held back
     REJECTED = "rejected"  # logged and skipped
+
+
+#: One built pipeline: how to register it, how to unregister it, the engine itself.
+_Built = tuple["_Register", "_Unregister", object]
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """The entries of one model that publish the same card (same checksum), and the pipelines
+    built from that card, registered or not.
+
+    A model has one served group (its pipelines registered, its instances the only ones routed
+    to) and any number of standby groups (pipelines built, not registered, no request routed to
+    them): the new workers of a rolling upgrade, until the served card's last instance leaves.
+    """
+
+    name: str
+    checksum: str
+    #: The first card seen of the group: the one its pipelines were built from.
+    card: ModelDeploymentCard
+    #: Order of first sight among the model's groups (ties in the choice of a new card).
+    seq: int
+    #: The routing view its pipelines use (shared with other groups on the same endpoint).
+    view: AcceptedInstances
+    built: list[_Built]
+    #: Discovery key -> card of every entry (instance, or LoRA entry) with this card.
+    entries: dict[str, ModelDeploymentCard] = field(default_factory=dict)
+
+    def instance_ids(self) -> set[int]:
+        return {card.instance_id for card in self.entries.values()}
+
+
+@dataclass(slots=True, eq=False)
+class _Model:
+    """A served model: its served group and its standby groups (by checksum)."""
+
+    served: _Group
+    standby: dict[str, _Group] = field(default_factory=dict)
+    #: Instances of the served group that discovery announced at the last look: when the last
+    #: of them leaves while a standby group has live instances, the model switches at once.
+    served_live: set[int] = field(default_factory=set)
+
+    def groups(self) -> list[_Group]:
+        return [self.served, *self.standby.values()]
 
 
 # -- the watcher --------------------------------------------------------------------------------
@@ -203,8 +266,12 @@ class ModelWatcher:
         self._model_changed = asyncio.Event()
         # Keys whose PUT was refused: their DELETE is expected and logged at debug only.
         self._rejected_keys: set[str] = set()
-        # Model name -> the routing view of its endpoint client (accepted instances only).
-        self._views: dict[str, AcceptedInstances] = {}
+        # Model name -> its groups of cards; key -> the group holding its entry.
+        self._models: dict[str, _Model] = {}
+        self._groups_by_key: dict[str, _Group] = {}
+        self._seq = 0
+        # Updates of switches made outside the event handler (see ``_on_instances_changed``).
+        self._pending_sends: set[asyncio.Task[None]] = set()
 
     @property
     def manager(self) -> ModelManager:
@@ -257,15 +324,30 @@ class ModelWatcher:
             await asyncio.sleep(delay)
             delay = min(2 * delay, WATCH_RETRY_MAX_SECONDS)
 
-    def _accept(self, name: str) -> None:
-        """Make the routing view of ``name`` match its accepted entries."""
-        view = self._views.get(name)
-        if view is not None:
-            view.accepted = {c.instance_id for c in self._manager.entries_for_model(name)}
+    def _accept(self, model: _Model) -> None:
+        """Make the routing views match the groups: a view routes to the instances of the
+        served group, and a view only standby groups use routes to theirs (it serves nothing
+        until a switch, which sets it again)."""
+        served = model.served
+        for group in model.standby.values():
+            if group.view is not served.view:
+                group.view.accepted = group.instance_ids()
+        served.view.accepted = served.instance_ids()
+        model.served_live = served.view.accepted & served.view.announced_ids()
 
     async def close(self) -> None:
         """Close every endpoint client the watcher opened (at frontend shutdown)."""
+        views = {id(g.view): g.view for m in self._models.values() for g in m.groups()}
+        for view in views.values():
+            view.client.remove_listener(view.listener)
         await self._manager.close()
+        for view in views.values():  # standby views (closing twice is harmless)
+            await _close_client(view)
+        pending = list(self._pending_sends)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
 
     async def handle_event(self, event: WatchEvent) -> None:
         """Apply one store event; errors are logged, never raised (cancellation excepted)."""
@@ -306,11 +388,22 @@ class ModelWatcher:
             return _Outcome.REJECTED
 
         name = card.display_name
-        if self._manager.has_model_any(name):
-            return await self._join(key, card)
+        old = self._groups_by_key.get(key)
+        if old is not None and (old.name != name or old.checksum != card.checksum()):
+            # The key now holds another card: its old entry leaves first.
+            await self._handle_delete(key)
+        model = self._models.get(name)
+        if model is not None:
+            return await self._join(model, key, card)
 
         try:
-            await self._build(card)
+            view = await self._view(card)
+            try:
+                built = await self._build(card, view)
+            except BaseException:
+                await _close_client(view)
+                raise
+            self._register(name, built)
         except Exception as err:
             log.error(
                 "error adding model %s from namespace %s: %s",
@@ -321,50 +414,121 @@ class ModelWatcher:
                 exc_info=not isinstance(err, (_Unsupported, ArtifactError)),
             )
             return _Outcome.REJECTED
-        self._manager.save_model_entry(key, card)
-        self._accept(name)
+        group = self._new_group(card, view, built)
+        model = self._models[name] = _Model(served=group)
+        self._add_entry(model, group, key, card)
+        self._manager.add_model_client(name, view)
         log.info(
-            "added model model=%s namespace=%s type=%s input=%s instance=%x",
+            "added model model=%s namespace=%s type=%s input=%s instance=%x checksum=%s",
             name,
             namespace,
             card.model_type.names(),
             card.model_input.value,
             card.instance_id,
+            group.checksum,
         )
         await self._send(ModelUpdate.Added(card.model_type))
         self._notify_model_changed()
         return _Outcome.ADDED
 
-    async def _join(self, key: str, card: ModelDeploymentCard) -> _Outcome:
-        """Another instance (or LoRA entry) of a served model."""
+    async def _join(self, model: _Model, key: str, card: ModelDeploymentCard) -> _Outcome:
+        """Another instance (or LoRA entry) of a served model: an instance of the served card
+        joins its routing; one of another card joins (or starts) a standby group."""
         name = card.display_name
-        existing = self._manager.entries_for_model(name)
-        if existing and existing[0].checksum() != card.checksum():
-            ref = existing[0]
+        checksum = card.checksum()
+        served = model.served
+        if checksum == served.checksum:
+            self._add_entry(model, served, key, card)
+            log.debug(
+                "new instance of existing model model=%s namespace=%s instance=%x",
+                name,
+                card.endpoint.namespace,
+                card.instance_id,
+            )
+            await self._send(ModelUpdate.Added(card.model_type))
+            self._notify_model_changed()
+            return _Outcome.JOINED
+
+        group = model.standby.get(checksum)
+        if group is not None:
+            self._add_entry(model, group, key, card)
+            log.debug(
+                "new instance of a standby card model=%s instance=%x checksum=%s",
+                name,
+                card.instance_id,
+                checksum,
+            )
+            return _Outcome.STANDBY
+
+        # A card never seen for this model: build its pipelines now (nothing is registered),
+        # so that the switch, when it comes, is instant and cannot fail half-way.
+        try:
+            view = served.view
+            if card.endpoint != view.endpoint:
+                view = await self._view(card)
+            try:
+                built = await self._build(card, view)
+            except BaseException:
+                if view is not served.view:
+                    await _close_client(view)
+                raise
+        except Exception as err:
             log.error(
-                "model card mismatch, instance not added: model=%s key=%s checksum=%s "
-                "differs from instance=%x checksum=%s",
+                "model card mismatch, instance not added: model=%s key=%s checksum=%s differs "
+                "from instance=%x checksum=%s, and its pipelines could not be built: %s",
                 name,
                 key,
-                card.checksum(),
-                ref.instance_id,
-                ref.checksum(),
+                checksum,
+                served.card.instance_id,
+                served.checksum,
+                err,
+                exc_info=not isinstance(err, (_Unsupported, ArtifactError)),
             )
             return _Outcome.REJECTED
-        self._manager.save_model_entry(key, card)
-        self._accept(name)
-        log.debug(
-            "new instance of existing model model=%s namespace=%s instance=%x",
+        if self._models.get(name) is not model:
+            # The model changed while we built (only cancellation interleaves; be safe).
+            if view is not served.view:
+                await _close_client(view)
+            return _Outcome.REJECTED
+        group = self._new_group(card, view, built)
+        model.standby[checksum] = group
+        self._add_entry(model, group, key, card)
+        log.warning(
+            "model card differs from the served one, instance held back: model=%s key=%s "
+            "checksum=%s differs from instance=%x checksum=%s; it gets no request until the "
+            "served card's instances are gone (a rolling upgrade?)",
             name,
-            card.endpoint.namespace,
-            card.instance_id,
+            key,
+            checksum,
+            served.card.instance_id,
+            served.checksum,
         )
-        await self._send(ModelUpdate.Added(card.model_type))
-        self._notify_model_changed()
-        return _Outcome.JOINED
+        return _Outcome.STANDBY
 
-    async def _build(self, card: ModelDeploymentCard) -> None:
-        """Build and register every pipeline ``card`` asks for, or none of them.
+    async def _view(self, card: ModelDeploymentCard) -> AcceptedInstances:
+        """A new routing view over a new client of ``card``'s endpoint, watched for the
+        instances leaving (see ``_on_instances_changed``)."""
+        inner = await self._runtime.endpoint(card.endpoint).client()
+        view = AcceptedInstances(inner)
+        view.listener = functools.partial(self._on_instances_changed, card.display_name)
+        inner.add_listener(view.listener)
+        return view
+
+    def _new_group(
+        self, card: ModelDeploymentCard, view: AcceptedInstances, built: list[_Built]
+    ) -> _Group:
+        self._seq += 1
+        return _Group(card.display_name, card.checksum(), card, self._seq, view, built)
+
+    def _add_entry(self, model: _Model, group: _Group, key: str, card: ModelDeploymentCard) -> None:
+        group.entries[key] = card
+        self._groups_by_key[key] = group
+        if group is model.served:
+            self._manager.save_model_entry(key, card)
+        self._accept(model)
+
+    async def _build(self, card: ModelDeploymentCard, view: AcceptedInstances) -> list[_Built]:
+        """Build every pipeline ``card`` asks for, routed through ``view``; registers nothing.
 
         The (input, type) table, as in the seed's ``handle_put``:
 
@@ -377,7 +541,7 @@ class ModelWatcher:
         other                        refused, naming ``SUPPORTED_PAIRS``
         ====== ===================== ===============================================
         """
-        name, mt, mi = card.display_name, card.model_type, card.model_input
+        mt, mi = card.model_type, card.model_input
         f = self._factory
         steps: list[tuple[_Builder, _Register, _Unregister]] = []
         m = self._manager
@@ -399,45 +563,162 @@ class ModelWatcher:
                 f"unsupported model configuration {mi.name}+{mt.names()} "
                 f"({mt.names()} with {mi.name} input); supported: {SUPPORTED_PAIRS}"
             )
-
-        inner = await self._runtime.endpoint(card.endpoint).client()
         # Typed as the client it stands for: the factory and the manager use it as one.
-        client = cast("EndpointClient", AcceptedInstances(inner))
-        registered: list[_Unregister] = []
+        client = cast("EndpointClient", view)
+        return [
+            (register, unregister, await build(card, client))
+            for build, register, unregister in steps
+        ]
+
+    def _register(self, name: str, built: list[_Built]) -> None:
+        """Register every pipeline of ``built`` under ``name``, or none (no await: atomic)."""
+        done: list[_Unregister] = []
         try:
-            for build, register, unregister in steps:
-                engine = await build(card, client)
+            for register, unregister, engine in built:
                 register(name, engine)
-                registered.append(unregister)
+                done.append(unregister)
         except BaseException:
-            for unregister in registered:
+            for unregister in done:
                 unregister(name)
-            await _close_client(client)
             raise
-        self._views[name] = cast("AcceptedInstances", client)
-        self._manager.add_model_client(name, client)
+
+    @staticmethod
+    def _unregister(name: str, built: list[_Built]) -> None:
+        for _, unregister, _ in built:
+            with contextlib.suppress(ModelNotFound):
+                unregister(name)
+
+    # -- switching cards ------------------------------------------------------------------------
+
+    @staticmethod
+    def _choose(model: _Model, live_only: bool) -> _Group | None:
+        """The standby group to serve next: the most instances, ties by the earliest seen.
+        ``live_only``: only groups with an instance that discovery announces now."""
+        candidates = [
+            g
+            for g in model.standby.values()
+            if g.entries and (not live_only or g.instance_ids() & g.view.announced_ids())
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda g: (-len(g.instance_ids()), g.seq))
+
+    def _switch(self, model: _Model, new: _Group, why: str) -> list[ModelUpdate]:
+        """Serve ``new`` instead of the served group, in one step (no await): no request
+        finds the model half-built or missing. The old group stays standby while it has
+        entries. Returns the updates to send."""
+        m = self._manager
+        old = model.served
+        name = old.name
+        self._unregister(name, old.built)
+        self._register(name, new.built)
+        for key in old.entries:
+            m.remove_model_entry(key)
+        for key, card in new.entries.items():
+            m.save_model_entry(key, card)
+        del model.standby[new.checksum]
+        model.served = new
+        if old.entries:
+            model.standby[old.checksum] = old
+        if new.view is not old.view:
+            m.take_model_clients(name)
+            m.add_model_client(name, new.view)
+        self._accept(model)
+        metrics = getattr(self._factory, "metrics", None)
+        if metrics is not None:
+            metrics.card_switches.labels(name).inc()
+        log.warning(
+            "model switched card: model=%s checksum=%s -> %s (%d instances); %s",
+            name,
+            old.checksum,
+            new.checksum,
+            len(new.instance_ids()),
+            why,
+        )
+        if not old.entries:
+            self._drop_view(model, old)
+        self._notify_model_changed()
+        updates: list[ModelUpdate] = [ModelUpdate.Added(new.card.model_type)]
+        lists = {
+            ModelType.Chat: m.list_chat_models,
+            ModelType.Completions: m.list_completions_models,
+        }
+        for kind, list_names in lists.items():
+            if kind in old.card.model_type and not list_names():
+                updates.append(ModelUpdate.Removed(kind))
+        return updates
+
+    def _on_instances_changed(self, name: str) -> None:
+        """A client of ``name`` saw instances come or go. When the last announced instance of
+        the served card has just left and a standby card has live instances, switch now:
+        the card's DELETE follows on the watch, but requests arriving meanwhile would find no
+        instance to route to. Runs inside the client's discovery update (synchronously)."""
+        model = self._models.get(name)
+        if model is None:
+            return
+        served = model.served
+        live = served.instance_ids() & served.view.announced_ids()
+        was_live, model.served_live = model.served_live, live
+        if live or not was_live or not model.standby:
+            return
+        new = self._choose(model, live_only=True)
+        if new is None:
+            return
+        updates = self._switch(model, new, "the last instance of the served card left")
+        task = asyncio.get_running_loop().create_task(self._send_all(updates))
+        self._pending_sends.add(task)
+        task.add_done_callback(self._pending_sends.discard)
+
+    def _drop_view(self, model: _Model, group: _Group) -> None:
+        """``group`` is gone: close its view's client unless another group of the model uses
+        it (in the background: closing awaits its watch task)."""
+        if any(g.view is group.view for g in model.groups() if g is not group):
+            return
+        group.view.client.remove_listener(group.view.listener)
+        task = asyncio.get_running_loop().create_task(_close_client(group.view))
+        self._pending_sends.add(task)
+        task.add_done_callback(self._pending_sends.discard)
 
     # -- DELETE ---------------------------------------------------------------------------------
 
     async def _handle_delete(self, key: str) -> None:
         was_rejected = key in self._rejected_keys
         self._rejected_keys.discard(key)
-        card = self._manager.remove_model_entry(key)
-        if card is None:
+        group = self._groups_by_key.pop(key, None)
+        if group is None:
             if was_rejected:
                 log.debug("refused model entry deleted key=%s", key)
             else:
                 log.error("Missing model entry for %s", key)
             return
-        name = card.display_name
-        if self._manager.entries_for_model(name):
-            self._accept(name)
+        name = group.name
+        model = self._models[name]
+        del group.entries[key]
+        if group is not model.served:
+            if not group.entries:
+                del model.standby[group.checksum]
+                self._drop_view(model, group)
+                log.info("standby card of model left model=%s checksum=%s", name, group.checksum)
+            self._accept(model)
+            return
+        self._manager.remove_model_entry(key)
+        if group.entries:
+            self._accept(model)
             log.debug("instance of model left, others remain model=%s key=%s", name, key)
             return
-        self._views.pop(name, None)
+        new = self._choose(model, live_only=False)
+        if new is not None:
+            await self._send_all(
+                self._switch(model, new, "the last instance of the served card left")
+            )
+            return
+        await self._remove_model(model)
 
-        # The last instance left: unregister every kind, then report each kind that no
-        # model serves any more (a kind another model still serves stays enabled).
+    async def _remove_model(self, model: _Model) -> None:
+        """The last instance left: unregister every kind, then report each kind that no
+        model serves any more (a kind another model still serves stays enabled)."""
+        name = model.served.name
+        del self._models[name]
         m = self._manager
         per_kind = (
             (ModelType.Chat, m.remove_chat_model, m.list_chat_models),
@@ -453,8 +734,11 @@ class ModelWatcher:
                 continue  # the model did not serve this kind
             if not list_names():
                 emptied.append(kind)
-        for client in m.take_model_clients(name):
-            await _close_client(client)
+        m.take_model_clients(name)
+        views = {id(g.view): g.view for g in model.groups()}
+        for view in views.values():
+            view.client.remove_listener(view.listener)
+            await _close_client(view)
         release = getattr(self._factory, "release", None)
         if release is not None:
             await release(name)
@@ -463,6 +747,10 @@ class ModelWatcher:
             await self._send(ModelUpdate.Removed(kind))
         if not emptied:
             log.debug("no model update to send for model=%s", name)
+
+    async def _send_all(self, updates: list[ModelUpdate]) -> None:
+        for update in updates:
+            await self._send(update)
 
     async def _send(self, update: ModelUpdate) -> None:
         if self._updates is not None:
@@ -478,12 +766,14 @@ class AcceptedInstances:
     the client it wraps.
     """
 
-    __slots__ = ("accepted", "client")
+    __slots__ = ("accepted", "client", "listener")
 
     def __init__(self, client: EndpointClient) -> None:
         self.client = client
         #: Instance ids with an accepted card of the model; set by the watcher.
         self.accepted: set[int] = set()
+        #: The watcher's callback on the client's instance changes (removed at close).
+        self.listener: Callable[[], None] = _nothing
 
     def instance_ids(self) -> list[int]:
         accepted = self.accepted
@@ -503,6 +793,10 @@ class AcceptedInstances:
 
     def __hash__(self) -> int:
         return hash(self.client)
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Unsupported(Exception):

@@ -1,0 +1,142 @@
+"""A rolling upgrade under load: workers of card A serve; workers of card B (another context
+length, so another checksum) start; the A workers stop gracefully one by one while clients
+keep sending requests. No request fails, and afterwards the model serves card B.
+
+The stack is real: a memory store, the tcp request plane, echo workers, the HTTP frontend;
+only the clients run in the same process. Nothing here waits on wall-clock speed: each step
+waits for a state (the model served, the standby card built, the switch made) and the load
+runs until the steps are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.frontend.stack import ENDPOINT
+from tests.frontend.test_artifacts import start_frontend, write_hf_model
+
+from turnout.engines.echo import EchoEngine
+from turnout.engines.worker import Worker
+from turnout.frontend.service import Frontend
+from turnout.runtime.component import DistributedRuntime
+from turnout.runtime.discovery.memory import MemoryStore
+
+MODEL = "tiny"
+#: Card A's context length comes from the model's config (1024); card B overrides it.
+B_CONTEXT = 512
+
+
+async def until(cond: Callable[[], bool], within: float = 20.0) -> None:
+    async with asyncio.timeout(within):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def runtime() -> AsyncIterator[DistributedRuntime]:
+    store = MemoryStore()
+    rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=5.0)
+    yield rt
+    await rt.shutdown()
+    await store.close()
+
+
+class Load:
+    """``clients`` loops, each sending one chat request after another until stopped; every
+    response is recorded (status, and the text or the error body)."""
+
+    def __init__(self, url: str, clients: int = 4) -> None:
+        self.url = url
+        self.results: list[tuple[int, str]] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._loop(i)) for i in range(clients)]
+
+    async def _loop(self, n: int) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
+            i = 0
+            while not self._stop.is_set():
+                i += 1
+                resp = await http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": f"hello {n} {i}"}],
+                    },
+                )
+                if resp.status_code == 200:
+                    text = resp.json()["choices"][0]["message"]["content"]
+                    ok = f"hello {n} {i}" in text
+                    self.results.append((200 if ok else -1, text))
+                else:
+                    self.results.append((resp.status_code, resp.text))
+
+    async def more(self, n: int) -> None:
+        """Wait until ``n`` more requests have completed."""
+        target = len(self.results) + n
+        await until(lambda: len(self.results) >= target)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+
+async def test_rolling_upgrade_under_load_fails_no_request(
+    runtime: DistributedRuntime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = write_hf_model(tmp_path / MODEL)
+    frontend: Frontend = await start_frontend(runtime, tmp_path / "cache", monkeypatch)
+    assert frontend.watcher is not None
+    watcher = frontend.watcher
+    manager = frontend.manager
+
+    def worker(**engine: object) -> Worker:
+        echo = EchoEngine(str(model), **engine)  # type: ignore[arg-type]
+        return Worker(runtime, echo, ENDPOINT, model_name=MODEL)
+
+    old = [worker(), worker()]
+    new = [worker(context_length=B_CONTEXT), worker(context_length=B_CONTEXT)]
+    load: Load | None = None
+    try:
+        for w in old:
+            await w.start()
+        await until(lambda: len(manager.model_instances(MODEL)) == 2)
+        (card_a,) = {c.checksum() for c in manager.entries_for_model(MODEL)}
+        load = Load(frontend.url)
+        await load.more(20)
+
+        for w in new:
+            await w.start()
+        # Both B instances are held back (their pipelines built), none gets a request.
+        await until(
+            lambda: sum(len(g.entries) for g in watcher._models[MODEL].standby.values()) == 2
+        )
+        await load.more(20)
+        assert len(manager.model_instances(MODEL)) == 2
+
+        for w in old:
+            await w.stop(drain_timeout=5.0)
+            await load.more(20)
+        await until(lambda: not watcher._models[MODEL].standby)  # A's cards all gone
+        await load.more(40)
+
+        # The model serves card B, through B's instances only.
+        cards = manager.entries_for_model(MODEL)
+        assert {c.context_length for c in cards} == {B_CONTEXT}
+        assert card_a not in {c.checksum() for c in cards}
+        assert {c.instance_id for c in cards} == {w.serving.instance_id for w in new if w.serving}
+        assert manager.model_instances(MODEL) == sorted(c.instance_id for c in cards)
+    finally:
+        if load is not None:
+            await load.stop()
+        for w in old + new:
+            await w.stop(drain_timeout=1.0)
+        await frontend.stop()
+
+    failed = [r for r in load.results if r[0] != 200]
+    assert failed == [], f"{len(failed)} of {len(load.results)} requests failed: {failed[:3]}"
+    switches = frontend.metrics.card_switches.labels(MODEL)._value.get()
+    assert switches == 1
