@@ -12,6 +12,9 @@ One connection carries many streams, told apart by ``stream_id`` (chosen by the 
                                           | ABORT(sid)    (server cancelled: StreamBroken)
                                           | REJECT(sid)   (not accepting: PeerUnavailable)
     CANCEL(sid) ──▶                                       client gave up: cancel the handler
+                                      ◀── HEARTBEAT(0)    connection silent for 1 s with
+                                                          streams open (liveness, see
+                                                          tcp.connection)
 
 Frames are msgpack arrays (``array_like``) with trailing defaults left out, so a DATA frame is
 ``[2, sid, item]``: three small headers around the item's bytes.
@@ -47,7 +50,9 @@ class Kind(enum.IntEnum):
     #: ``nats`` only: one piece of an item too large for one message; the item's last piece
     #: follows as a DATA frame holding that item alone.
     PART = 9
-    #: ``nats`` only: "still here" from the server, ``num`` = the last sequence number sent.
+    #: "Still here" from the server. ``nats``: per stream, ``num`` = the last sequence number
+    #: sent; ``tcp``: per connection (stream id 0), sent on a connection with open streams
+    #: that was silent for a heartbeat interval.
     HEARTBEAT = 10
 
 

@@ -19,9 +19,12 @@ from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane.base import RequestPlaneClient
 from turnout.runtime.request_plane.framing import CREDIT_BATCH, Frame, Kind
-from turnout.runtime.request_plane.tcp.connection import _CREDIT, _DATA, _Connection
+from turnout.runtime.request_plane.tcp.connection import _CREDIT, _DATA, _Connection, logger
 
 _CONNECT_TIMEOUT = 5.0
+#: Seconds a connection with open streams may hear nothing (no frame, no heartbeat) before
+#: it is dropped and its streams fail (the server heartbeats silent connections every 1 s).
+IDLE_TIMEOUT = 10.0
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -62,9 +65,42 @@ class _ClientConnection(_Connection):
         self.address = address
         self.inboxes: dict[int, _Inbox] = {}
         self._ids = itertools.count(1)
+        #: Consecutive half-idle-timeout ticks without a byte heard while streams were open.
+        self._silent_ticks = 0
+        self._lost_reason = ""
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.client.idle_timeout > 0:
+            self._idle_timer = self._loop.call_later(self.client.idle_timeout / 2, self._check)
+
+    def _check(self) -> None:
+        """Every half idle timeout: drop the connection when, with streams open, nothing was
+        heard for two ticks in a row (one timer per connection)."""
+        if self._closing:
+            return
+        if self.inboxes and not self._heard:
+            self._silent_ticks += 1
+            if self._silent_ticks >= 2:
+                self._lost_reason = (
+                    f"heard nothing for {self.client.idle_timeout:g}s (peer frozen or cut off)"
+                )
+                logger.warning("tcp peer %s: %s; dropping the connection", self.address,
+                               self._lost_reason)  # fmt: skip
+                assert self.transport is not None
+                self.transport.abort()
+                return
+        else:
+            self._silent_ticks = 0
+        self._heard = False
+        self._idle_timer = self._loop.call_later(self.client.idle_timeout / 2, self._check)
 
     def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, _Inbox]:
         sid = next(self._ids)
+        if not self.inboxes:
+            self._silent_ticks = 0  # idle until now: the silence counts from this request
+            self._heard = True
         inbox = _Inbox()
         self.inboxes[sid] = inbox
         self.send(Frame(Kind.REQUEST, sid, payload, path, 0, request_id))
@@ -101,9 +137,11 @@ class _ClientConnection(_Connection):
 
     def on_lost(self, exc: Exception | None) -> None:
         self.client._forget(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         inboxes = list(self.inboxes.values())
         self.inboxes.clear()
-        reason = f": {exc}" if exc else ""
+        reason = f": {exc}" if exc else (f": {self._lost_reason}" if self._lost_reason else "")
         for inbox in inboxes:
             if inbox.acked:
                 inbox.finish(StreamBroken(f"connection to tcp peer {self.address} lost{reason}"))
@@ -194,7 +232,10 @@ class TcpClient(RequestPlaneClient):
 
     kind = "tcp"
 
-    def __init__(self) -> None:
+    def __init__(self, *, idle_timeout: float = IDLE_TIMEOUT) -> None:
+        #: Seconds a connection with open streams may hear nothing before it is dropped
+        #: (0: never).
+        self.idle_timeout = idle_timeout
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
         self._closed = False

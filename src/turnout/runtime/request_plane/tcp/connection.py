@@ -4,6 +4,15 @@
 ``client._ClientConnection``: batched writes (one ``write`` per event-loop iteration),
 incremental reads, and the close/loss bookkeeping. Kept apart so each end's module holds only
 its own side of the exchange.
+
+Liveness: every connection has TCP keepalive on (a peer host that vanished is noticed by the
+kernel within ``KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_COUNT`` seconds), and each end
+runs one periodic timer (not one per stream): the server sends a HEARTBEAT frame on a
+connection with open streams that wrote nothing for a heartbeat interval; the client drops a
+connection with open streams that heard nothing (no frame at all) for its idle timeout, which
+fails those streams (``StreamBroken``, or ``PeerUnavailable`` before their ACK). So a frozen
+peer process, whose kernel still acknowledges TCP, is noticed too. The hot path pays one
+attribute write per read and per write batch.
 """
 
 from __future__ import annotations
@@ -18,6 +27,26 @@ logger = logging.getLogger("turnout.runtime")
 
 _DATA = int(Kind.DATA)
 _CREDIT = int(Kind.CREDIT)
+_HEARTBEAT = int(Kind.HEARTBEAT)
+
+#: TCP keepalive: seconds idle before the first probe, between probes, probes before the
+#: kernel gives up on the peer.
+KEEPALIVE_IDLE = 10
+KEEPALIVE_INTERVAL = 5
+KEEPALIVE_COUNT = 3
+
+
+def set_keepalive(sock: socket.socket) -> None:
+    """Turn on TCP keepalive with turnout's timings (where the platform has the knobs)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class _Connection(asyncio.Protocol):
@@ -32,6 +61,9 @@ class _Connection(asyncio.Protocol):
         #: True from close() or connection loss on: frames sent after it are dropped.
         self._closing = False
         self._loop = asyncio.get_running_loop()
+        #: Set on every read / every write batch; cleared by the ends' liveness timers.
+        self._heard = False
+        self._wrote = False
 
     @property
     def is_open(self) -> bool:
@@ -43,6 +75,7 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_keepalive(sock)
 
     def send(self, frame: Frame) -> None:
         if self._closing:
@@ -55,6 +88,7 @@ class _Connection(asyncio.Protocol):
     def _flush(self) -> None:
         self._flush_scheduled = False
         if len(self._writer) and self.transport is not None and not self.closed.done():
+            self._wrote = True
             self.transport.write(self._writer.take())
 
     def close(self) -> None:
@@ -65,6 +99,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         try:
             frames = self._reader.feed(data)
         except FrameError as exc:

@@ -20,7 +20,19 @@ from turnout.runtime.request_plane.base import (
     drain_tasks,
 )
 from turnout.runtime.request_plane.framing import WINDOW, Frame, Kind
-from turnout.runtime.request_plane.tcp.connection import _CREDIT, _DATA, _Connection, logger
+from turnout.runtime.request_plane.tcp.connection import (
+    _CREDIT,
+    _DATA,
+    _HEARTBEAT,
+    _Connection,
+    logger,
+)
+
+#: Seconds a connection with open streams may stay silent before the server sends a
+#: HEARTBEAT (clients drop a connection that is silent for their idle timeout).
+HEARTBEAT_INTERVAL = 1.0
+#: Streams one server runs at once; more are refused (REJECT: the client tries elsewhere).
+MAX_STREAMS = 4096
 
 
 class _ServerStream:
@@ -76,6 +88,17 @@ class _ServerConnection(_Connection):
         self.streams: dict[int, _ServerStream] = {}
         #: Streams with pending items, in the order they got their first one since the flush.
         self._dirty: list[_ServerStream] = []
+        self._beat: asyncio.TimerHandle | None = None
+
+    def _heartbeat(self) -> None:
+        """Every heartbeat interval: a HEARTBEAT if streams are open and nothing was written
+        since the last tick (one timer per connection, whatever its number of streams)."""
+        if self._closing:
+            return
+        if self.streams and not self._wrote:
+            self.send(Frame(_HEARTBEAT, 0))
+        self._wrote = False
+        self._beat = self._loop.call_later(self.server.heartbeat_interval, self._heartbeat)
 
     def push(self, stream: _ServerStream, item: bytes) -> None:
         """Queue one response item of ``stream`` for the next flush."""
@@ -106,6 +129,8 @@ class _ServerConnection(_Connection):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.server._conns.add(self)
+        if self.server.heartbeat_interval > 0:
+            self._beat = self._loop.call_later(self.server.heartbeat_interval, self._heartbeat)
 
     def on_frame(self, frame: Frame) -> None:
         kind = frame.kind
@@ -122,6 +147,8 @@ class _ServerConnection(_Connection):
 
     def on_lost(self, exc: Exception | None) -> None:
         self.server._conns.discard(self)
+        if self._beat is not None:
+            self._beat.cancel()
         streams = list(self.streams.values())
         self.streams.clear()
         for stream in streams:
@@ -133,14 +160,25 @@ class TcpServer(RequestPlaneServer):
 
     The published address names ``advertise_host`` (default: the bound address), so a server
     bound to a wildcard can tell clients on other hosts where to dial.
+
+    ``heartbeat_interval`` (seconds, 0: none) paces the HEARTBEAT frames of silent
+    connections; ``max_streams`` bounds the streams run at once (more get REJECT).
     """
 
     kind = "tcp"
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
         super().__init__()
+        self.heartbeat_interval = heartbeat_interval
+        self.max_streams = max_streams
         self.host = host
         self.port = port
         self.advertise_host = advertise_host
@@ -184,6 +222,9 @@ class TcpServer(RequestPlaneServer):
         path = frame.text
         if not self._takes(path):
             conn.send(Frame(Kind.REJECT, sid, text=f"not taking requests for {path!r}"))
+            return
+        if len(self._inflight) >= self.max_streams:
+            conn.send(Frame(Kind.REJECT, sid, text=f"at its limit of {self.max_streams} streams"))
             return
         handler = self._handlers.get(path)
         if handler is None:
