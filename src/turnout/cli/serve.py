@@ -2,7 +2,13 @@
 
 The frontend runs in this process; each worker is a child process (``turnout worker``) on the
 same file store and TCP request plane. Ctrl-C (or SIGTERM) stops the workers, then the
-frontend. A worker that dies is reported; the frontend keeps serving with the others.
+frontend.
+
+Supervision: a worker that dies unexpectedly (its exit status is logged) is restarted after
+a backoff of 1 s, 2 s, 4 s ... capped at ``RESTART_MAX_DELAY`` (back to 1 s after a run
+longer than ``CRASH_WINDOW``); one that dies ``MAX_CRASHES`` times within ``CRASH_WINDOW``
+seconds is given up on, with one error line. The frontend keeps serving with the others;
+when every worker is given up on, ``serve`` exits non-zero.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from turnout.errors import TurnoutError
 from turnout.frontend.service import Frontend
@@ -82,6 +91,132 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
     return argv
 
 
+#: Supervision of worker processes (see the module docstring).
+RESTART_MIN_DELAY = 1.0
+RESTART_MAX_DELAY = 30.0
+CRASH_WINDOW = 60.0
+MAX_CRASHES = 5
+
+
+class ChildProcess(Protocol):
+    """What the supervisor needs of a child (``asyncio.subprocess.Process``)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+Spawn = Callable[[list[str]], Awaitable[ChildProcess]]
+
+
+async def spawn_child(argv: list[str]) -> ChildProcess:
+    return await asyncio.create_subprocess_exec(*argv, start_new_session=True)
+
+
+def describe_exit(code: int) -> str:
+    """``exit status 3`` or ``signal SIGKILL``."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+class WorkerSupervisor:
+    """Runs one worker process, restarting it with backoff until it crashes too often.
+
+    ``spawn``, ``clock`` and ``sleep`` are injectable for tests. ``run`` returns when the
+    supervisor is stopped or gives up (``gave_up`` is then set).
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        name: str,
+        *,
+        spawn: Spawn = spawn_child,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        max_crashes: int = MAX_CRASHES,
+        window: float = CRASH_WINDOW,
+        min_delay: float = RESTART_MIN_DELAY,
+        max_delay: float = RESTART_MAX_DELAY,
+    ) -> None:
+        self.argv = argv
+        self.name = name
+        self.process: ChildProcess | None = None
+        self.gave_up = False
+        self.restarts = 0
+        self._spawn = spawn
+        self._clock = clock
+        self._sleep = sleep
+        self._max_crashes = max_crashes
+        self._window = window
+        self._min_delay = min_delay
+        self._max_delay = max_delay
+        self._stopping = False
+        self._deaths: deque[float] = deque()
+
+    async def start(self) -> None:
+        self.process = await self._spawn(self.argv)
+
+    async def run(self) -> None:
+        """Watch the process started by ``start``; restart it when it dies."""
+        delay = self._min_delay
+        while True:
+            process = self.process
+            assert process is not None
+            started = self._clock()
+            code = await process.wait()
+            if self._stopping:
+                return
+            now = self._clock()
+            if now - started > self._window:
+                delay = self._min_delay  # it ran a good while: a fresh crash, not a loop
+            deaths = self._deaths
+            deaths.append(now)
+            while deaths and now - deaths[0] > self._window:
+                deaths.popleft()
+            if len(deaths) >= self._max_crashes:
+                log.error(
+                    "%s (pid %d) exited with %s, its %d%s death within %gs; giving up on it",
+                    self.name, process.pid, describe_exit(code), len(deaths),
+                    _ordinal(len(deaths)), self._window,
+                )  # fmt: skip
+                self.gave_up = True
+                return
+            log.error(
+                "%s (pid %d) exited with %s; restarting it in %gs",
+                self.name, process.pid, describe_exit(code), delay,
+            )  # fmt: skip
+            await self._sleep(delay)
+            if self._stopping:
+                return
+            delay = min(delay * 2, self._max_delay)
+            self.restarts += 1
+            self.process = await self._spawn(self.argv)
+            if self._stopping:  # stopped while it was being spawned
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.send_signal(signal.SIGTERM)
+                return
+
+    def stop(self) -> None:
+        """Stop restarting (the caller then signals the process)."""
+        self._stopping = True
+
+
+def _ordinal(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
 def num_worker_processes(args: argparse.Namespace) -> int:
     return 1 if args.engine == "mocker" and args.num_workers > 0 else args.num_workers
 
@@ -95,17 +230,23 @@ class ServeTree:
         config = frontend_config(args)
         config.planes.store_path = self.store_path
         self.frontend = Frontend(config)
-        self.children: list[asyncio.subprocess.Process] = []
+        self.supervisors: list[WorkerSupervisor] = []
         self._watchers: list[asyncio.Task[None]] = []
         self._all_dead = asyncio.Event()
+
+    @property
+    def children(self) -> list[ChildProcess]:
+        """The current process of every supervised worker."""
+        return [s.process for s in self.supervisors if s.process is not None]
 
     async def start(self) -> None:
         threads = max(1, (os.cpu_count() or 2) // max(1, self.args.num_workers))
         argv = worker_argv(self.args, self.store_path, threads)
-        for _ in range(num_worker_processes(self.args)):
-            child = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
-            self.children.append(child)
-            self._watchers.append(asyncio.create_task(self._watch(child)))
+        for i in range(num_worker_processes(self.args)):
+            supervisor = WorkerSupervisor(argv, f"worker {i}")
+            await supervisor.start()
+            self.supervisors.append(supervisor)
+            self._watchers.append(asyncio.create_task(self._watch(supervisor)))
         await self.frontend.start()
         log.info(
             "serving on %s with %d %s worker(s); Ctrl-C stops everything",
@@ -114,17 +255,28 @@ class ServeTree:
             self.args.engine,
         )
 
-    async def _watch(self, child: asyncio.subprocess.Process) -> None:
-        code = await child.wait()
-        if code not in (0, -signal.SIGTERM, -signal.SIGINT):
-            log.error("worker pid %d exited with %s", child.pid, code)
-        if all(c.returncode is not None for c in self.children):
+    async def _watch(self, supervisor: WorkerSupervisor) -> None:
+        await supervisor.run()
+        if supervisor.gave_up and all(s.gave_up for s in self.supervisors):
             self._all_dead.set()
 
     async def wait(self) -> None:
-        await self.frontend.wait()
+        """Until the frontend fails, or every worker was given up on (exit non-zero)."""
+        frontend = asyncio.ensure_future(self.frontend.wait())
+        all_dead = asyncio.ensure_future(self._all_dead.wait())
+        try:
+            await asyncio.wait({frontend, all_dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            all_dead.cancel()
+            if not frontend.done():
+                frontend.cancel()
+        if frontend.done() and not frontend.cancelled():
+            frontend.result()
+        raise TurnoutError("every worker failed for good (see above); stopping")
 
     async def stop(self) -> None:
+        for supervisor in self.supervisors:
+            supervisor.stop()
         for child in self.children:
             if child.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -1,0 +1,135 @@
+"""``turnout serve`` supervises its workers: restarts with backoff, gives up on a worker that
+keeps dying, and exits non-zero when none is left. Unit tests with a fake clock and fake
+processes; one process test kills a real worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from tests.integration.procs import health, wait_until
+
+from turnout.cli.serve import WorkerSupervisor, describe_exit
+from turnout.frontend.service import free_port
+
+
+class FakeProcess:
+    def __init__(self, pid: int, code: int, lifetime: float, clock: FakeClock) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._code = code
+        self._lifetime = lifetime
+        self._clock = clock
+
+    async def wait(self) -> int:
+        self._clock.now += self._lifetime
+        self.returncode = self._code
+        return self._code
+
+    def send_signal(self, sig: int) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def supervisor(lifetimes: list[float], clock: FakeClock) -> WorkerSupervisor:
+    runs = iter(lifetimes)
+
+    async def spawn(argv: list[str]) -> FakeProcess:
+        return FakeProcess(100 + len(clock.slept), -signal.SIGKILL, next(runs), clock)
+
+    return WorkerSupervisor(["worker"], "worker 0", spawn=spawn, clock=clock, sleep=clock.sleep)
+
+
+async def test_a_worker_that_keeps_dying_is_restarted_with_backoff_then_given_up() -> None:
+    clock = FakeClock()
+    sup = supervisor([0.5] * 10, clock)
+    await sup.start()
+    await sup.run()
+    assert sup.gave_up
+    assert clock.slept == [1.0, 2.0, 4.0, 8.0]  # the 5th death within a minute ends it
+    assert sup.restarts == 4
+
+
+async def test_backoff_is_capped_and_resets_after_a_long_run() -> None:
+    clock = FakeClock()
+    # Dies quickly 4 times, then runs for 10 minutes, then dies quickly until given up.
+    sup = supervisor([0.1, 0.1, 0.1, 0.1, 600.0, *[0.1] * 8], clock)
+    sup._max_delay = 4.0
+    await sup.start()
+    await sup.run()
+    assert sup.gave_up
+    assert clock.slept == [1.0, 2.0, 4.0, 4.0, 1.0, 2.0, 4.0, 4.0]
+
+
+async def test_a_stopped_supervisor_does_not_restart() -> None:
+    clock = FakeClock()
+    sup = supervisor([0.1, 0.1], clock)
+    await sup.start()
+    sup.stop()
+    await sup.run()
+    assert not sup.gave_up and sup.restarts == 0
+
+
+def test_exit_descriptions() -> None:
+    assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+    assert describe_exit(2) == "exit status 2"
+
+
+@pytest.mark.slow
+def test_serve_restarts_a_killed_worker(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnout", "serve", "--port", str(port), "--engine", "echo",
+             "--num-workers", "1", "--model-name", "echo", "--lease-ttl", "2",
+             "--store-path", str(tmp_path / "store.sqlite")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def logs() -> str:
+        return log_path.read_text(errors="replace")[-4000:]
+
+    try:
+        wait_until(lambda: len(health(url).get("echo", [])) == 1, 60, "the worker", logs)
+        first = health(url)["echo"][0]
+        (child,) = psutil.Process(proc.pid).children()
+        child.kill()
+        wait_until(lambda: health(url).get("echo", []) not in ([], [first]), 60, "a restart", logs)
+        assert "worker 0 (pid" in logs() and "signal SIGKILL; restarting it in 1s" in logs()
+        body = {"model": "echo", "prompt": "hello there", "max_tokens": 2}
+        r = httpx.post(url + "/v1/completions", timeout=30, json=body)
+        assert r.status_code == 200, r.text
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for child in children:  # workers run in their own sessions
+            if child.is_running():
+                child.kill()
