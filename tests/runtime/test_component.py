@@ -290,8 +290,8 @@ async def test_streams_of_an_instance_that_left_discovery_break(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A hung or cut-off worker never closes its connection; once its lease has ended (and
-    the grace a draining worker gets has passed), its open streams fail as broken
-    (migratable) instead of waiting forever."""
+    the grace a draining worker gets has passed) with nothing left at its address, its open
+    streams fail as broken (migratable) instead of waiting forever."""
     monkeypatch.setattr(component, "LEFT_STREAM_GRACE_SECONDS", 0.05)
     store = MemoryStore()
     rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=1.0)
@@ -304,6 +304,8 @@ async def test_streams_of_an_instance_that_left_discovery_break(
 
     try:
         served = await rt.endpoint(EID).serve(hang)
+        assert served._guard is not None
+        served._guard.cancel()  # a hung process: it will not register again
         client = await rt.endpoint(EID).client()
         stream = client.stream(served.instance_id, b"", RequestContext())
         assert await anext(stream) == b"first"
@@ -312,7 +314,45 @@ async def test_streams_of_an_instance_that_left_discovery_break(
         async with asyncio.timeout(3):
             with pytest.raises(StreamBroken, match="left discovery"):
                 await anext(stream)
-        assert not client._open
+        assert not client._open and not client._open_transport
+    finally:
+        await rt.shutdown()
+        await store.close()
+
+
+async def test_streams_survive_their_worker_registering_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker whose lease was lost (a store outage) registers again under a new id and
+    goes on serving its streams: the old id leaving discovery must not break them."""
+    # Longer than the worker takes to notice (a keep-alive every TTL/3) and register again.
+    monkeypatch.setattr(component, "LEFT_STREAM_GRACE_SECONDS", 1.0)
+    store = MemoryStore()
+    rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=1.0)
+    release = asyncio.Event()
+
+    async def slow(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        yield b"first"
+        await release.wait()
+        yield b"second"
+
+    try:
+        served = await rt.endpoint(EID).serve(slow)
+        client = await rt.endpoint(EID).client()
+        old = served.instance_id
+        stream = client.stream(old, b"", RequestContext())
+        assert await anext(stream) == b"first"
+        await store.revoke_lease(old)
+        async with asyncio.timeout(5):
+            await served.reregistered.wait()
+        await changed(client, lambda: client.instance_ids() == [served.instance_id])
+        await asyncio.sleep(1.2)  # past the grace
+        release.set()
+        assert await anext(stream) == b"second"
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        # And the old id still answers, for frontends that have not seen the new one yet.
+        assert client.get_instance(old) is None
     finally:
         await rt.shutdown()
         await store.close()

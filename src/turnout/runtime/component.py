@@ -268,6 +268,8 @@ class ServingInstance:
         #: Handler paths of earlier registrations, still served: a frontend that has not yet
         #: seen the new id keeps reaching this process under the old one (same engine).
         self._former_paths: collections.deque[list[str]] = collections.deque()
+        #: Whether the current registration reached the store (else its paths are dropped).
+        self._published = False
         self._guard: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -276,6 +278,11 @@ class ServingInstance:
         runtime = self._runtime
         lease = await Lease.grant(runtime.store, runtime.lease_ttl)
         old_paths = self._paths()
+        if not self._published:  # a failed attempt: nobody was told of those paths
+            for path in old_paths:
+                self._server.unregister(path)
+            old_paths = []
+        self._published = False
         instance = Instance(endpoint=self.endpoint, instance_id=lease.id, transport=self._address)
         self.lease, self.instance, self.instance_id = lease, instance, lease.id
         self._path = handler_path(self.endpoint, lease.id)
@@ -291,6 +298,7 @@ class ServingInstance:
         await store.put(instance.key(), _instance_encoder.encode(instance), lease_id=lease.id)
         for key, value in self._records(lease.id) if self._records else []:
             await store.put(key, value, lease_id=lease.id)
+        self._published = True
         logger.info(
             "serving %s instance %x at %s", self.endpoint.path(), lease.id, self._address.address
         )
@@ -380,6 +388,8 @@ class EndpointClient:
         #: Streams started to each instance and not yet finished (weak: a stream dropped
         #: unfinished goes too): when an instance leaves discovery, they fail at once.
         self._open: dict[int, weakref.WeakSet[_InstanceStream]] = {}
+        #: Where each instance in ``_open`` was reached (kept after it leaves discovery).
+        self._open_transport: dict[int, TransportAddress] = {}
 
     # -- discovery ------------------------------------------------------------------------
 
@@ -429,9 +439,10 @@ class EndpointClient:
             timer = self._down.pop(instance_id, None)
             if timer is not None:
                 timer.cancel()
-            if instance_id in self._open:
+            transport = self._open_transport.get(instance_id)
+            if transport is not None:
                 loop = asyncio.get_running_loop()
-                loop.call_later(LEFT_STREAM_GRACE_SECONDS, self._abandon, instance_id)
+                loop.call_later(LEFT_STREAM_GRACE_SECONDS, self._abandon, transport)
         else:
             try:
                 instance = _instance_decoder.decode(event.kv.value)
@@ -450,27 +461,42 @@ class EndpointClient:
         if changed and notify:
             self._notify()
 
-    def _abandon(self, instance_id: int) -> None:
-        """Fail the streams still open ``LEFT_STREAM_GRACE_SECONDS`` after their instance
-        left discovery. A worker that leaves on purpose finishes (or cancels) its streams
-        within its drain timeout; one whose lease ended is dead, hung or cut off, and its
-        streams would wait forever on a peer that never answers. They end as ``StreamBroken``,
-        which the caller may migrate."""
-        if instance_id in self._instances:
-            return  # announced again meanwhile
-        streams = self._open.pop(instance_id, None)
-        if not streams:
+    def _abandon(self, transport: TransportAddress) -> None:
+        """Fail the streams to ``transport`` whose instances have left discovery, once
+        ``LEFT_STREAM_GRACE_SECONDS`` have passed and no live instance is served there.
+
+        A worker that leaves on purpose finishes (or cancels) its streams within its drain
+        timeout. One whose lease ended with no instance left at its address is dead, hung or
+        cut off, and its streams would wait forever on a peer that never answers: they end as
+        ``StreamBroken``, which the caller may migrate. A process that still serves an
+        instance at that address (it registered again after a lost lease, or serves several)
+        keeps its streams: its liveness is the request plane's to judge (heartbeats, stall
+        timeouts), not discovery's.
+        """
+        if any(inst.transport == transport for inst in self._instances.values()):
             return
-        logger.warning(
-            "instance %x of %s left discovery with %d open stream(s); failing them",
-            instance_id,
-            self.endpoint.path(),
-            len(streams),
-        )
-        for stream in list(streams):
-            stream.abort(
-                StreamBroken(f"instance {instance_id:x} of {self.endpoint.path()} left discovery")
+        gone = [
+            iid
+            for iid, where in self._open_transport.items()
+            if where == transport and iid not in self._instances
+        ]
+        for instance_id in gone:
+            self._open_transport.pop(instance_id, None)
+            streams = self._open.pop(instance_id, None)
+            if not streams:
+                continue
+            logger.warning(
+                "instance %x of %s left discovery with %d open stream(s); failing them",
+                instance_id,
+                self.endpoint.path(),
+                len(streams),
             )
+            for stream in list(streams):
+                stream.abort(
+                    StreamBroken(
+                        f"instance {instance_id:x} of {self.endpoint.path()} left discovery"
+                    )
+                )
 
     def _notify(self) -> None:
         self._changed.set()
@@ -610,6 +636,7 @@ class _InstanceStream:
             )
             self._payload = b""
             client._open.setdefault(self._instance_id, weakref.WeakSet()).add(self)
+            client._open_transport[self._instance_id] = instance.transport
             try:
                 return await inner.__anext__()
             except PeerUnavailable:
@@ -631,6 +658,7 @@ class _InstanceStream:
             streams.discard(self)
             if not streams:
                 del self._client._open[self._instance_id]
+                self._client._open_transport.pop(self._instance_id, None)
 
     def abort(self, exc: BaseException) -> None:
         """Fail the stream with ``exc`` (planes whose streams cannot be aborted: no-op)."""
