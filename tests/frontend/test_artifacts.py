@@ -388,3 +388,18 @@ async def test_no_instance_to_ask(runtime: DistributedRuntime) -> None:
     fetcher = ArtifactFetcher(disk=None, timeout=0.5, rounds=1)
     with pytest.raises(ArtifactError, match="no live instance to ask"):
         await fetcher.get_bytes(make_ref("b", "opaque", b"z"), client)
+
+
+def test_a_checksum_can_only_name_a_file_inside_the_cache(tmp_path: Path) -> None:
+    """A card's checksum comes from the discovery store: one that is not a sha256 digest
+    (``../``, an absolute path) is refused when the card is decoded, and the disk cache
+    refuses to turn it into a path anyway."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for bad in ("../../victim.txt", str(victim), "AB" * 32, "0" * 63):
+        body = {"name": "tokenizer.json", "kind": "hf_tokenizer_json", "sha256": bad, "size": 1}
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(msgspec.json.encode(body), type=ArtifactRef)
+        with pytest.raises(ValueError, match="not a sha256"):
+            DiskArtifactCache(tmp_path / "cache").path(bad)
+    assert victim.read_text() == "keep me"

@@ -25,6 +25,7 @@ import collections
 import hashlib
 import logging
 import os
+import re
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -50,6 +51,7 @@ __all__ = [
 
 #: Environment variable naming the on-disk cache's root ("off", "none" or "" disable it).
 CACHE_ENV = "TURNOUT_ARTIFACT_CACHE"
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 #: Seconds one artifact fetch may take, every instance and retry included.
 DEFAULT_FETCH_TIMEOUT = 30.0
 #: Seconds one instance may take to send it (an unresponsive one must leave time for others).
@@ -99,6 +101,10 @@ class DiskArtifactCache:
         return cls(value)
 
     def path(self, sha256: str) -> Path:
+        """Where ``sha256`` is kept; anything but 64 hex digits is refused (a checksum names a
+        file here, so it must never be able to name one elsewhere)."""
+        if not _SHA256_HEX.fullmatch(sha256):
+            raise ValueError(f"not a sha256 hex digest: {sha256[:80]!r}")
         return self.root / sha256[:2] / sha256
 
     def get(self, ref: ArtifactRef) -> bytes | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from typing import Annotated
 
 import msgspec
 
@@ -113,6 +114,9 @@ ARTIFACT_HANDLER = "artifact"
 KIND_HF_TOKENIZER_JSON = "hf_tokenizer_json"
 
 
+Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
 class ArtifactRef(msgspec.Struct, frozen=True, kw_only=True):
     """A file the frontend needs to preprocess for a model, named by content, never by path.
 
@@ -133,16 +137,17 @@ class ArtifactRef(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     #: How to interpret them (``KIND_HF_TOKENIZER_JSON``).
     kind: str
-    #: Hex sha256 of the bytes.
-    sha256: str
+    #: Hex sha256 of the bytes (64 lowercase hex digits: it names cache files, so nothing
+    #: else may pass, such as ``../`` from a hostile store entry).
+    sha256: Sha256Hex
     #: Length of the bytes: a fetch that delivers more or fewer is refused.
-    size: int
+    size: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class ArtifactRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Ask an instance's ``ARTIFACT_HANDLER`` for the artifact with ``sha256`` (msgpack)."""
 
-    sha256: str
+    sha256: Sha256Hex
 
 
 class LoraInfo(msgspec.Struct, frozen=True, kw_only=True):
