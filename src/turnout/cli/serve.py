@@ -71,7 +71,7 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
         # One process simulates every worker: the mocker is built for many per process.
         argv += ["--num-workers", str(args.num_workers)]
     engine_flags = {
-        "llamacpp": ("n_ctx", "n_parallel", "threads"),
+        "llamacpp": ("n_ctx", "n_parallel", "threads", "max_waiting"),
         "echo": ("echo_delay_ms",),
         "mocker": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                    "speedup_ratio", "seed", "dp_size", "no_prefix_caching", "no_chunked_prefill",

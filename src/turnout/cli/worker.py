@@ -31,6 +31,9 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(p, "--model-name", help="served model name (default: from the model)")
     add_flag(p, "--endpoint", default=DEFAULT_ENDPOINT, help="namespace/component/endpoint")
     add_flag(p, "--context-length", type=int, help="override the model's context length")
+    add_flag(p, "--max-waiting", default=1024, type=int,
+             help="mocker, llamacpp: most queued requests per worker; more are refused as "
+                  "overloaded (503)")  # fmt: skip
     g = p.add_argument_group("llamacpp engine")
     add_flag(g, "--n-ctx", default=4096, type=int, help="context size per engine")
     add_flag(g, "--n-parallel", default=4, type=int, help="concurrent sequences")
@@ -49,8 +52,6 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(g, "--dp-size", default=1, type=int, help="data-parallel ranks per worker")
     add_flag(g, "--no-prefix-caching", action="store_true", help="disable prefix caching")
     add_flag(g, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    add_flag(g, "--max-waiting", default=1024, type=int,
-             help="most queued requests per worker; more get overloaded (503)")  # fmt: skip
     add_flag(g, "--fail-after-steps", default=0, type=int,
              help="testing aid: the step loop fails after this many steps (0: never)")  # fmt: skip
 
@@ -99,6 +100,7 @@ def make_engines(
                 n_ctx=args.n_ctx,
                 n_parallel=args.n_parallel,
                 n_threads=args.threads or threads,
+                max_waiting=args.max_waiting,
             )
         ]
     if args.engine == "mocker":

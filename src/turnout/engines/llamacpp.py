@@ -36,7 +36,10 @@ What we ask llama.cpp for, and why:
 Stop token ids (``stop_token_ids_hidden``, and ``eos_token_ids`` unless ``ignore_eos``) are
 checked on the pool thread; llama.cpp itself stops at the model's end-of-generation tokens.
 Errors (prompt longer than ``n_ctx``, invalid token ids, a native exception) end the stream
-with ``finish_reason=ERROR`` and llama.cpp's message. ``min_tokens`` is not supported by
+with ``finish_reason=ERROR`` and llama.cpp's message. A native exception means the engine
+broke: its stream ends as ``engine_failed`` (the frontend migrates it) and the engine reports
+the failure (the worker leaves discovery and exits). Requests past ``n_parallel`` running
+plus ``max_waiting`` queued are refused as ``overloaded``. ``min_tokens`` is not supported by
 llama.cpp's server and is ignored here.
 """
 
@@ -46,7 +49,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import msgspec
@@ -54,6 +57,7 @@ import msgspec
 from turnout.llm.model_card import default_gguf_path, load_model_card
 from turnout.protocols.llm import (
     CompletionUsage,
+    ErrorKind,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -195,10 +199,15 @@ class _Stream:
     def _put(self, item: LLMEngineOutput | _End) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, kind: ErrorKind | None = None) -> None:
         self.finished = True
         self._put(
-            LLMEngineOutput(finish_reason=FinishReason.ERROR, error=message, usage=self.usage())
+            LLMEngineOutput(
+                finish_reason=FinishReason.ERROR,
+                error=message,
+                error_kind=kind.value if kind is not None else None,
+                usage=self.usage(),
+            )
         )
 
     def end(self) -> None:
@@ -269,14 +278,20 @@ class _Stream:
         return self.finished
 
 
-def _run_native(server: Any, body: bytes, stream: _Stream) -> None:
-    """The blocking part, on a pool thread: drive one request to its end."""
+def _run_native(
+    server: Any, body: bytes, stream: _Stream, on_failure: Callable[[str], None]
+) -> None:
+    """The blocking part, on a pool thread: drive one request to its end. A native exception
+    is the engine's failure: the stream ends as ``engine_failed`` and ``on_failure`` is
+    called on the event loop."""
     try:
         if not stream.aborted:
             server.handle_completions(body, stream.on_chunk)
-    except Exception as e:  # a native exception: report it as the stream's error
+    except Exception as e:
+        message = f"llama.cpp failed: {e!r}"
         if not stream.finished:
-            stream.fail(f"llama.cpp failed: {e}")
+            stream.fail(message, ErrorKind.ENGINE_FAILED)
+        stream.loop.call_soon_threadsafe(on_failure, message)
     finally:
         stream.end()
 
@@ -301,6 +316,7 @@ class LlamaCppEngine(Engine):
         n_threads: int | None = None,
         seed: int = 0,
         verbose: bool = False,
+        max_waiting: int = 1024,
     ) -> None:
         if n_ctx < 16:
             raise ValueError(f"n_ctx must be >= 16, got {n_ctx}")
@@ -314,6 +330,10 @@ class LlamaCppEngine(Engine):
         self.n_threads = n_threads
         self.seed = seed
         self.verbose = verbose
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        #: Requests that may wait for a slot; more are refused as ``overloaded``.
+        self.max_waiting = max_waiting
         self._server: Any = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._vocab = VocabBytes(())
@@ -350,6 +370,7 @@ class LlamaCppEngine(Engine):
                     LLMEngineOutput(
                         finish_reason=FinishReason.ERROR,
                         error="the engine is stopping",
+                        error_kind=ErrorKind.ENGINE_FAILED.value,
                         usage=stream.usage(),
                     )
                 )
@@ -457,7 +478,24 @@ class LlamaCppEngine(Engine):
             yield LLMEngineOutput(
                 finish_reason=FinishReason.ERROR,
                 error="the prompt is empty",
+                error_kind=ErrorKind.BAD_REQUEST.value,
                 usage=CompletionUsage(prompt_tokens=0, completion_tokens=0),
+            )
+            return
+        if self.failure is not None:
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.ERROR,
+                error=self.failure,
+                error_kind=ErrorKind.ENGINE_FAILED.value,
+            )
+            return
+        if len(self._live) >= self.n_parallel + self.max_waiting:
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.ERROR,
+                error=f"{len(self._live)} requests in flight ({self.n_parallel} slots + "
+                f"max_waiting={self.max_waiting}); try again later",
+                error_kind=ErrorKind.OVERLOADED.value,
+                usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
             )
             return
 
@@ -483,7 +521,9 @@ class LlamaCppEngine(Engine):
         self._live[stream] = None
         watcher = loop.create_task(ctx.wait_cancelled())
         watcher.add_done_callback(on_cancel)
-        loop.run_in_executor(executor, _run_native, server, self._make_body(request), stream)
+        loop.run_in_executor(
+            executor, _run_native, server, self._make_body(request), stream, self.report_failure
+        )
         try:
             while True:
                 item = await queue.get()
