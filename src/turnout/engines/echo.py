@@ -30,6 +30,7 @@ from pathlib import Path
 from turnout.llm.model_card import default_gguf_path, load_model_card
 from turnout.protocols.llm import (
     CompletionUsage,
+    ErrorKind,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
@@ -143,8 +144,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> CompletionUsage:
 
 
 def _error(message: str, prompt_tokens: int) -> LLMEngineOutput:
+    """A request echo can never serve (``bad_request``: HTTP 400 at the frontend)."""
     return LLMEngineOutput(
-        finish_reason=FinishReason.ERROR, error=message, usage=_usage(prompt_tokens, 0)
+        finish_reason=FinishReason.ERROR,
+        error=message,
+        error_kind=ErrorKind.BAD_REQUEST.value,
+        usage=_usage(prompt_tokens, 0),
     )
 
 
