@@ -312,8 +312,10 @@ def continue_request(request: PreprocessedRequest, generated: list[int]) -> Prep
         max_tokens=None if stop.max_tokens is None else max(stop.max_tokens - done, 1),
         min_tokens=None if stop.min_tokens is None else max(stop.min_tokens - done, 0),
     )
+    original = request.original_prompt_len
     return msgspec.structs.replace(
         request,
         token_ids=[*request.token_ids, *generated],
         stop_conditions=new_stop,
+        original_prompt_len=len(request.token_ids) if original is None else original,
     )

@@ -95,6 +95,10 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: The model card checksum the frontend built this request against.
     mdc_sum: str | None = None
     extra_args: dict[str, Any] | None = None
+    #: Set on a request that continues a migrated one: how many leading ``token_ids`` are the
+    #: client's prompt (the rest were generated before the move). An engine with a
+    #: deterministic sampler uses it to go on exactly as the interrupted run would have.
+    original_prompt_len: int | None = None
     #: Seconds the whole request may take (``nvext.request_timeout``); enforced by the
     #: frontend's migration operator, across migrations. None: the frontend's default.
     request_timeout: float | None = None

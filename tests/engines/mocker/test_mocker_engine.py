@@ -107,6 +107,30 @@ async def test_generate_streams_tokens_and_usage(engines: list[MockerEngine]) ->
     assert third[-1].usage is not None and third[-1].usage.cached_tokens == 32
 
 
+async def test_a_migrated_request_goes_on_as_the_interrupted_one_would(
+    engines: list[MockerEngine],
+) -> None:
+    """The continuation of a migrated request (prompt + tokens produced so far, with the
+    original prompt length) yields exactly the rest of what an uninterrupted run gives, on
+    another worker: a stream's text does not depend on where it ran."""
+    first, second = MockerEngine(fast(seed=3)), MockerEngine(fast(seed=3))
+    engines += [first, second]
+    prompt = list(range(100, 140))
+    whole = [t for o in await collect(first, req(prompt, max_tokens=20)) for t in o.token_ids]
+    done = whole[:7]
+    continued = PreprocessedRequest(
+        model="mock",
+        token_ids=[*prompt, *done],
+        stop_conditions=StopConditions(max_tokens=13),
+        original_prompt_len=len(prompt),
+    )
+    rest = [t for o in await collect(second, continued) for t in o.token_ids]
+    assert done + rest == whole
+    # Without the original length it is a new prompt, with other tokens.
+    fresh = req([*prompt, *done], max_tokens=13)
+    assert [t for o in await collect(second, fresh) for t in o.token_ids] != rest
+
+
 async def test_kv_events_replay_and_load_reports(engines: list[MockerEngine]) -> None:
     sink = RecordingSink()
     engine = MockerEngine(fast(num_gpu_blocks=32), sink=sink)

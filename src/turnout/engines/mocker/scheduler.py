@@ -151,7 +151,7 @@ class Scheduler:
             eos_token_ids=eos,
             stop_token_ids=frozenset(stop.stop_token_ids_hidden or ()),
             lora_name=request.lora_name,
-            token_seed=token_seed(self._config.seed, prompt),
+            token_seed=token_seed(self._config.seed, prompt, request.original_prompt_len),
         )
         if self._caching:
             local, seq = compute_block_hashes(prompt, self._block_size, lora_name=req.lora_name)

@@ -15,12 +15,23 @@ import xxhash
 from turnout.engines.mocker.request import MockRequest
 
 _MASK = (1 << 64) - 1
+#: The splitmix64 increment: one output position's step in the token sequence.
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
-def token_seed(seed: int, prompt_token_ids: list[int]) -> int:
-    """A request's token seed: the engine seed mixed with its prompt (one hash, at admission)."""
-    raw = np.asarray(prompt_token_ids, dtype="<u4").tobytes()
-    return xxhash.xxh3_64_intdigest(raw, seed=seed & _MASK)
+def token_seed(seed: int, prompt_token_ids: list[int], original_len: int | None = None) -> int:
+    """A request's token seed: the engine seed mixed with its prompt (one hash, at admission).
+
+    A request that continues a migrated one (``original_len``: how many leading tokens are
+    the client's prompt; the rest were generated before the move) gets the seed of the
+    original request shifted by the positions already produced, so it goes on with exactly
+    the tokens the interrupted run would have produced next.
+    """
+    if original_len is None or not 0 < original_len <= len(prompt_token_ids):
+        original_len = len(prompt_token_ids)
+    raw = np.asarray(prompt_token_ids[:original_len], dtype="<u4").tobytes()
+    base = xxhash.xxh3_64_intdigest(raw, seed=seed & _MASK)
+    return (base + (len(prompt_token_ids) - original_len) * _GOLDEN) & _MASK
 
 
 class TokenSampler(Protocol):
@@ -53,7 +64,7 @@ class HashTokenSampler:
         ):
             return min(request.eos_token_ids)
         # splitmix64 finaliser: cheap, well mixed, pure integer arithmetic.
-        z = (request.token_seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK
+        z = (request.token_seed + (position + 1) * _GOLDEN) & _MASK
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
         token = (z ^ (z >> 31)) % self._vocab_size
