@@ -4,7 +4,7 @@ Mental model: the database *is* the store; no process owns it. Every process tha
 file is a peer, and every one of them keeps the store honest:
 
 * ``kv(key, value, lease_id, mod_revision)`` holds the keys; ``leases(id, ttl, expires_at)``
-  the leases, with a wall-clock deadline that ``keep_alive`` pushes forward.
+  the leases, with a deadline that ``keep_alive`` pushes forward.
 * ``events(revision, kind, key, value, lease_id)`` is an append-only log of every change;
   ``meta`` holds the current revision and the compaction point (the log holds every change
   after it). A watcher remembers the last revision it yielded and polls the log for newer rows,
@@ -22,12 +22,40 @@ file is a peer, and every one of them keeps the store honest:
 The database runs in WAL mode (readers never block the writer) with a busy timeout, so any
 number of processes may open the same path at once. Each store object talks to SQLite through
 one dedicated thread: calls are short, and the event loop never blocks on the file.
+
+**Clock.** Deadlines are in ``CLOCK_MONOTONIC`` seconds, never the wall clock: an NTP step (or
+an operator setting the date) would otherwise expire, or prolong, every lease at once. On Linux
+(and macOS) that clock is system-wide, counted from boot, and the same in every process, so
+deadlines written by one process mean the same in all of them; it never jumps (``adjtime``
+slews it), and it stops during suspend, as every process does. What it does not survive is a
+reboot: the file keeps the boot id (``/proc/sys/kernel/random/boot_id``) its deadlines belong
+to, and the first process of a new boot to open it ends every lease of the old one (its keys
+vanish, with DELETE events). As a second guard, a deadline further ahead than its lease's TTL
+cannot come from this clock (an older turnout writing wall-clock deadlines, or another time
+namespace): such a lease is ended by the next sweep. Processes in containers share the host's
+clock unless they run in their own time namespace, which is not supported.
+
+**A file deleted or replaced under running processes.** SQLite keeps using the inode it
+opened: processes that had the file open go on sharing the unlinked one, while every process
+started later creates a new, empty store at the path, and the deployment is split in two
+without a word. Every poll interval (on calls and watch polls) the store compares the path's
+device and inode with the ones it opened; when they differ it logs one error and from then on
+every call fails with a ``DiscoveryError`` naming the path, so leases are lost, watches fail
+and retry, and the operator sees it. It does not re-open the new file by itself: revisions
+start again in a new file, and a watcher resuming from a revision of the old one would miss
+every change until the new file caught up, which is the silent split again. Restart the
+processes of the deployment.
+
+**Polling.** A watch poll first asks ``PRAGMA data_version``, which changes when another
+connection commits; with no commit from anyone (this connection's own are counted apart)
+since the last poll that read the log, there is nothing new and the log is not read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import secrets
 import sqlite3
@@ -44,6 +72,12 @@ HISTORY_LIMIT = 10_000
 _TRIM_EVERY = 500
 _BUSY_TIMEOUT_MS = 10_000
 _PUT, _DELETE = 0, 1
+#: A lease whose deadline is further ahead than its TTL plus this was not written with this
+#: clock (see the module docstring) and is ended.
+_CLOCK_SLACK = 1.0
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+logger = logging.getLogger("turnout.runtime")
 
 _T = TypeVar("_T")
 
@@ -74,7 +108,24 @@ CREATE TABLE IF NOT EXISTS tombstones (
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0);
+CREATE TABLE IF NOT EXISTS clock (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+
+def monotonic_clock() -> float:
+    """``CLOCK_MONOTONIC`` in seconds: system-wide, the same in every process of the machine
+    (see the module docstring)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def boot_id() -> str:
+    """This boot's id (Linux), or ``""`` where there is none to read (then a file that
+    outlives a reboot relies on the deadline guard alone: its leases end within one TTL)."""
+    try:
+        with open(_BOOT_ID_PATH) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _prefix_end(prefix: str) -> str | None:
@@ -96,16 +147,38 @@ class FileStore(DiscoveryStore):
 
     kind = "file"
 
-    def __init__(self, path: str | os.PathLike[str], poll_interval: float = 0.05) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        poll_interval: float = 0.05,
+        *,
+        clock: Callable[[], float] = monotonic_clock,
+        boot: str | None = None,
+    ) -> None:
+        """``clock`` and ``boot`` (this boot's id) are for tests: every process sharing the
+        file must agree on both, which the defaults do."""
         self.path = os.fspath(path)
         self.poll_interval = poll_interval
+        self._clock = clock
+        self._boot_id = boot_id() if boot is None else boot
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="turnout-filestore"
         )
         self._db: sqlite3.Connection | None = None
         self._closed = False
-        #: Wall-clock time of the last sweep of expired leases (thread-side only).
-        self._last_sweep = 0.0
+        # Thread-side state from here on.
+        #: Clock time of the last sweep of expired leases.
+        self._last_sweep = -float("inf")
+        #: (st_dev, st_ino) of the file opened; the error once the path names another file.
+        self._identity: tuple[int, int] | None = None
+        self._ghost: str | None = None
+        self._last_identity_check = -float("inf")
+        #: Commits by this connection (``data_version`` does not count them), and what the
+        #: last read of the log saw: (data_version, own commits, store revision).
+        self._writes = 0
+        self._seen: tuple[int, int, int] | None = None
+        #: How often a watch poll read the log (tests check the polls that had nothing to do).
+        self.log_reads = 0
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -114,9 +187,39 @@ class FileStore(DiscoveryStore):
             raise DiscoveryError(f"file store {self.path} is closed")
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, fn, *args)
+            return await loop.run_in_executor(self._executor, self._checked, fn, *args)
         except sqlite3.Error as exc:
             raise DiscoveryError(f"file store {self.path}: {exc}") from exc
+
+    def _checked(self, fn: Callable[..., _T], *args: object) -> _T:
+        """Run ``fn`` unless the path no longer names the file this store opened."""
+        self._check_identity()
+        return fn(*args)
+
+    def _check_identity(self) -> None:
+        """Compare the path's device and inode with the open file's, once a poll interval;
+        a mismatch (deleted, replaced) is logged once and fails every call from then on."""
+        if self._ghost is None and self._identity is not None:
+            now = time.monotonic()
+            if now - self._last_identity_check >= self.poll_interval:
+                self._last_identity_check = now
+                try:
+                    st = os.stat(self.path)
+                    found = f"inode {st.st_ino} on device {st.st_dev}"
+                    same = (st.st_dev, st.st_ino) == self._identity
+                except FileNotFoundError:
+                    found, same = "nothing", False
+                if not same:
+                    dev, ino = self._identity
+                    self._ghost = (
+                        f"file store {self.path} was deleted or replaced: this process opened "
+                        f"inode {ino} on device {dev}, the path now names {found}; processes "
+                        "started from now on would not see this one (a split deployment). "
+                        "Restart the processes that share it"
+                    )
+                    logger.error("%s", self._ghost)
+        if self._ghost is not None:
+            raise DiscoveryError(self._ghost)
 
     def _conn(self) -> sqlite3.Connection:
         """The connection, opened on first use (in the store's thread)."""
@@ -138,13 +241,34 @@ class FileStore(DiscoveryStore):
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
+                self._adopt_boot(db)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 db.close()
                 raise
+            # The file is open (SQLite holds its descriptor): remember which one it is.
+            st = os.stat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
             self._db = db
         return self._db
+
+    def _adopt_boot(self, db: sqlite3.Connection) -> None:
+        """Deadlines of another boot (or of a file from before deadlines were monotonic)
+        mean nothing on this clock: end those leases, then claim the file for this boot."""
+        row = db.execute("SELECT value FROM clock WHERE name='boot_id'").fetchone()
+        if row is not None and row[0] == self._boot_id:
+            return
+        ids = [lease_id for (lease_id,) in db.execute("SELECT id FROM leases").fetchall()]
+        if ids:
+            logger.warning(
+                "file store %s: ending %d lease(s) from another boot (their deadlines are on "
+                "that boot's clock)",
+                self.path,
+                len(ids),
+            )
+        self._end_leases(db, ids)
+        db.execute("INSERT OR REPLACE INTO clock VALUES ('boot_id', ?)", (self._boot_id,))
 
     def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` in one IMMEDIATE (write-locked) transaction."""
@@ -156,6 +280,7 @@ class FileStore(DiscoveryStore):
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+        self._writes += 1
         return result
 
     def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
@@ -198,18 +323,23 @@ class FileStore(DiscoveryStore):
             self._delete_keys(db, [(key, lease_id) for (key,) in rows])
             db.execute("DELETE FROM leases WHERE id=?", (lease_id,))
 
+    #: Leases past their deadline, or with a deadline no process on this clock could have
+    #: written (further ahead than their TTL): parameters (now, now, slack).
+    _EXPIRED = "FROM leases WHERE expires_at < ? OR expires_at > ? + ttl + ?"
+
     def _sweep(self, force: bool = False) -> None:
-        """End every lease past its deadline. Cheap when nothing expired (one indexed read);
-        rate-limited to once a poll interval unless ``force``."""
-        now = time.time()
+        """End every lease past its deadline. Cheap when nothing expired (one read of the
+        small leases table); rate-limited to once a poll interval unless ``force``."""
+        now = self._clock()
         if not force and now - self._last_sweep < self.poll_interval:
             return
         self._last_sweep = now
         db = self._conn()
-        if db.execute("SELECT 1 FROM leases WHERE expires_at < ? LIMIT 1", (now,)).fetchone():
+        params = (now, now, _CLOCK_SLACK)
+        if db.execute(f"SELECT 1 {self._EXPIRED} LIMIT 1", params).fetchone():
 
             def sweep(db: sqlite3.Connection) -> None:
-                expired = db.execute("SELECT id FROM leases WHERE expires_at < ?", (now,))
+                expired = db.execute(f"SELECT id {self._EXPIRED}", params)
                 self._end_leases(db, [lease_id for (lease_id,) in expired.fetchall()])
 
             self._write(sweep)
@@ -225,7 +355,7 @@ class FileStore(DiscoveryStore):
                 lease_id = secrets.randbits(63) or 1
                 cur = db.execute(
                     "INSERT OR IGNORE INTO leases VALUES (?, ?, ?)",
-                    (lease_id, ttl, time.time() + ttl),
+                    (lease_id, ttl, self._clock() + ttl),
                 )
                 if cur.rowcount == 1:
                     return lease_id
@@ -234,7 +364,7 @@ class FileStore(DiscoveryStore):
 
     async def keep_alive(self, lease_id: int) -> bool:
         def keep(db: sqlite3.Connection) -> bool:
-            now = time.time()
+            now = self._clock()
             cur = db.execute(
                 "UPDATE leases SET expires_at = ? + ttl WHERE id = ? AND expires_at >= ?",
                 (now, lease_id, now),
@@ -260,7 +390,7 @@ class FileStore(DiscoveryStore):
         def put(db: sqlite3.Connection) -> int:
             if lease_id is not None:
                 row = db.execute(
-                    "SELECT 1 FROM leases WHERE id=? AND expires_at >= ?", (lease_id, time.time())
+                    "SELECT 1 FROM leases WHERE id=? AND expires_at >= ?", (lease_id, self._clock())
                 ).fetchone()
                 if row is None:
                     raise DiscoveryError(f"cannot put {key!r}: lease {lease_id:x} does not exist")
@@ -350,10 +480,17 @@ class FileStore(DiscoveryStore):
         """Changes under ``prefix`` after revision ``after`` and the store revision they reach
         (a resync when the log was trimmed past ``after``)."""
         self._sweep()
+        db = self._conn()
+        (version,) = db.execute("PRAGMA data_version").fetchone()
+        seen = self._seen
+        if seen is not None and seen[:2] == (version, self._writes) and after >= seen[2]:
+            return [], after  # nobody committed since the last read of the log
+        self.log_reads += 1
 
         def changes(db: sqlite3.Connection) -> tuple[list[WatchEvent], int]:
             (compacted,) = db.execute("SELECT value FROM meta WHERE name='compacted'").fetchone()
             (rev,) = db.execute("SELECT value FROM meta WHERE name='revision'").fetchone()
+            self._seen = (version, self._writes, int(rev))
             if after < compacted:
                 return self._resync(db, prefix, after), int(rev)
             if rev <= after:
