@@ -196,13 +196,19 @@ class Migration:
                 stream = self._inner(attempt, ctx)
                 anext_ = stream.__anext__
                 watch.limit = ttft
+                rearm = True  # a new attempt: its TTFT limit may be sooner than the timer
                 try:
                     while True:
                         now = watch.since = time()
                         if now >= watch.deadline:
                             raise self._timed_out(ctx, timeout, generated)
                         watch.waiting = True
-                        watch.arm()
+                        if rearm or watch._handle is None:
+                            # Otherwise the pending timer is due no later than needed (the
+                            # wait starts later than before, the limit is unchanged) and it
+                            # moves itself when it fires early: nothing to do per token.
+                            watch.arm()
+                            rearm = False
                         try:
                             output = await anext_()
                         except StopAsyncIteration:
@@ -228,7 +234,9 @@ class Migration:
                             ) from None
                         finally:
                             watch.waiting = False
-                        watch.limit = stall
+                        if watch.limit != stall:
+                            watch.limit = stall
+                            rearm = True
                         if output.finish_reason is _ERROR and output.error_kind is not None:
                             self._raise_for_kind(output, request, ctx, migrations, generated)
                         if output.token_ids:
