@@ -188,3 +188,41 @@ async def test_polls_skip_the_log_when_nobody_committed(path: str) -> None:
     finally:
         await store.close()
         await other.close()
+
+
+def test_default_path_per_deployment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from turnout.errors import ConfigError
+    from turnout.runtime.discovery import default_file_store_path
+
+    monkeypatch.delenv("TURNOUT_STORE_PATH", raising=False)
+    uid = os.getuid()
+    assert default_file_store_path() == f"/tmp/turnout-{uid}/discovery.sqlite"
+    assert (
+        default_file_store_path("serve-8000") == f"/tmp/turnout-{uid}/serve-8000/discovery.sqlite"
+    )
+    for bad in ("", "a/b", ".."):
+        with pytest.raises(ConfigError, match="one path component"):
+            default_file_store_path(bad)
+    monkeypatch.setenv("TURNOUT_STORE_PATH", str(tmp_path / "env.sqlite"))
+    assert default_file_store_path("serve-8000") == str(tmp_path / "env.sqlite")
+
+
+def test_serve_default_store_is_per_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two ``turnout serve`` trees on one machine do not share a store; ``--store-path`` and
+    ``TURNOUT_STORE_PATH`` still choose one."""
+    from turnout.cli.main import build_parser
+    from turnout.cli.serve import ServeTree
+
+    monkeypatch.delenv("TURNOUT_STORE_PATH", raising=False)
+
+    def store_path(*argv: str) -> str:
+        args = build_parser().parse_args(["serve", "--engine", "echo", *argv])
+        return ServeTree(args).store_path
+
+    uid = os.getuid()
+    assert store_path("--port", "8001") == f"/tmp/turnout-{uid}/serve-8001/discovery.sqlite"
+    assert store_path("--port", "8002") == f"/tmp/turnout-{uid}/serve-8002/discovery.sqlite"
+    given = str(tmp_path / "mine.sqlite")
+    assert store_path("--port", "8001", "--store-path", given) == given
+    monkeypatch.setenv("TURNOUT_STORE_PATH", given)
+    assert store_path("--port", "8001") == given

@@ -226,7 +226,9 @@ class ServeTree:
         if args.num_workers < 0:
             raise TurnoutError("--num-workers must be 0 or more")
         self.args = args
-        self.store_path = args.store_path or default_file_store_path()
+        # One store per tree (named by its HTTP port), not one per user: two trees on one
+        # machine would otherwise serve each other's workers.
+        self.store_path = args.store_path or default_file_store_path(f"serve-{args.port}")
         config = frontend_config(args)
         config.planes.store_path = self.store_path
         self.frontend = Frontend(config)

@@ -49,9 +49,21 @@ _OPTIONS: dict[str, frozenset[str]] = {
 }
 
 
-def default_file_store_path() -> str:
-    """``$TURNOUT_STORE_PATH``, else ``/tmp/turnout-<uid>/discovery.sqlite``."""
-    return os.environ.get("TURNOUT_STORE_PATH") or f"/tmp/turnout-{os.getuid()}/discovery.sqlite"
+def default_file_store_path(deployment: str | None = None) -> str:
+    """``$TURNOUT_STORE_PATH``, else ``/tmp/turnout-<uid>/discovery.sqlite``, or with a
+    ``deployment`` name ``/tmp/turnout-<uid>/<deployment>/discovery.sqlite``.
+
+    The name keeps unrelated deployments of one user apart: two ``turnout serve`` trees on one
+    machine sharing a store would route each other's models and see each other's workers.
+    """
+    given = os.environ.get("TURNOUT_STORE_PATH")
+    if given:
+        return given
+    if deployment is not None:
+        if not deployment or "/" in deployment or deployment in (".", ".."):
+            raise ConfigError(f"a deployment name is one path component, got {deployment!r}")
+        return f"/tmp/turnout-{os.getuid()}/{deployment}/discovery.sqlite"
+    return f"/tmp/turnout-{os.getuid()}/discovery.sqlite"
 
 
 def _make_memory(path: str | None, options: dict[str, Any]) -> DiscoveryStore:
