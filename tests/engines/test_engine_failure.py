@@ -144,3 +144,30 @@ def test_requests_that_can_never_run_are_bad_requests() -> None:
     scheduler = Scheduler(MockerConfig(num_gpu_blocks=1, block_size=4))
     refused = scheduler.add_request("a", request(n=10))
     assert refused is not None and refused.error_kind == ErrorKind.BAD_REQUEST.value
+
+
+async def test_a_full_queue_is_reported_busy_and_routers_skip_it() -> None:
+    from turnout.protocols.kv import KvEventBatch, LoadReport
+    from turnout.router.kv.base import WorkerKey
+    from turnout.router.kv.worker_load import WorkerLoads
+
+    class Sink:
+        def __init__(self) -> None:
+            self.loads: list[LoadReport] = []
+
+        def publish_kv(self, batch: KvEventBatch) -> None:
+            pass
+
+        def publish_load(self, report: LoadReport) -> None:
+            self.loads.append(report)
+
+    sink = Sink()
+    engine = MockerEngine(MockerConfig(max_waiting=1), sink=sink)
+    rank = engine._ranks[0]
+    assert rank.scheduler.add_request("a", request()) is None
+    engine._maybe_publish_load(rank, force=False)
+    report = sink.loads[-1]
+    assert report.busy
+    loads = WorkerLoads()  # no thresholds: only the worker's own word
+    assert loads.on_load(report, now=0.0)
+    assert loads.is_busy(WorkerKey(report.worker_id, report.dp_rank), now=1.0)

@@ -73,6 +73,9 @@ class LoadReport(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     num_running: int = 0
     total_kv_blocks: int = 0
+    #: The worker refuses new requests now (its waiting queue is at its bound): routers
+    #: leave it out, whatever their thresholds, until a report says otherwise.
+    busy: bool = False
 
 
 KV_SNAPSHOT_HANDLER = "kv_snapshot"

@@ -468,6 +468,7 @@ class MockerEngine(Engine):
             load.num_running,
             load.active_decode_blocks,
             load.active_prefill_tokens,
+            rank.scheduler.is_full,
         )
         if not force and key == rank.last_load_key:
             return
@@ -482,6 +483,7 @@ class MockerEngine(Engine):
             num_waiting=load.num_waiting,
             num_running=load.num_running,
             total_kv_blocks=load.total_kv_blocks,
+            busy=rank.scheduler.is_full,
         )
         try:
             self._sink.publish_load(report)

@@ -50,6 +50,8 @@ class WorkerLoads:
         return busy
 
     def _is_over_threshold(self, report: LoadReport) -> bool:
+        if report.busy:  # the worker says so itself (e.g. its waiting queue is full)
+            return True
         kv = self._kv_threshold
         waiting = self._waiting_threshold
         return (kv is not None and report.kv_usage > kv) or (
