@@ -9,11 +9,14 @@
     ├── RequestPlaneError           sending to / streaming from a worker failed
     │   ├── PeerUnavailable         could not reach the instance (nothing was sent): retry elsewhere
     │   ├── StreamBroken            the peer went away mid-stream: migrate
-    │   └── RemoteError             the worker's handler raised; carries its message
+    │   ├── RemoteError             the worker's handler raised; carries its message
+    │   └── WorkerProtocolError     the worker's answer is not the protocol (HTTP 502)
     ├── RequestError                the request itself is wrong (HTTP 400)
     │   ├── ContextLengthExceeded   prompt does not fit the model's context
     │   └── EngineBadRequest        the engine refused the request as invalid
     ├── ModelNotFound               no such model (HTTP 404)
+    ├── InstanceNotFound            the instance a request pins does not exist (HTTP 404)
+    ├── FrontendOverloaded          admission limits reached (HTTP 429/503/529, Retry-After)
     ├── NoInstanceAvailable         the model has no live, not-busy instance (HTTP 503)
     │   └── EngineOverloaded        the worker's engine queue is full (HTTP 503, Retry-After)
     ├── RequestTimedOut             the request's deadline passed (HTTP 504)
@@ -93,3 +96,31 @@ class EngineOverloaded(NoInstanceAvailable):
 class RequestTimedOut(TurnoutError):
     """The request's deadline (``--request-timeout``, ``nvext.request_timeout``) passed; its
     work was cancelled (HTTP 504)."""
+
+
+class WorkerProtocolError(RequestPlaneError):
+    """A worker answered with something that is not the protocol (an undecodable or
+    ill-typed output): the worker's or the deployment's fault, never the client's (HTTP
+    502). Not migrated: another worker of the same build would likely answer the same."""
+
+
+class InstanceNotFound(TurnoutError):
+    """The instance a request pins (``nvext.backend_instance_id``) is not one discovery
+    knows: retrying cannot help (HTTP 404). A known instance that is down stays
+    ``NoInstanceAvailable`` (503)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class FrontendOverloaded(TurnoutError):
+    """The frontend's admission limits turned the request away (``--max-inflight``,
+    ``--max-inflight-per-model``, ``--queue-size``, ``--queue-timeout``). ``reason`` is a
+    bounded label (``queue_full``, ``queue_timeout``, ``model_limit``); ``waited`` the
+    seconds it spent queued. HTTP ``--reject-status`` (429, 503 or 529) with ``Retry-After``."""
+
+    def __init__(self, message: str, *, reason: str, waited: float = 0.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.waited = waited

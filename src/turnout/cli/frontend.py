@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
+from turnout.frontend.http_errors import REJECT_STATUSES
 from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
@@ -39,6 +40,20 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
     add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
              help="largest accepted request body (413 above)")  # fmt: skip
+    add_flag(p, "--max-inflight", default=1024, type=int,
+             help="requests in flight in the whole frontend; more wait in the queue "
+                  "(0: unlimited)")  # fmt: skip
+    add_flag(p, "--max-inflight-per-model", default=0, type=int,
+             help="requests in flight per model; more wait in the queue "
+                  "(0: unlimited)")  # fmt: skip
+    add_flag(p, "--queue-size", default=1024, type=int,
+             help="requests that may wait for a slot, by nvext.priority (higher first) "
+                  "then arrival; past it they are rejected (0: no queue)")  # fmt: skip
+    add_flag(p, "--queue-timeout", default=30.0, type=float,
+             help="seconds a request may wait for a slot before it is rejected")  # fmt: skip
+    add_flag(p, "--reject-status", default=503, type=int, choices=REJECT_STATUSES,
+             help="HTTP status of admission rejections, with Retry-After "
+                  "(429, 503, or 529 as Dynamo)")  # fmt: skip
     add_flag(p, "--artifact-cache",
              help="directory caching the tokenizers fetched from workers, by checksum "
                   "(off: none; default ~/.cache/turnout/artifacts)")  # fmt: skip
@@ -86,6 +101,11 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         kv_share_active=not args.no_router_replica_sync,
         router_min_initial_workers=args.router_min_initial_workers,
         artifact_cache=args.artifact_cache,
+        max_inflight=args.max_inflight,
+        max_inflight_per_model=args.max_inflight_per_model,
+        queue_size=args.queue_size,
+        queue_timeout=args.queue_timeout,
+        reject_status=args.reject_status,
         request_timeout=args.request_timeout,
         ttft_timeout=args.ttft_timeout,
         stall_timeout=args.stall_timeout,

@@ -9,6 +9,10 @@ starts (bad input, unknown model, no instance, a worker dying before answering) 
 status and an OpenAI-style body. A failure after streaming started is sent as an SSE
 ``error`` event (OpenAI clients raise it). A client that disconnects cancels its request:
 the handler task is cancelled, which closes the pipeline and sends a cancel to the worker.
+
+Admission (``admission.AdmissionController``) comes after the body is decoded and the model
+resolved (a 400 or 404 never takes a slot or a place in the queue) and before preprocessing
+(tokenizing is work worth bounding); the slot is held until the response's last byte.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import msgspec
 from granian.rsgi import HTTPProtocol, Scope
 
+from turnout.errors import FrontendOverloaded
 from turnout.protocols.llm import FinishReason
 from turnout.protocols.openai import (
     ChatCompletionRequest,
@@ -28,10 +33,12 @@ from turnout.protocols.openai import (
     ModelList,
     ModelObject,
 )
+from turnout.router.push_router import PIN_METADATA, check_pinned
 from turnout.runtime.context import RequestContext
 
-from .http_errors import HttpError, to_http_error
-from .metrics import CONTENT_TYPE, FrontendMetrics, StreamTimer
+from .admission import AdmissionController
+from .http_errors import HttpError, request_decode_error, to_http_error
+from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics, StreamTimer
 from .model_manager import ModelManager
 from .pipeline import Generation, TextPipeline, TokensPipeline
 from .responses import (
@@ -66,10 +73,18 @@ class HttpService:
         metrics: FrontendMetrics,
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        admission: AdmissionController | None = None,
+        reject_status: int = 503,
     ) -> None:
         self.manager = manager
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        #: None: no admission limits (every request runs at once).
+        self.admission = admission
+        #: The status of admission rejections (``--reject-status``: 429, 503 or 529).
+        self.reject_status = reject_status
+        if admission is not None:
+            metrics.watch_admission(lambda: admission.queued)
         self._routes: dict[tuple[str, str], Any] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
@@ -164,7 +179,8 @@ class HttpService:
 
     async def _generate(self, scope: Scope, proto: HTTPProtocol, *, is_chat: bool) -> None:
         endpoint = "chat_completions" if is_chat else "completions"
-        model = "unknown"
+        # The metrics label: a served model's name once resolved, never a client's string.
+        model = UNKNOWN_MODEL
         stream = False
         status = 200
         # A client's x-request-id is kept for logs but never trusted to be unique: ids key the
@@ -187,14 +203,25 @@ class HttpService:
         try:
             body = await self._read_body(scope, proto)
             request: ChatCompletionRequest | CompletionRequest
-            request = (_chat_decoder if is_chat else _completion_decoder).decode(body)
-            model, stream = request.model, request.stream
+            try:
+                request = (_chat_decoder if is_chat else _completion_decoder).decode(body)
+            except msgspec.DecodeError as exc:
+                raise request_decode_error(exc) from None
+            stream = request.stream
             pipeline = (
-                self.manager.get_chat_completions_engine(model)
+                self.manager.get_chat_completions_engine(request.model)
                 if is_chat
-                else self.manager.get_completions_engine(model)
+                else self.manager.get_completions_engine(request.model)
             )
-            inflight = self.metrics.model(model).inflight
+            model = request.model
+            metrics = self.metrics.model(model)
+            ticket = None
+            if self.admission is not None:
+                nvext = request.nvext
+                priority = nvext.priority if nvext is not None else None
+                ticket = await self.admission.acquire(model, priority or 0)
+                metrics.queue_wait.observe(ticket.waited)
+            inflight = metrics.inflight
             inflight.inc()
             try:
                 if isinstance(pipeline, TextPipeline):
@@ -203,6 +230,8 @@ class HttpService:
                     await self._serve_tokens(proto, pipeline, request, ctx)
             finally:
                 inflight.dec()
+                if ticket is not None:
+                    ticket.release()
         except asyncio.CancelledError:
             if not client_gone:
                 raise
@@ -210,9 +239,13 @@ class HttpService:
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             log.info("request %s: client disconnected; work cancelled", ctx.request_id)
         except Exception as exc:  # every failure becomes one HTTP error
-            err = to_http_error(exc)
+            err = to_http_error(exc, reject_status=self.reject_status)
             status = err.status
-            if status in (503, 429):
+            if isinstance(exc, FrontendOverloaded):
+                self.metrics.rejections.labels(model, exc.reason).inc()
+                if exc.waited:
+                    self.metrics.model(model).queue_wait.observe(exc.waited)
+            elif status in (503, 429):
                 self.metrics.rejections.labels(model, "unavailable").inc()
             self._send_error(proto, err)
         finally:
@@ -228,6 +261,10 @@ class HttpService:
         ctx: RequestContext,
     ) -> None:
         pre = await pipeline.preprocess(request)
+        if pre.backend_instance_id is not None:
+            # Every router mode: an unknown pin is a 404 before any work, a known instance
+            # that is down a 503.
+            check_pinned(pipeline.client, pre.backend_instance_id, f"model {request.model}")
         metrics = self.metrics.model(request.model)
         metrics.input_tokens.observe(len(pre.token_ids))
         timer = StreamTimer(metrics)
@@ -367,6 +404,10 @@ class HttpService:
         request: ChatCompletionRequest | CompletionRequest,
         ctx: RequestContext,
     ) -> None:
+        nvext = request.nvext
+        if nvext is not None and nvext.backend_instance_id is not None:
+            # The router cannot read the raw body it forwards: hand it the pin.
+            ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
         chunks = pipeline.generate(body, ctx)
         try:
             first = await anext(chunks)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -33,6 +33,11 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: The ``model`` label of requests whose model the frontend does not serve (or that failed
+#: before naming one): clients choose model strings, and one series per string would let
+#: them grow the metrics without bound.
+UNKNOWN_MODEL = "__unknown__"
 
 
 class _HistogramChild:
@@ -156,9 +161,22 @@ class FrontendMetrics:
             ["model"], registry=r,
         )  # fmt: skip
         self.rejections = Counter(
-            "turnout_rejections", "Requests refused before generation, by reason",
+            "turnout_rejections",
+            "Requests refused before generation, by reason: queue_full, queue_timeout, "
+            "model_limit (admission), unavailable (no instance could take it)",
             ["model", "reason"], registry=r,
         )  # fmt: skip
+        self.queued = Gauge(
+            "turnout_queued_requests", "Requests waiting for an admission slot", registry=r
+        )
+        self.queue_wait = LoopHistogram(
+            "turnout_queue_wait_seconds",
+            "Time requests waited for an admission slot (0 when admitted at once; rejected "
+            "waiters included)",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.card_switches = Counter(
             "turnout_model_card_switches",
             "Times a model moved to another card (rolling upgrade: the last instance of the "
@@ -183,6 +201,10 @@ class FrontendMetrics:
             child = self._requests[key] = self.requests.labels(*key)
         child.inc()
 
+    def watch_admission(self, queued: Callable[[], float]) -> None:
+        """Read ``turnout_queued_requests`` from the admission controller at scrape time."""
+        self.queued.set_function(queued)
+
     def watch_kv_routers(self, routers: Mapping[str, Any]) -> None:
         """Expose the KV routers' own counters (read at scrape time: no hot-path cost)."""
         self.registry.register(_KvRouterCollector(routers))
@@ -195,7 +217,8 @@ class ModelMetrics:
     """The label children of one model (read-only after construction)."""
 
     __slots__ = (
-        "cached_tokens", "duration", "inflight", "input_tokens", "itl", "output_tokens", "ttft",
+        "cached_tokens", "duration", "inflight", "input_tokens", "itl", "output_tokens",
+        "queue_wait", "ttft",
     )  # fmt: skip
 
     def __init__(self, metrics: FrontendMetrics, model: str) -> None:
@@ -206,6 +229,7 @@ class ModelMetrics:
         self.input_tokens = metrics.input_tokens.labels(model)
         self.output_tokens = metrics.output_tokens.labels(model)
         self.cached_tokens = metrics.cached_tokens.labels(model)
+        self.queue_wait = metrics.queue_wait.labels(model)
 
 
 class StreamTimer:

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from turnout.errors import WorkerProtocolError
 from turnout.protocols.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -187,7 +188,12 @@ def aggregate_chunks(chunks: list[bytes], *, is_chat: bool) -> bytes:
     usage: Any = None
     first: dict[str, Any] = {}
     for raw in chunks:
-        chunk = msgspec.json.decode(raw)
+        try:
+            chunk = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise WorkerProtocolError(f"a worker's chunk is not JSON: {exc}") from exc
+        if not isinstance(chunk, dict):
+            raise WorkerProtocolError(f"a worker's chunk is not a JSON object: {raw[:80]!r}")
         first = first or chunk
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices") or []:

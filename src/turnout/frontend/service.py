@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 from granian.constants import Interfaces
 from granian.server.embed import Server
 
-from turnout.errors import TurnoutError
+from turnout.errors import ConfigError, TurnoutError
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import PlanesConfig, open_runtime
 
+from .admission import AdmissionController, AdmissionLimits, Clock
 from .artifacts import ArtifactFetcher, DiskArtifactCache
 from .http import DEFAULT_MAX_BODY_BYTES, HttpService
+from .http_errors import REJECT_STATUSES
 from .metrics import FrontendMetrics
 from .model_manager import ModelManager
 from .model_watcher import ModelWatcher
@@ -46,6 +48,14 @@ class FrontendConfig:
     #: Where fetched model artifacts are cached on disk (``off``: nowhere; None: what
     #: ``$TURNOUT_ARTIFACT_CACHE`` says, else ``~/.cache/turnout/artifacts``).
     artifact_cache: str | None = None
+    #: Admission: requests in flight frontend-wide and per model (0: unlimited), and the
+    #: bounded priority queue of those waiting for a slot (see ``admission``).
+    max_inflight: int = 1024
+    max_inflight_per_model: int = 0
+    queue_size: int = 1024
+    queue_timeout: float = 30.0
+    #: Status of admission rejections: 429, 503 or 529 (Dynamo's), with ``Retry-After``.
+    reject_status: int = 503
     #: Seconds a request may take in all, migrations included (0: no deadline); a request's
     #: ``nvext.request_timeout`` overrides it. Past it: 504 (an SSE error once streaming).
     request_timeout: float = 0.0
@@ -58,8 +68,29 @@ class FrontendConfig:
 class Frontend:
     """Owns the runtime, the watcher task and the embedded granian server."""
 
-    def __init__(self, config: FrontendConfig, runtime: DistributedRuntime | None = None) -> None:
+    def __init__(
+        self,
+        config: FrontendConfig,
+        runtime: DistributedRuntime | None = None,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        """``clock``: admission's time source (tests inject one; default: the event loop)."""
         self.config = config
+        if config.reject_status not in REJECT_STATUSES:
+            raise ConfigError(
+                f"--reject-status must be one of {', '.join(map(str, REJECT_STATUSES))}, "
+                f"got {config.reject_status}"
+            )
+        self.admission = AdmissionController(
+            AdmissionLimits(
+                max_inflight=config.max_inflight,
+                max_inflight_per_model=config.max_inflight_per_model,
+                queue_size=config.queue_size,
+                queue_timeout=config.queue_timeout,
+            ),
+            clock=clock,
+        )
         self.metrics = FrontendMetrics()
         self.manager = ModelManager()
         self.runtime = runtime
@@ -97,7 +128,13 @@ class Frontend:
         self.metrics.watch_kv_routers(factory.kv_routers)
         self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)
         self._tasks.append(asyncio.create_task(self.watcher.watch(), name="model-watcher"))
-        service = HttpService(self.manager, self.metrics, max_body_bytes=cfg.max_body_bytes)
+        service = HttpService(
+            self.manager,
+            self.metrics,
+            max_body_bytes=cfg.max_body_bytes,
+            admission=self.admission,
+            reject_status=cfg.reject_status,
+        )
         self._server = Server(
             service,
             address=cfg.host,
@@ -106,6 +143,11 @@ class Frontend:
             log_enabled=False,
             websockets=False,
             backlog=1024,
+            # Granian holds at most ``backpressure`` connections (idle keep-alive ones too)
+            # and leaves the rest unread in the accept queue, where no admission limit, no
+            # rejection and no timeout of ours can see them. Keep it well above what
+            # admission lets in, so overload gets its clean, immediate rejection instead.
+            backpressure=max(4096, 2 * (cfg.max_inflight + cfg.queue_size)),
         )
         self._tasks.append(asyncio.create_task(self._server.serve(), name="http"))
         await self._wait_listening()
@@ -145,6 +187,7 @@ class Frontend:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.stop()
+        self.admission.close()
         for task in self._tasks:
             if task.get_name() != "http":
                 task.cancel()

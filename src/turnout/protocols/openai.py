@@ -22,6 +22,9 @@ class NvExt(msgspec.Struct, kw_only=True):
     extra_fields: list[str] | None = None
     annotations: list[str] | None = None
     greed_sampling: bool | None = None
+    #: Admission priority while the frontend's request slots are full: higher waits less
+    #: (first-come-first-served within a priority); default 0, negative allowed.
+    priority: int | None = None
     #: Seconds this request may take in all (overrides ``--request-timeout``); > 0.
     request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
 

@@ -8,6 +8,12 @@ Failure handling: an instance that cannot be reached (``PeerUnavailable``: nothi
 delivered) is set aside by the endpoint client and the request goes to another instance, up to
 ``max_attempts``; a stream that breaks after delivery (``StreamBroken``) propagates to the
 migration operator above, which knows how much was generated.
+
+Pinned requests (``nvext.backend_instance_id``; router mode ``direct`` requires one): a pin
+to an instance discovery does not know is ``InstanceNotFound`` (404: retrying cannot help);
+a pin to a known instance that is set aside or unreachable is ``NoInstanceAvailable`` (503).
+A worker output that does not decode is ``WorkerProtocolError`` (502), never the client's
+fault.
 """
 
 from __future__ import annotations
@@ -16,7 +22,15 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Generic, Protocol, TypeVar
 
-from turnout.errors import NoInstanceAvailable, PeerUnavailable
+import msgspec
+
+from turnout.errors import (
+    InstanceNotFound,
+    NoInstanceAvailable,
+    PeerUnavailable,
+    RequestError,
+    WorkerProtocolError,
+)
 from turnout.protocols.llm import PreprocessedRequest
 from turnout.router.selectors import InstanceSelector
 from turnout.runtime.context import RequestContext
@@ -25,6 +39,33 @@ log = logging.getLogger("turnout.router")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+
+#: The request field that pins an instance (named in client-facing errors).
+PIN_PARAM = "nvext.backend_instance_id"
+#: ``RequestContext.metadata`` key carrying the pin of a request the router cannot read
+#: (a Text-input model's raw OpenAI body); set by the frontend.
+PIN_METADATA = "backend_instance_id"
+
+
+def check_pinned(client: InstanceSource, instance_id: int, endpoint_name: str = "") -> None:
+    """``InstanceNotFound`` when discovery does not know ``instance_id``, or
+    ``NoInstanceAvailable`` when it is known but not live (set aside, unreachable)."""
+    live = client.instance_ids()
+    if instance_id in live:
+        return
+    announced = getattr(client, "announced_ids", None)
+    known = announced() if announced is not None else live
+    where = f" of {endpoint_name}" if endpoint_name else ""
+    if instance_id not in known:
+        raise InstanceNotFound(
+            f"no instance {instance_id:x}{where} ({PIN_PARAM}); "
+            f"live instances: {[f'{i:x}' for i in live]}",
+            param=PIN_PARAM,
+        )
+    raise NoInstanceAvailable(
+        f"instance {instance_id:x}{where} named by the request ({PIN_PARAM}) is not available "
+        "now (set aside after a failure, or not ready); retry later"
+    )
 
 
 class InstanceSource(Protocol):
@@ -55,16 +96,24 @@ class PushRouter(Generic[Req, Resp]):
         self._endpoint_name = endpoint_name
         self._max_attempts = max_attempts
 
-    def _pick(self, request: Req, excluded: set[int]) -> int:
-        live = self._client.instance_ids()
-        pinned = request.backend_instance_id if isinstance(request, PreprocessedRequest) else None
+    def _pick(self, request: Req, excluded: set[int], ctx: RequestContext) -> int:
+        if isinstance(request, PreprocessedRequest):
+            pinned = request.backend_instance_id
+        else:
+            pinned = ctx.metadata.get(PIN_METADATA)
         if pinned is not None:
-            if pinned in live and pinned not in excluded:
-                return pinned
-            raise NoInstanceAvailable(
-                f"instance {pinned:x} named by the request is not available "
-                f"(live instances of {self._endpoint_name}: {[f'{i:x}' for i in live]})"
+            if pinned in excluded:
+                raise NoInstanceAvailable(
+                    f"instance {pinned:x} named by the request ({PIN_PARAM}) is unreachable"
+                )
+            check_pinned(self._client, pinned, self._endpoint_name)
+            return pinned
+        if self._selector.needs_pin:
+            raise RequestError(
+                f"router mode 'direct' needs the request to name its instance ({PIN_PARAM})",
+                param=PIN_PARAM,
             )
+        live = self._client.instance_ids()
         candidates = [i for i in live if i not in excluded] if excluded else live
         if not candidates:
             raise NoInstanceAvailable(
@@ -80,12 +129,19 @@ class PushRouter(Generic[Req, Resp]):
         excluded: set[int] = set()
         decode = self._decode
         while True:
-            instance_id = self._pick(request, excluded)
+            instance_id = self._pick(request, excluded, ctx)
             ctx.metadata["worker_instance_id"] = instance_id
             stream = self._client.stream(instance_id, payload, ctx)
             try:
                 async for raw in stream:
-                    yield decode(raw)
+                    try:
+                        item = decode(raw)
+                    except msgspec.DecodeError as exc:  # ValidationError included
+                        raise WorkerProtocolError(
+                            f"instance {instance_id:x} of {self._endpoint_name or 'the model'} "
+                            f"sent an output that does not decode: {exc}"
+                        ) from exc
+                    yield item
                 return
             except PeerUnavailable as exc:
                 excluded.add(instance_id)

@@ -10,12 +10,16 @@ import abc
 import random
 from collections.abc import Sequence
 
-from turnout.errors import ConfigError, NotYetSupported
+from turnout.errors import ConfigError, NotYetSupported, RequestError
 from turnout.protocols.llm import PreprocessedRequest
 from turnout.router.mode import RouterMode
 
 
 class InstanceSelector(abc.ABC):
+    #: True when every request must name its instance (``direct``): the router then refuses
+    #: an unpinned request as the client's error before looking at candidates.
+    needs_pin = False
+
     @abc.abstractmethod
     def select(self, candidates: Sequence[int], request: PreprocessedRequest | None) -> int: ...
 
@@ -41,13 +45,18 @@ class RandomSelector(InstanceSelector):
 
 
 class DirectSelector(InstanceSelector):
-    """The request names its instance (``nvext.backend_instance_id``)."""
+    """The request names its instance (``nvext.backend_instance_id``); the push router
+    honours pins itself, so this is only reached by a request without one: the client's
+    error (HTTP 400), not the deployment's."""
+
+    needs_pin = True
 
     def select(self, candidates: Sequence[int], request: PreprocessedRequest | None) -> int:
         if request is None or request.backend_instance_id is None:
-            raise ConfigError(
+            raise RequestError(
                 "router mode 'direct' needs the request to name its instance "
-                "(nvext.backend_instance_id)"
+                "(nvext.backend_instance_id)",
+                param="nvext.backend_instance_id",
             )
         return request.backend_instance_id
 
