@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from turnout.runtime.discovery import FileStore, WatchEventKind
+from turnout.runtime.lease import Lease
 
 CHILD = """
 import asyncio, sys
@@ -90,4 +91,60 @@ async def test_processes_opening_one_fresh_file_concurrently(tmp_path: Path) -> 
         assert len(kvs) == 80
         assert sorted(kv.revision for kv in kvs) == list(range(1, 81))  # one revision each
     finally:
+        await store.close()
+
+
+STOPPED_WRITER = """
+import os, signal, sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+db.execute("UPDATE meta SET value=value WHERE name='revision'")
+print("locked", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # stopped inside the transaction, holding the lock
+db.execute("COMMIT")
+"""
+
+
+async def test_a_process_stopped_inside_a_transaction_ends_no_live_lease(tmp_path: Path) -> None:
+    """One process stopped while it holds the write lock (for several TTLs) must not make the
+    others' leases expire: they get the stalled time back. A lease nobody keeps alive still
+    ends afterwards."""
+    path = str(tmp_path / "d.sqlite")
+    store = FileStore(path, poll_interval=0.02)
+    lease = await Lease.grant(store, TTL)
+    await store.put("w/live", b"", lease_id=lease.id)
+    orphan = await store.grant_lease(TTL)  # its holder is gone: never kept alive
+    await store.put("w/orphan", b"", lease_id=orphan)
+    watch = store.watch_prefix("w/")
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", STOPPED_WRITER, path, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        async with asyncio.timeout(20):
+            assert (await child.stdout.readline()).strip() == b"locked"
+            assert {(await anext(watch)).kv.key for _ in range(2)} == {"w/live", "w/orphan"}
+        # Reads go on while the lock is held (WAL); the keep-alives wait.
+        await asyncio.sleep(4 * TTL)
+        assert {kv.key for kv in await store.get_prefix("w/")} == {"w/live", "w/orphan"}
+        os.kill(child.pid, signal.SIGCONT)
+        async with asyncio.timeout(20):
+            assert await child.wait() == 0
+            # The orphan ends (within a TTL and a poll); the kept-alive lease never does.
+            event = await anext(watch)
+        assert (event.kind, event.kv.key) == (WatchEventKind.DELETE, "w/orphan")
+        await asyncio.sleep(2 * TTL)
+        assert not lease.lost.is_set()
+        assert await store.get("w/live") is not None
+        await store.put("w/barrier", b"")
+        async with asyncio.timeout(5):
+            event = await anext(watch)
+        assert (event.kind, event.kv.key) == (WatchEventKind.PUT, "w/barrier")
+    finally:
+        if child.returncode is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            await child.wait()
+        await watch.aclose()
+        await lease.revoke()
         await store.close()

@@ -4,6 +4,13 @@ Keys put under ``lease.id`` live as long as this process keeps the lease alive; 
 process dies (or hangs past the TTL), the store ends the lease and every watcher sees the
 keys vanish. ``lost`` tells the owner when the keep-alive found the lease already gone (the
 keys are gone too; re-register under a new lease).
+
+Only the store says a lease has ended. A keep-alive that fails (the store is unreachable, or
+its write lock is held by a stopped process) is retried every interval for as long as it
+takes; past the TTL an error is logged once (the keys have probably vanished for the others),
+and the first answer decides: ``False`` (etcd ended it meanwhile) sets ``lost``, ``True`` (the
+file store gives leases back the time its lock was held) means nothing was lost, and no
+instance needs to register again under a new id.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ class Lease:
         self.store = store
         self.id = lease_id
         self.ttl = ttl
-        #: Set when the keep-alive finds the lease ended (expired or revoked elsewhere), or
-        #: cannot reach the store for longer than the TTL.
+        #: Set when the store answers a keep-alive with "ended" (expired or revoked
+        #: elsewhere); an unreachable store is retried until it answers.
         self.lost = asyncio.Event()
         self._revoked = False
         self._task = asyncio.get_running_loop().create_task(
@@ -45,6 +52,7 @@ class Lease:
     async def _keep_alive(self) -> None:
         interval = self.ttl / 3
         last_ok = time.monotonic()
+        overdue = False
         while True:
             await asyncio.sleep(interval)
             try:
@@ -54,14 +62,22 @@ class Lease:
             except Exception as exc:
                 if time.monotonic() - last_ok < self.ttl:
                     logger.warning("lease %x keep-alive failed, retrying: %s", self.id, exc)
-                    continue
-                logger.error("lease %x lost: store unreachable for %.1fs", self.id, self.ttl)
-                self.lost.set()
-                return
+                elif not overdue:
+                    overdue = True
+                    logger.error(
+                        "lease %x not kept alive for %.1fs, more than its TTL; still trying: %s",
+                        self.id,
+                        time.monotonic() - last_ok,
+                        exc,
+                    )
+                continue
             if not alive:
                 logger.error("lease %x lost: it ended before its keep-alive", self.id)
                 self.lost.set()
                 return
+            if overdue:
+                logger.warning("lease %x kept alive again; nothing was lost", self.id)
+                overdue = False
             last_ok = time.monotonic()
 
     async def revoke(self) -> None:

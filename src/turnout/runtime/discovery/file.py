@@ -46,6 +46,20 @@ start again in a new file, and a watcher resuming from a revision of the old one
 every change until the new file caught up, which is the silent split again. Restart the
 processes of the deployment.
 
+**A process stopped inside a write transaction** (SIGSTOP, a debugger, a swapped-out VM)
+holds SQLite's one write lock: readers go on (WAL), but no keep-alive can be written, and
+when the lock comes back every lease looks past its deadline and the first sweep would end
+them all, for a fault of one process. So the store's time is taken to stand still while
+nobody can write, as etcd refreshes every lease when it elects a new leader: each write
+transaction records when it started; a writer that had to wait for the lock (at least
+``_STALL_MIN``) gives every lease alive when the stall began the stalled time back, from the
+start of the transaction that held the lock (or its own first refused attempt, if earlier),
+once per stall (``extended_until``). A writer waits ``_BUSY_TIMEOUT_MS`` at a time and is
+retried, freeing the store's thread between attempts, for up to ``_BUSY_TOTAL`` seconds; a
+sweep does not wait (the next poll sweeps). The price: a process that died holding the lock
+(SQLite releases it; its transaction is rolled back) leaves the leases of the others a little
+longer, by the time since the last committed transaction began.
+
 **Polling.** A watch poll first asks ``PRAGMA data_version``, which changes when another
 connection commits; with no commit from anyone (this connection's own are counted apart)
 since the last poll that read the log, there is nothing new and the log is not read.
@@ -70,7 +84,16 @@ from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent,
 HISTORY_LIMIT = 10_000
 #: Trim the log every this many revisions (cheap, amortised).
 _TRIM_EVERY = 500
-_BUSY_TIMEOUT_MS = 10_000
+#: How long one attempt waits for the write lock; busy attempts are retried up to
+#: ``_BUSY_TOTAL`` seconds in all, other calls of the store running in between.
+_BUSY_TIMEOUT_MS = 1_000
+_BUSY_TOTAL = 10.0
+#: A sweep waits this little for the lock: it is retried at the next poll anyway.
+_SWEEP_BUSY_MS = 50
+#: A wait for the write lock this long is a stall: leases get the stalled time back.
+_STALL_MIN = 0.25
+#: Refused attempts closer together than this are one continuous wait.
+_BUSY_CONTINUITY = 5.0
 _PUT, _DELETE = 0, 1
 #: A lease whose deadline is further ahead than its TTL plus this was not written with this
 #: clock (see the module docstring) and is ended.
@@ -108,6 +131,7 @@ CREATE TABLE IF NOT EXISTS tombstones (
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0);
+INSERT OR IGNORE INTO meta VALUES ('txn_started', 0), ('extended_until', 0);
 CREATE TABLE IF NOT EXISTS clock (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -126,6 +150,14 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY: another connection holds the lock this one waited for."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) == sqlite3.SQLITE_BUSY
+    return "locked" in str(exc) or "busy" in str(exc)
 
 
 def _prefix_end(prefix: str) -> str | None:
@@ -179,6 +211,9 @@ class FileStore(DiscoveryStore):
         self._seen: tuple[int, int, int] | None = None
         #: How often a watch poll read the log (tests check the polls that had nothing to do).
         self.log_reads = 0
+        #: When this process's write attempts started being refused (busy), and the last one.
+        self._busy_since: float | None = None
+        self._busy_last = -float("inf")
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -186,10 +221,18 @@ class FileStore(DiscoveryStore):
         if self._closed:
             raise DiscoveryError(f"file store {self.path} is closed")
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, self._checked, fn, *args)
-        except sqlite3.Error as exc:
-            raise DiscoveryError(f"file store {self.path}: {exc}") from exc
+        deadline = loop.time() + _BUSY_TOTAL
+        while True:
+            try:
+                return await loop.run_in_executor(self._executor, self._checked, fn, *args)
+            except sqlite3.OperationalError as exc:
+                # Another process holds the write lock: try again, letting this store's
+                # other calls (reads never wait for the lock) run in between.
+                if _is_busy(exc) and loop.time() < deadline and not self._closed:
+                    continue
+                raise DiscoveryError(f"file store {self.path}: {exc}") from exc
+            except sqlite3.Error as exc:
+                raise DiscoveryError(f"file store {self.path}: {exc}") from exc
 
     def _checked(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run ``fn`` unless the path no longer names the file this store opened."""
@@ -259,6 +302,7 @@ class FileStore(DiscoveryStore):
         row = db.execute("SELECT value FROM clock WHERE name='boot_id'").fetchone()
         if row is not None and row[0] == self._boot_id:
             return
+        db.execute("UPDATE meta SET value=0 WHERE name IN ('txn_started', 'extended_until')")
         ids = [lease_id for (lease_id,) in db.execute("SELECT id FROM leases").fetchall()]
         if ids:
             logger.warning(
@@ -270,11 +314,26 @@ class FileStore(DiscoveryStore):
         self._end_leases(db, ids)
         db.execute("INSERT OR REPLACE INTO clock VALUES ('boot_id', ?)", (self._boot_id,))
 
-    def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``fn`` in one IMMEDIATE (write-locked) transaction."""
+    def _write(self, fn: Callable[[sqlite3.Connection], _T], busy_ms: int = _BUSY_TIMEOUT_MS) -> _T:
+        """Run ``fn`` in one IMMEDIATE (write-locked) transaction, waiting up to ``busy_ms``
+        for the lock (then ``sqlite3.OperationalError``, "database is locked")."""
         db = self._conn()
-        db.execute("BEGIN IMMEDIATE")
+        if busy_ms != _BUSY_TIMEOUT_MS:
+            db.execute(f"PRAGMA busy_timeout={busy_ms}")
+        asked = self._clock()
         try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if _is_busy(exc):
+                if self._busy_since is None or asked - self._busy_last > _BUSY_CONTINUITY:
+                    self._busy_since = asked
+                self._busy_last = self._clock()
+            raise
+        finally:
+            if busy_ms != _BUSY_TIMEOUT_MS:
+                db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+        try:
+            self._begin(db, asked)
             result = fn(db)
         except BaseException:
             db.execute("ROLLBACK")
@@ -291,6 +350,37 @@ class FileStore(DiscoveryStore):
             return fn(db)
         finally:
             db.execute("COMMIT")
+
+    def _begin(self, db: sqlite3.Connection, asked: float) -> None:
+        """First step of every write transaction: give leases back the time the store was
+        write-locked, if this writer waited for it (see the module docstring), and record
+        when this transaction started."""
+        now = self._clock()
+        since = asked
+        if self._busy_since is not None and asked - self._busy_last <= _BUSY_CONTINUITY:
+            since = min(since, self._busy_since)
+        self._busy_since = None
+        if now - since >= _STALL_MIN:
+            (held_from,) = db.execute("SELECT value FROM meta WHERE name='txn_started'").fetchone()
+            (extended,) = db.execute(
+                "SELECT value FROM meta WHERE name='extended_until'"
+            ).fetchone()
+            start = max(float(extended), min(float(held_from), since))
+            stalled = now - start
+            if stalled >= _STALL_MIN:
+                cur = db.execute(
+                    "UPDATE leases SET expires_at = expires_at + ? WHERE expires_at >= ?",
+                    (stalled, start),
+                )
+                db.execute("UPDATE meta SET value=? WHERE name='extended_until'", (now,))
+                logger.warning(
+                    "file store %s was write-locked for %.1fs (a process stopped or hung inside "
+                    "a transaction?); %d lease(s) given that time back",
+                    self.path,
+                    stalled,
+                    cur.rowcount,
+                )
+        db.execute("UPDATE meta SET value=? WHERE name='txn_started'", (now,))
 
     @staticmethod
     def _next_revision(db: sqlite3.Connection) -> int:
@@ -339,10 +429,17 @@ class FileStore(DiscoveryStore):
         if db.execute(f"SELECT 1 {self._EXPIRED} LIMIT 1", params).fetchone():
 
             def sweep(db: sqlite3.Connection) -> None:
-                expired = db.execute(f"SELECT id {self._EXPIRED}", params)
+                # Now, not when the read above ran: the lock may have been waited for.
+                now = self._clock()
+                expired = db.execute(f"SELECT id {self._EXPIRED}", (now, now, _CLOCK_SLACK))
                 self._end_leases(db, [lease_id for (lease_id,) in expired.fetchall()])
 
-            self._write(sweep)
+            try:
+                self._write(sweep, busy_ms=_SWEEP_BUSY_MS)
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                self._last_sweep = -float("inf")  # someone holds the lock: next poll
 
     # -- leases ---------------------------------------------------------------------------
 
