@@ -222,6 +222,37 @@ async def test_resume_past_compaction_reports_what_vanished(store: DiscoveryStor
         await watch.aclose()
 
 
+async def test_resume_from_get_prefix_past_compaction_reports_what_vanished(
+    store: DiscoveryStore,
+) -> None:
+    """A caller that learned the keys by ``get_prefix`` (no watch ever reported them) and
+    resumes a watch from the newest revision it read, past a compaction, is told of the keys
+    that vanished meanwhile."""
+    await store.put("p/gone", b"1")
+    lease_id = await store.grant_lease(30)
+    await store.put("p/leased", b"2", lease_id=lease_id)
+    await store.put("p/kept", b"3")
+    kvs = await store.get_prefix("p/")
+    resume_at = max(kv.revision for kv in kvs)
+    await store.delete("p/gone")
+    await store.revoke_lease(lease_id)
+    await store.put("p/new", b"4")
+    await store.compact(await store.put("q/other", b""))
+
+    watch = store.watch_prefix("p/", start_revision=resume_at)
+    try:
+        events = await take(watch, 3)
+        assert unordered(events) == {
+            (DELETE, "p/gone", b""),
+            (DELETE, "p/leased", b""),
+            (PUT, "p/new", b"4"),
+        }
+        await store.put("p/after", b"5")
+        assert brief(await take(watch, 1)) == [(PUT, "p/after", b"5")]
+    finally:
+        await watch.aclose()
+
+
 async def test_put_under_unknown_lease_fails(store: DiscoveryStore) -> None:
     with pytest.raises(DiscoveryError, match="lease"):
         await store.put("k", b"v", lease_id=12345)

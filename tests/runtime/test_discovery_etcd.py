@@ -13,20 +13,25 @@ import logging
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 from tests.runtime.conftest import start_etcd
-from tests.servers.etcd import EtcdServer, make_tls_files
+from tests.servers.etcd import EtcdServer, etcd_binary, make_tls_files
 
 from turnout.errors import ConfigError, DiscoveryError
 from turnout.runtime.discovery import (
     EtcdStore,
+    KeyValue,
     WatchEvent,
     WatchEventKind,
     open_store,
 )
+from turnout.runtime.discovery import etcd as etcd_module
 from turnout.runtime.lease import Lease
 
 PUT, DELETE = WatchEventKind.PUT, WatchEventKind.DELETE
@@ -183,14 +188,75 @@ async def test_etcd_on_another_loopback_address(tmp_path: Path) -> None:
 
 
 async def test_fractional_ttl_is_rounded_up(etcd_server: EtcdServer) -> None:
+    """What the store asks etcd for, not what etcd grants: the test etcd's minimum is 1 s,
+    so 1.2 s rounded down (or to nearest) would be granted 1 s, rounded up 2 s."""
     await etcd_server.wipe()
     store = EtcdStore(etcd_server.endpoints)
     try:
-        lease_id = await store.grant_lease(0.2)
-        await store.put("k", b"v", lease_id=lease_id)
-        await asyncio.sleep(0.4)  # past 0.2 s: etcd's lease is a whole second
-        assert await store.get("k") is not None
-        assert await store.keep_alive(lease_id) is True
+        assert await etcd_server.lease_granted_ttl(await store.grant_lease(1.2)) == 2
+        assert await etcd_server.lease_granted_ttl(await store.grant_lease(2.0)) == 2
+        assert await etcd_server.lease_granted_ttl(await store.grant_lease(0.2)) == 1
+        assert await etcd_server.lease_granted_ttl(await store.grant_lease(2.01)) == 3
+    finally:
+        await store.close()
+
+
+async def test_keep_alive_does_not_wait_for_watches_opened_beside_it(
+    etcd_server: EtcdServer,
+) -> None:
+    """A keep-alive settles its own gRPC stream only, not one of a watch opened meanwhile
+    (whose stream lives on): it takes milliseconds, not the 1 s settling timeout."""
+    await etcd_server.wipe()
+    store = EtcdStore(etcd_server.endpoints)
+    lease_id = await store.grant_lease(10)
+    watches: list[AsyncIterator[WatchEvent]] = []
+    waiters: list[asyncio.Future[WatchEvent | None]] = []
+    try:
+        worst = 0.0
+        for i in range(5):
+            keep = asyncio.ensure_future(store.keep_alive(lease_id))
+            watch = store.watch_prefix(f"w{i}/")
+            watches.append(watch)
+            waiters.append(asyncio.ensure_future(anext(watch, None)))  # opens the stream
+            started = time.monotonic()
+            assert await keep is True
+            worst = max(worst, time.monotonic() - started)
+        assert worst < 0.5
+    finally:
+        await store.close()
+        for waiter in waiters:
+            assert await waiter is None
+        for watch in watches:
+            with contextlib.suppress(StopAsyncIteration):
+                await watch.aclose()
+
+
+async def test_delete_retried_after_a_lost_answer_says_deleted(etcd_server: EtcdServer) -> None:
+    """The first attempt deletes the key but its answer is lost (a timeout): the retry finds
+    nothing, and the call still says True (it may well have deleted it); a key that never
+    existed is still False."""
+    await etcd_server.wipe()
+    store = EtcdStore(etcd_server.endpoints)
+    try:
+        await store.put("k", b"v")
+        kv = store._endpoints[0].kv
+        assert kv is not None
+        real_delete = kv.delete
+        attempts = 0
+
+        async def lossy_delete(*args: Any, **kwargs: Any) -> Any:
+            nonlocal attempts
+            attempts += 1
+            resp = await real_delete(*args, **kwargs)
+            if attempts == 1:
+                raise TimeoutError  # applied by etcd, answer lost
+            return resp
+
+        kv.delete = lossy_delete  # type: ignore[method-assign]
+        assert await store.delete("k") is True
+        assert attempts == 2 and await store.get("k") is None
+        attempts = 10  # no more losses
+        assert await store.delete("never") is False
     finally:
         await store.close()
 
@@ -315,6 +381,213 @@ async def test_watch_cut_off_past_compaction_reports_what_vanished(
         await watcher.close()
         await writer.close()
         await proxy.cut()
+
+
+async def test_resume_after_get_prefix_past_compaction_behind_a_cut(
+    etcd_server: EtcdServer,
+) -> None:
+    """What EndpointClient does: get_prefix, then a watch from the newest revision read. A
+    key that goes while the network is cut and etcd compacts is reported gone, although no
+    watch of this store ever reported it."""
+    await etcd_server.wipe()
+    proxy = Proxy(etcd_server.host, etcd_server.client_port)
+    await proxy.restore()
+    reader = EtcdStore([proxy.url], connect_timeout=1)
+    writer = EtcdStore(etcd_server.endpoints)
+    watch: AsyncIterator[WatchEvent] | None = None
+    try:
+        await writer.put("p/a", b"1")
+        await writer.put("p/b", b"1")
+        kvs = await reader.get_prefix("p/")
+        watch = reader.watch_prefix("p/", start_revision=max(kv.revision for kv in kvs))
+        await writer.put("p/c", b"1")
+        assert brief(await take(watch, 1)) == [(PUT, "p/c", b"1")]
+        await proxy.cut()
+        await writer.delete("p/a")
+        await writer.compact(await writer.put("q/other", b""))
+        await proxy.restore()
+        assert brief(await take(watch, 1)) == [(DELETE, "p/a", b"")]
+        await writer.put("p/d", b"1")
+        assert brief(await take(watch, 1)) == [(PUT, "p/d", b"1")]
+    finally:
+        if watch is not None:
+            await watch.aclose()
+        await reader.close()
+        await writer.close()
+        await proxy.cut()
+
+
+async def test_quiet_watch_resumes_after_progress_without_relisting(tmp_path: Path) -> None:
+    """etcd's progress notifications move a quiet watch's resume point: cut off after a
+    compaction of revisions it never needed, it resumes by revision, without a re-list."""
+    if etcd_binary() is None:
+        pytest.skip("the etcd binary is not installed (Debian package etcd-server)")
+    server = EtcdServer(tmp_path / "etcd", progress_notify_interval=0.1).start()
+    proxy = Proxy(server.host, server.client_port)
+    await proxy.restore()
+    watcher = EtcdStore([proxy.url], connect_timeout=1)
+    writer = EtcdStore(server.endpoints)
+    watch = watcher.watch_prefix("p/")
+    listings = 0
+    real_list = watcher._list
+
+    async def counting_list(prefix: str) -> tuple[list[KeyValue], int]:
+        nonlocal listings
+        listings += 1
+        return await real_list(prefix)
+
+    watcher._list = counting_list  # type: ignore[method-assign]
+    try:
+        await writer.put("p/a", b"1")
+        assert brief(await take(watch, 1)) == [(PUT, "p/a", b"1")]
+        assert listings == 1  # the snapshot
+        # The consumer waits on the watch (as EndpointClient does) while others write: the
+        # watched prefix stays quiet.
+        waiter = asyncio.ensure_future(anext(watch))
+        for i in range(5):
+            last = await writer.put(f"q/{i}", b"")
+        await asyncio.sleep(0.5)  # a few progress notifications
+        await writer.compact(last)
+        await proxy.cut()
+        await proxy.restore()
+        await writer.put("p/b", b"1")
+        async with asyncio.timeout(10):
+            assert brief([await waiter]) == [(PUT, "p/b", b"1")]
+        assert listings == 1  # resumed by revision: no re-list past the compaction
+    finally:
+        await watch.aclose()
+        await watcher.close()
+        await writer.close()
+        await proxy.cut()
+        server.kill()
+
+
+@pytest.mark.parametrize(
+    ("code", "details"),
+    [
+        (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"),
+        (grpc.StatusCode.UNKNOWN, "Stream removed"),
+        (grpc.StatusCode.CANCELLED, "Cancelled"),
+    ],
+)
+async def test_watch_reset_by_the_transport_reconnects(
+    etcd_server: EtcdServer, code: grpc.StatusCode, details: str
+) -> None:
+    """Stream resets that gRPC reports with codes other than UNAVAILABLE re-open the watch
+    instead of ending it."""
+    await etcd_server.wipe()
+    store = EtcdStore(etcd_server.endpoints)
+    resets = _break_watch_streams(store, code, details, times=2)
+    watch = store.watch_prefix("p/")
+    try:
+        await store.put("p/a", b"1")
+        assert brief(await take(watch, 1)) == [(PUT, "p/a", b"1")]
+        await store.put("p/b", b"1")
+        assert brief(await take(watch, 1)) == [(PUT, "p/b", b"1")]
+        assert resets() == 2
+    finally:
+        await watch.aclose()
+        await store.close()
+
+
+async def test_watch_refused_by_etcd_fails(etcd_server: EtcdServer) -> None:
+    """A refusal (permission denied) is not retried: the watch fails with one line."""
+    await etcd_server.wipe()
+    store = EtcdStore(etcd_server.endpoints)
+    _break_watch_streams(store, grpc.StatusCode.PERMISSION_DENIED, "permission denied", times=1)
+    watch = store.watch_prefix("p/")
+    try:
+        with pytest.raises(DiscoveryError, match="PERMISSION_DENIED: permission denied"):
+            await take(watch, 1)
+    finally:
+        await watch.aclose()
+        await store.close()
+
+
+class _BrokenCall:
+    """A watch call whose stream fails at once with a given gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.error = grpc.aio.AioRpcError(
+            code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details
+        )
+
+    async def read(self) -> Any:
+        raise self.error
+
+    def cancel(self) -> bool:
+        return True
+
+
+def _break_watch_streams(
+    store: EtcdStore, code: grpc.StatusCode, details: str, times: int
+) -> Callable[[], int]:
+    """Make the first ``times`` watch streams of ``store`` fail with ``code``; returns a
+    function that says how many did."""
+    real_connect = store._connect
+    broken = 0
+
+    class Stub:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def Watch(self, *args: Any, **kwargs: Any) -> Any:  # gRPC's method name
+            nonlocal broken
+            if broken < times:
+                broken += 1
+                return _BrokenCall(code, details)
+            return self.real.Watch(*args, **kwargs)
+
+    def connect(ep: Any) -> Any:
+        ep = real_connect(ep)
+        if not isinstance(ep.watch_stub, Stub):
+            ep.watch_stub = Stub(ep.watch_stub)
+        return ep
+
+    store._connect = connect  # type: ignore[method-assign]
+    return lambda: broken
+
+
+async def test_seen_keys_forget_deletions_no_watch_needs(
+    etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys that came and went are not remembered forever: once every open watch is past
+    their deletion (and the grace for callers between watches is over), they are dropped,
+    while a watch still behind a deletion keeps it."""
+    monkeypatch.setattr(etcd_module, "SEEN_KEY_GRACE_SECONDS", 0.0)
+    await etcd_server.wipe()
+    store = EtcdStore(etcd_server.endpoints)
+    watch = store.watch_prefix("p/")
+    try:
+        await store.put("p/kept", b"1")
+        assert len(await take(watch, 1)) == 1
+        for i in range(50):
+            await store.put(f"p/{i}", b"1")
+            await store.delete(f"p/{i}")
+        assert len(await take(watch, 100)) == 100
+        await store.put("p/last", b"1")
+        assert len(await take(watch, 1)) == 1
+        # Present keys stay; of the 50 deleted ones, none is left.
+        assert set(store._seen_keys) == {"p/kept", "p/last"}
+        # A watch behind a deletion (resuming from before it) keeps it remembered.
+        start = await store.put("p/x", b"1")
+        await store.get("p/x")
+        late = store.watch_prefix("p/", start_revision=start - 1)
+        try:
+            assert brief(await take(late, 1)) == [(PUT, "p/x", b"1")]
+            await store.delete("p/x")
+            assert brief(await take(watch, 2))[-1] == (DELETE, "p/x", b"")
+            assert "p/x" in store._seen_keys  # the late watch has not delivered it yet
+            assert brief(await take(late, 1)) == [(DELETE, "p/x", b"")]
+            await store.put("p/y", b"1")
+            await take(watch, 1)
+            await take(late, 1)
+            assert "p/x" not in store._seen_keys
+        finally:
+            await late.aclose()
+    finally:
+        await watch.aclose()
+        await store.close()
 
 
 async def test_lease_keep_alive_outlives_a_short_outage(own_etcd: EtcdServer) -> None:

@@ -90,10 +90,12 @@ class EtcdServer(ServerProcess):
         *,
         command_prefix: Sequence[str] = (),
         ports: tuple[int, int] | None = None,
+        progress_notify_interval: float | None = None,
     ) -> None:
         """``command_prefix`` runs etcd through another command (``ip netns exec NS``: on a
         test host of its own); ``ports`` (client, peer) are then needed, since free ports
-        cannot be probed from here."""
+        cannot be probed from here. ``progress_notify_interval`` (seconds) shortens etcd's
+        watch progress notifications (10 minutes by default), for tests of quiet watches."""
         super().__init__()
         binary = etcd_binary()
         if binary is None:
@@ -107,6 +109,7 @@ class EtcdServer(ServerProcess):
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
         #: With TLS, clients must show a certificate signed by ``tls.ca`` (mutual TLS).
         self.tls = tls
+        self.progress_notify_interval = progress_notify_interval
 
     @property
     def url(self) -> str:
@@ -136,6 +139,9 @@ class EtcdServer(ServerProcess):
             "--election-timeout", "250",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.progress_notify_interval is not None:
+            interval_ms = max(1, round(self.progress_notify_interval * 1000))
+            args += ["--experimental-watch-progress-notify-interval", f"{interval_ms}ms"]
         if self.tls is not None:
             args += [
                 "--cert-file", str(self.tls.server_cert),
@@ -214,6 +220,13 @@ class EtcdServer(ServerProcess):
             assert client.kv is not None
             resp = await client.kv.get(b"\0", range_end=b"\0", count_only=True, timeout=5)
             return int(resp.header.revision)
+
+    async def lease_granted_ttl(self, lease_id: int) -> int:
+        """The TTL etcd granted ``lease_id`` (seconds; -1 when the lease does not exist)."""
+        async with self._client() as client:
+            assert client.lease is not None
+            resp = await client.lease.time_to_live(lease_id, timeout=5)
+            return int(resp.grantedTTL)
 
     async def wipe(self) -> None:
         """Delete every key and revoke every lease: a clean store for the next test."""

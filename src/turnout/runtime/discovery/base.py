@@ -14,7 +14,10 @@ Contract:
   A watcher resuming from a revision no longer in the history is brought up to date as if
   it had not missed anything: PUTs of the keys added or changed since, DELETEs of the keys
   that vanished since, in revision order; then the changes that follow. No key that vanished
-  is ever left behind (a DELETE of a key the watcher never saw may come, and is harmless).
+  is ever left behind, however the caller learned of it: from an earlier watch, or from
+  ``get``/``get_prefix`` (reading the keys, then watching from the newest revision read, is
+  a supported way to start). A DELETE of a key the watcher never saw may come, and is
+  harmless: watchers treat a DELETE of an unknown key as a no-op.
 """
 
 from __future__ import annotations

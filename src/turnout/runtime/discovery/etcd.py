@@ -19,10 +19,16 @@ a thin, defensive translation over the asyncio client ``etcd3aio``:
   network lost), at the revision after the last one it delivered, with backoff and without
   the consumer noticing beyond a delay. When that revision was compacted meanwhile, the watch
   re-lists the prefix and emits what changed as events: PUTs for keys added or changed since,
-  DELETEs for keys that vanished (the store remembers every key its watches reported, so a
-  key that is gone now is reported gone, never left as a ghost), then streams from the
-  listing's revision. The same applies when a caller resumes with a compacted
-  ``start_revision``.
+  DELETEs for keys that vanished (the store remembers every key its watches reported and
+  every key ``get``/``get_prefix`` returned, so a key that is gone now is reported gone,
+  never left as a ghost), then streams from the listing's revision. The same applies when a
+  caller resumes with a compacted ``start_revision``, e.g. after the revision of a
+  ``get_prefix``. Progress notifications of a quiet watch advance the revision it resumes
+  from, so a reconnect seldom lands before a compaction at all.
+* A watch stream broken by the transport (gRPC UNAVAILABLE, DEADLINE_EXCEEDED, and the
+  resets proxies and restarts produce: INTERNAL "RST_STREAM", UNKNOWN "Stream removed",
+  CANCELLED) is re-opened; only etcd's refusals (permission, credentials, a bad request) end
+  the watch with ``DiscoveryError``.
 * Failures surface as ``DiscoveryError`` with one readable line, never as raw gRPC errors;
   the loss and return of etcd are logged once per change of state.
 * ``user``/``password`` authenticate with etcd's auth API; the token is renewed whenever etcd
@@ -32,7 +38,9 @@ a thin, defensive translation over the asyncio client ``etcd3aio``:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import gc
 import logging
 import math
 import re
@@ -90,7 +98,27 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.use_local_subchannel_pool", 1),
 ]
 
+#: How long the store remembers a key it reported deleted, at least (see ``_prune_seen``):
+#: a caller that got a revision before that deletion and resumes a watch from it within this
+#: time, past a compaction, still gets the DELETE.
+SEEN_KEY_GRACE_SECONDS = 300.0
+
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+#: gRPC codes that end a watch: etcd refused it (credentials, permission, the request). Any
+#: other code breaking an open stream is the transport's doing (a reset stream, a closed
+#: connection, a proxy's RST_STREAM) and the watch re-opens it.
+_FATAL_WATCH_CODES = frozenset(
+    {
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 class EtcdUnavailable(DiscoveryError):
@@ -167,14 +195,48 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _grpc_tasks(before: set[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
-    """The tasks gRPC started for a streaming call since ``before`` (taken just before the
-    call was made): one that waits for the call's final status."""
-    return [
+def _grpc_tasks(before: set[asyncio.Task[Any]], call: grpc.aio.Call) -> list[asyncio.Task[Any]]:
+    """The task gRPC started for the streaming ``call`` since ``before`` (taken just before
+    the call was made): the one that waits for the call's final status.
+
+    gRPC creates that task only once the server's initial metadata arrived, after awaits in
+    which other calls (a watch opening beside a keep-alive) start theirs; waiting for theirs
+    would hold this call up to ``_finish``'s timeout. So each task is matched to its call: its
+    coroutine's closure holds gRPC's call object. Where that cannot be seen (another gRPC
+    version), every new status task is taken, as a slow but safe fallback.
+    """
+    candidates = [
         task
         for task in asyncio.all_tasks() - before
         if "_handle_status_once_received" in getattr(task.get_coro(), "__qualname__", "")
     ]
+    core = getattr(call, "_cython_call", None)
+    if core is None:
+        return candidates
+    mine = [task for task in candidates if _holds(task.get_coro(), core)]
+    if mine:
+        return mine
+    if any(_holds_any_call(task.get_coro()) for task in candidates):
+        return []  # matching works, and this call started none (it failed before)
+    return candidates
+
+
+def _holds(coro: object, target: object) -> bool:
+    """Whether ``target`` is among the objects ``coro`` refers to, one closure deep."""
+    for ref in gc.get_referents(coro):
+        if ref is target or any(inner is target for inner in gc.get_referents(ref)):
+            return True
+    return False
+
+
+def _holds_any_call(coro: object) -> bool:
+    """Whether ``coro`` visibly refers to some gRPC call object (the matching in
+    ``_grpc_tasks`` works with this gRPC version)."""
+    for ref in gc.get_referents(coro):
+        for inner in (ref, *gc.get_referents(ref)):
+            if type(inner).__name__ == "_AioCall":
+                return True
+    return False
 
 
 def _discard(future: asyncio.Future[Any]) -> None:
@@ -284,13 +346,20 @@ class EtcdStore(DiscoveryStore):
         self._closed = False
         self._closed_event: asyncio.Event | None = None
         self._reachable = True
-        #: Every key a watch of this store reported present → the revision of the DELETE it
-        #: reported last (None while present). A watcher resynced after a compaction gets a
-        #: DELETE for each such key that is gone now, unless it already had that DELETE
-        #: (revision ≤ where it resumes). One entry per distinct key seen: bounded by the
-        #: churn of the prefixes watched, small for discovery keys. A DELETE of a key a
-        #: watcher never saw is harmless; a ghost key is not.
-        self._seen_keys: dict[str, int | None] = {}
+        #: Every key a caller may know of (a watch reported it, or ``get``/``get_prefix``
+        #: returned it) → (revision, present): the revision of its latest version known
+        #: while present, else the revision it was known deleted at. A watcher resynced
+        #: after a compaction gets a DELETE for each such key that is gone now, unless it is
+        #: past that deletion (revision ≤ where it resumes). A DELETE of a key a watcher
+        #: never saw is harmless; a ghost key is not. Entries of deleted keys are pruned by
+        #: ``_prune_seen``; entries of present keys are as many as the keys.
+        self._seen_keys: dict[str, tuple[int, bool]] = {}
+        #: (when, revision, key) of each deletion recorded in ``_seen_keys``, oldest first:
+        #: what ``_prune_seen`` walks.
+        self._gone_log: collections.deque[tuple[float, int, str]] = collections.deque()
+        #: Each open watch (by a token of its own) → the revision its consumer is current
+        #: at; only deletions after the lowest of these can still be needed by a resync.
+        self._watch_positions: dict[object, int] = {}
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.endpoints})"
@@ -519,7 +588,7 @@ class EtcdStore(DiscoveryStore):
             try:
                 resp = await call.read()
             finally:
-                await _finish(call, _grpc_tasks(before))
+                await _finish(call, _grpc_tasks(before, call))
                 del call  # see _finish
             if resp is grpc.aio.EOF:
                 raise _Unreachable("keep-alive stream ended without an answer")
@@ -560,12 +629,15 @@ class EtcdStore(DiscoveryStore):
         return await self._call(f"put {key!r}", put)
 
     async def get(self, key: str) -> KeyValue | None:
-        async def get(ep: _Endpoint) -> KeyValue | None:
+        async def get(ep: _Endpoint) -> tuple[KeyValue | None, int]:
             assert ep.kv is not None
             resp = await ep.kv.get(key.encode(), timeout=self.connect_timeout)
-            return self._kv(resp.kvs[0]) if resp.kvs else None
+            return (self._kv(resp.kvs[0]) if resp.kvs else None), int(resp.header.revision)
 
-        return await self._call(f"get {key!r}", get)
+        kv, revision = await self._call(f"get {key!r}", get)
+        # The caller knows of the key now: a watch it resumes must not leave it a ghost.
+        self._learn(key, [] if kv is None else [kv], revision, exact=True)
+        return kv
 
     async def _list(self, prefix: str) -> tuple[list[KeyValue], int]:
         """The keys under ``prefix`` (sorted) and the revision of that listing."""
@@ -579,14 +651,32 @@ class EtcdStore(DiscoveryStore):
         return await self._call(f"list {prefix!r}", list_)
 
     async def get_prefix(self, prefix: str) -> list[KeyValue]:
-        kvs, _ = await self._list(prefix)
+        kvs, revision = await self._list(prefix)
+        # The caller knows of these keys now (it may resume a watch from their revisions, as
+        # EndpointClient does): a resync past a compaction must report them if they vanish.
+        self._learn(prefix, kvs, revision)
         return kvs
 
     async def delete(self, key: str) -> bool:
+        """Delete ``key``: True when this call deleted it.
+
+        A failed attempt (a timeout, a dropped connection) may have deleted the key without
+        the answer arriving; the call then retries, and the retry finds nothing to delete.
+        It says True then: the key is gone, and this call may well be what removed it. So
+        False always means the key did not exist when this call ran; True after a retry
+        means "deleted, by this call or just before it".
+        """
+        uncertain = False
+
         async def delete(ep: _Endpoint) -> bool:
+            nonlocal uncertain
             assert ep.kv is not None
-            resp = await ep.kv.delete(key.encode(), timeout=self.connect_timeout)
-            return int(resp.deleted) > 0
+            try:
+                resp = await ep.kv.delete(key.encode(), timeout=self.connect_timeout)
+            except BaseException:
+                uncertain = True  # the request may have reached etcd and been applied
+                raise
+            return int(resp.deleted) > 0 or uncertain
 
         return await self._call(f"delete {key!r}", delete)
 
@@ -612,10 +702,8 @@ class EtcdStore(DiscoveryStore):
         present = {kv.key for kv in kvs}
         gone = sorted(
             key
-            for key, deleted in self._seen_keys.items()
-            if key.startswith(prefix)
-            and key not in present
-            and (deleted is None or deleted > after)
+            for key, (seen, known_present) in self._seen_keys.items()
+            if key.startswith(prefix) and key not in present and (known_present or seen > after)
         )
         for key in gone:
             events.append(
@@ -626,10 +714,62 @@ class EtcdStore(DiscoveryStore):
     def _note(self, event: WatchEvent) -> WatchEvent:
         """Remember what ``event`` (about to be delivered) says of its key, for resyncs."""
         if event.kind is WatchEventKind.PUT:
-            self._seen_keys[event.kv.key] = None
+            self._seen_keys[event.kv.key] = (event.kv.revision, True)
         elif event.kv.key in self._seen_keys:
-            self._seen_keys[event.kv.key] = event.kv.revision
+            self._gone(event.kv.key, event.kv.revision)
         return event
+
+    def _gone(self, key: str, revision: int) -> None:
+        """Record that ``key`` (known to callers) was deleted at ``revision`` (or by then)."""
+        self._seen_keys[key] = (revision, False)
+        self._gone_log.append((asyncio.get_running_loop().time(), revision, key))
+        self._prune_seen()
+
+    def _learn(self, prefix: str, kvs: list[KeyValue], revision: int, exact: bool = False) -> None:
+        """A read returned ``kvs``, the keys under ``prefix`` (or the key ``prefix`` itself,
+        with ``exact``) at ``revision``: its caller knows of them now. Keys known present
+        that the read found absent are recorded gone by ``revision`` (when exactly is not
+        known; later is the safe side: a resync reports them to more resumers, not fewer)."""
+        for kv in kvs:
+            known = self._seen_keys.get(kv.key)
+            # What a watch reported after this read's version of the key stands.
+            if known is None or known[0] < kv.revision:
+                self._seen_keys[kv.key] = (kv.revision, True)
+        present = {kv.key for kv in kvs}
+        vanished = [
+            key
+            for key, (seen, known_present) in self._seen_keys.items()
+            if known_present
+            and seen <= revision  # else a watch reported it after this read: it stands
+            and key not in present
+            and (key == prefix if exact else key.startswith(prefix))
+        ]
+        for key in vanished:
+            self._gone(key, revision)
+
+    def _prune_seen(self) -> None:
+        """Forget deleted keys no resync can need any more, so ``_seen_keys`` does not grow
+        with every key ever seen.
+
+        A recorded deletion at revision D matters only to a watcher resuming from before D.
+        Open watches are accounted for: one is pruned only when every open watch is past D
+        (``_watch_positions``). A caller between watches (it read with ``get_prefix``, or
+        its watch failed and it re-opens after a backoff) holds a revision the store cannot
+        see; deletions are kept ``SEEN_KEY_GRACE_SECONDS`` for those. So the map holds the
+        present keys callers know of, plus the deletions of the last few minutes and those
+        an open watch is still behind: bounded by the churn, not by history.
+        """
+        if not self._gone_log:
+            return
+        horizon = asyncio.get_running_loop().time() - SEEN_KEY_GRACE_SECONDS
+        lowest = min(self._watch_positions.values(), default=None)
+        while self._gone_log:
+            when, revision, key = self._gone_log[0]
+            if when > horizon or (lowest is not None and revision > lowest):
+                return
+            self._gone_log.popleft()
+            if self._seen_keys.get(key) == (revision, False):  # not put again since
+                del self._seen_keys[key]
 
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
@@ -642,51 +782,69 @@ class EtcdStore(DiscoveryStore):
         #: ``after`` was compacted away: re-list and report the differences.
         resync = False
         delay = WATCH_RETRY_MIN_SECONDS
-        while not self._closed:
-            index = self._current
-            try:
-                if after is None or resync:
-                    kvs, revision = await self._list(prefix)
-                    if after is None:
-                        events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
-                    else:
-                        events = self._resync(prefix, kvs, after, revision)
-                    for event in events:
-                        yield self._note(event)
-                    after, resync = revision, False
-                    index = self._current
-                ep = self._connect(self._endpoints[index])
-                async with contextlib.aclosing(
-                    self._stream(ep, prefix, after + 1, closed)
-                ) as stream:
-                    async for event in stream:
-                        after = max(after, event.kv.revision)
-                        delay = WATCH_RETRY_MIN_SECONDS
-                        yield self._note(event)
-                return  # the store was closed
-            except _Compacted:
-                resync = True
-                continue
-            except _Unreachable as exc:
-                self._mark(False, f"{self._endpoints[index].url}: {exc}")
-                self._advance(index)
-            except EtcdUnavailable:
-                pass  # _call logged it and moved to the next endpoint
-            except DiscoveryError:
+        token = object()  # this watch's entry in _watch_positions
+        if after is not None:
+            self._watch_positions[token] = after
+        try:
+            while not self._closed:
+                index = self._current
+                try:
+                    if after is None or resync:
+                        kvs, revision = await self._list(prefix)
+                        if after is None:
+                            events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
+                            self._learn(prefix, kvs, revision)  # what vanished before
+                        else:
+                            events = self._resync(prefix, kvs, after, revision)
+                        for event in events:
+                            yield self._note(event)
+                        after, resync = revision, False
+                        self._watch_positions[token] = after
+                        index = self._current
+                    ep = self._connect(self._endpoints[index])
+                    async with contextlib.aclosing(
+                        self._stream(ep, prefix, after + 1, closed)
+                    ) as stream:
+                        async for item in stream:
+                            delay = WATCH_RETRY_MIN_SECONDS
+                            if isinstance(item, int):
+                                # A progress notification: every change up to that revision
+                                # has been sent, so a reconnect may resume after it (and a
+                                # quiet prefix does not fall behind a compaction).
+                                after = max(after, item)
+                                self._watch_positions[token] = after
+                                continue
+                            after = max(after, item.kv.revision)
+                            self._watch_positions[token] = after
+                            yield self._note(item)
+                    return  # the store was closed
+                except _Compacted:
+                    resync = True
+                    continue
+                except _Unreachable as exc:
+                    self._mark(False, f"{self._endpoints[index].url}: {exc}")
+                    self._advance(index)
+                except EtcdUnavailable:
+                    pass  # _call logged it and moved to the next endpoint
+                except DiscoveryError:
+                    if self._closed:
+                        return
+                    raise
                 if self._closed:
                     return
-                raise
-            if self._closed:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(closed.wait(), delay)
-            delay = min(2 * delay, WATCH_RETRY_MAX_SECONDS)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(closed.wait(), delay)
+                delay = min(2 * delay, WATCH_RETRY_MAX_SECONDS)
+        finally:
+            self._watch_positions.pop(token, None)
 
     async def _stream(
         self, ep: _Endpoint, prefix: str, start: int, closed: asyncio.Event
-    ) -> AsyncIterator[WatchEvent]:
-        """One watch stream from revision ``start``; ends when the store closes, raises
-        ``_Unreachable`` when the stream breaks and ``_Compacted`` when ``start`` is gone."""
+    ) -> AsyncIterator[WatchEvent | int]:
+        """One watch stream from revision ``start``: its events, and the revision of each
+        progress notification (an int: every change up to it was sent). Ends when the store
+        closes, raises ``_Unreachable`` when the stream breaks (the transport's doing, see
+        ``_FATAL_WATCH_CODES``) and ``_Compacted`` when ``start`` is gone."""
         assert ep.watch_stub is not None
         fresh_token = self.user is not None and self._token is None
         if fresh_token:
@@ -726,7 +884,7 @@ class EtcdStore(DiscoveryStore):
                         return
                     raise _Unreachable("watch creation timed out")
                 if grpc_tasks is None:
-                    grpc_tasks = _grpc_tasks(before)
+                    grpc_tasks = _grpc_tasks(before, call)
                 try:
                     resp: WatchResponse = reader.result()
                 except asyncio.CancelledError:
@@ -734,7 +892,9 @@ class EtcdStore(DiscoveryStore):
                         return
                     raise _Unreachable("watch stream cancelled") from None
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() in _TRANSIENT_CODES:
+                    if exc.code() not in _FATAL_WATCH_CODES:
+                        # Transport trouble (a reset stream, a lost connection, a restart):
+                        # the caller re-opens the stream with backoff.
                         raise _Unreachable(_one_line(exc)) from None
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.user is not None:
                         self._token = None
@@ -757,6 +917,10 @@ class EtcdStore(DiscoveryStore):
                 if resp.created and not created:
                     created = True
                     self._mark(True)
+                elif not resp.events and not resp.created and resp.header.revision > 0:
+                    # etcd's progress notification (sent to a watcher that is caught up).
+                    yield int(resp.header.revision)
+                    continue
                 for ev in resp.events:
                     kv = ev.kv
                     if ev.type == ev.DELETE:
@@ -773,7 +937,7 @@ class EtcdStore(DiscoveryStore):
                         yield WatchEvent(WatchEventKind.PUT, self._kv(kv))
         finally:
             closer.cancel()
-            await _finish(call, _grpc_tasks(before) if grpc_tasks is None else grpc_tasks)
+            await _finish(call, _grpc_tasks(before, call) if grpc_tasks is None else grpc_tasks)
             pending = [f for f in (closer, reader) if f is not None]
             for f in pending:
                 f.cancel()
