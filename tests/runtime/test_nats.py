@@ -11,14 +11,28 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from nats.aio.msg import Msg
 from tests.servers.nats import NatsServerProcess, nats_binary
 
-from turnout.errors import ConfigError, PeerUnavailable, RequestPlaneError, StreamBroken
+from turnout.errors import (
+    ConfigError,
+    PeerUnavailable,
+    RemoteError,
+    RequestPlaneError,
+    StreamBroken,
+)
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import make_event_plane
-from turnout.runtime.event_plane.nats import subject_token, token_name
-from turnout.runtime.nats import NatsConnection, NatsOptions, connect_nats
+from turnout.runtime.event_plane.nats import (
+    MAX_CACHED_TOPICS,
+    NatsEventPlane,
+    subject_token,
+    token_name,
+)
+from turnout.runtime.nats import NatsConnection, NatsOptions, NatsUnavailable, connect_nats
+from turnout.runtime.request_plane import nats as rpn
+from turnout.runtime.request_plane.framing import Kind
 from turnout.runtime.request_plane.nats import NatsClient, NatsServer
 
 pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server is not installed")
@@ -309,7 +323,252 @@ async def test_bad_address_is_peer_unavailable(conn: NatsConnection) -> None:
         await client.close()
 
 
+async def test_abort_fails_the_pending_next_and_cancels_the_handler(conn: NatsConnection) -> None:
+    """What the endpoint client does to the streams of an instance that left discovery: the
+    caller's pending ``__anext__`` raises the given error at once (not after idle_timeout,
+    and never while the server's heartbeats keep a hung handler's stream alive), and the
+    server, should it still be there, has its handler cancelled."""
+    cancelled = asyncio.Event()
+
+    async def hang(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        try:
+            yield b"first"
+            await asyncio.Event().wait()
+        finally:
+            if ctx.is_cancelled:
+                cancelled.set()
+
+    server = NatsServer(conn, heartbeat_interval=0.05)
+    server.register("p", hang)
+    client = NatsClient(conn, heartbeat_interval=0.05, idle_timeout=30.0)
+    try:
+        address = await server.start()
+        stream = client.stream(address, "p", b"", RequestContext())
+        assert await anext(stream) == b"first"
+        pending = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.1)  # several heartbeats: the stream is alive and waiting
+        assert not pending.done()
+        gone = StreamBroken("instance left discovery")
+        stream.abort(gone)
+        async with asyncio.timeout(1):
+            with pytest.raises(StreamBroken) as info:
+                await pending
+        assert info.value is gone
+        stream.abort(StreamBroken("again"))  # a finished stream: no-op
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        async with asyncio.timeout(3):
+            await cancelled.wait()
+            while server._inflight:
+                await asyncio.sleep(0.01)
+        assert not client._inboxes
+    finally:
+        await client.close()
+        await server.stop(drain_timeout=0)
+
+
+async def test_first_use_while_nats_is_frozen_fails_fast_and_starts_over(
+    own_nats: NatsServerProcess,
+) -> None:
+    """The client's first stream subscribes to its reply subjects: with NATS frozen that is
+    PeerUnavailable within idle_timeout (not nats-py's 10 s flush error), and nothing is kept,
+    so the next stream starts the client properly, idle monitor included."""
+    c = await connect_nats(NatsOptions(servers=[own_nats.url]))
+    server = NatsServer(c, heartbeat_interval=0.05)
+    server.register("p", ticks)
+    client = NatsClient(c, heartbeat_interval=0.05, idle_timeout=0.5)
+    try:
+        address = await server.start()
+        subs = len(c.client._subs)
+        own_nats.pause()
+        started = time.monotonic()
+        try:
+            with pytest.raises(PeerUnavailable, match="not confirmed"):
+                async with asyncio.timeout(3):
+                    await anext(client.stream(address, "p", b"1", RequestContext()))
+        finally:
+            own_nats.resume()
+        assert time.monotonic() - started < 2.0
+        assert client._outbox is None and client._sub is None and client._monitor is None
+        assert client._starting is None and len(c.client._subs) == subs
+
+        # The connection survived the unanswered PING: the next stream starts the client.
+        async with asyncio.timeout(5):
+            got = await collect(client.stream(address, "p", b"2", RequestContext()))
+        assert got == [b"0", b"1"]
+        assert client._monitor is not None and not client._monitor.done()
+        assert len(c.client._subs) == subs + 1
+    finally:
+        await client.close()
+        await server.stop(drain_timeout=0)
+        await c.close()
+
+
+async def test_server_start_while_nats_is_frozen_is_a_clear_error(
+    own_nats: NatsServerProcess,
+) -> None:
+    c = await connect_nats(NatsOptions(servers=[own_nats.url]))
+    server = NatsServer(c, idle_timeout=0.5)
+    server.register("p", ticks)
+    client = NatsClient(c)
+    try:
+        subs = len(c.client._subs)
+        own_nats.pause()
+        started = time.monotonic()
+        try:
+            with pytest.raises(RequestPlaneError, match=r"cannot serve.*not confirmed"):
+                async with asyncio.timeout(3):
+                    await server.start()
+        finally:
+            own_nats.resume()
+        assert time.monotonic() - started < 2.0
+        assert server._outbox is None and server._sub is None and server._heartbeats is None
+        assert len(c.client._subs) == subs
+        async with asyncio.timeout(5):
+            address = await server.start()
+            assert await collect(client.stream(address, "p", b"1", RequestContext())) == [b"0"]
+    finally:
+        await client.close()
+        await server.stop(drain_timeout=0)
+        await c.close()
+
+
+@pytest.mark.parametrize("lose", ["ack", "ack and data", "ack, slow handler"])
+async def test_a_lost_ack_is_not_peer_unavailable(conn: NatsConnection, lose: str) -> None:
+    """NATS may drop any message. Only the ACK lost: the frames after it prove delivery and
+    the stream goes on. More lost: StreamBroken, since the request ran (PeerUnavailable would
+    have it retried elsewhere as if it had not)."""
+    ran = 0
+
+    async def handler(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        nonlocal ran
+        ran += 1
+        if lose == "ack, slow handler":
+            await asyncio.sleep(0.3)  # heartbeats come first
+        yield b"a"
+        yield b"b"
+
+    server = NatsServer(conn, heartbeat_interval=0.05)
+    server.register("p", handler)
+    client = NatsClient(conn, heartbeat_interval=0.05, idle_timeout=2.0)
+    deliver = client._on_msg
+    dropped: list[int] = []
+
+    async def lossy(msg: Msg) -> None:
+        kind = rpn._decode(msg.data).kind if msg.data else None
+        targeted = kind == Kind.ACK or (lose == "ack and data" and kind == Kind.DATA)
+        if targeted and kind not in dropped:
+            dropped.append(kind)
+            return
+        await deliver(msg)
+
+    client._on_msg = lossy  # type: ignore[method-assign]  # before the subscription is made
+    try:
+        address = await server.start()
+        stream = client.stream(address, "p", b"", RequestContext())
+        async with asyncio.timeout(5):
+            if lose == "ack and data":
+                with pytest.raises(StreamBroken, match="lost"):
+                    await collect(stream)
+            else:
+                assert await collect(stream) == [b"a", b"b"]
+        assert Kind.ACK in dropped and ran == 1
+    finally:
+        await client.close()
+        await server.stop(drain_timeout=0)
+
+
+async def test_a_huge_error_message_is_truncated_to_fit(conn: NatsConnection) -> None:
+    """A handler's exception text longer than a NATS message: the client gets RemoteError
+    with the text cut, at once, not StreamBroken when its idle timeout runs out."""
+
+    async def fail(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        yield b"ok"
+        raise ValueError("é" * conn.max_payload)
+
+    server = NatsServer(conn)
+    server.register("p", fail)
+    client = NatsClient(conn, idle_timeout=2.0)
+    try:
+        address = await server.start()
+        stream = client.stream(address, "p", b"", RequestContext())
+        started = time.monotonic()
+        assert await anext(stream) == b"ok"
+        with pytest.raises(RequestPlaneError) as info:
+            await anext(stream)
+        assert time.monotonic() - started < 1.0
+        # Compared by hand: pytest cannot render a failed match against a 2 MiB message.
+        text = str(info.value)
+        assert isinstance(info.value, RemoteError), f"{type(info.value).__name__}: {text[:80]}"
+        cut = text.startswith("ValueError: éé") and text.endswith("[truncated]")
+        assert cut, f"{text[:40]} ... {text[-40:]}"
+        assert len(text.encode()) < conn.max_payload
+    finally:
+        await client.close()
+        await server.stop(drain_timeout=0)
+
+
+def test_fit_text_cuts_on_a_character_boundary() -> None:
+    assert rpn._fit_text("short", 100) == "short"
+    cut = rpn._fit_text("€" * 100, 60)
+    assert cut.endswith(rpn._TRUNCATED) and len(cut.encode()) <= 60
+    assert set(cut.removesuffix(rpn._TRUNCATED)) == {"€"}
+
+
 # --- event plane ---------------------------------------------------------------------------------
+
+
+async def test_subscribe_while_nats_is_frozen_leaks_no_subscription(
+    own_nats: NatsServerProcess,
+) -> None:
+    """A subscribe NATS does not confirm fails within subscribe_timeout with a turnout error
+    and removes its subscription (which the client library would otherwise restore and
+    feed after the next reconnect, with no one to close it)."""
+    c = await connect_nats(NatsOptions(servers=[own_nats.url]))
+    plane = NatsEventPlane(c, subscribe_timeout=0.5)
+    try:
+        subs = len(c.client._subs)
+        own_nats.pause()
+        started = time.monotonic()
+        try:
+            with pytest.raises(NatsUnavailable, match="not confirmed"):
+                async with asyncio.timeout(3):
+                    await plane.subscribe("ns", "comp", "load")
+        finally:
+            own_nats.resume()
+        assert time.monotonic() - started < 2.0
+        assert len(c.client._subs) == subs and not plane._subscriptions
+        async with asyncio.timeout(5):
+            pub = await plane.publisher("ns", "comp")
+            sub = await plane.subscribe("ns", "comp", "load")
+            pub.publish_nowait("load", b"after")
+            assert (await anext(sub)).payload == b"after"
+        await plane.close()
+        assert len(c.client._subs) == subs
+        await c.close()
+        with pytest.raises(NatsUnavailable):
+            await NatsEventPlane(c).subscribe("ns", "comp", "load")
+    finally:
+        await plane.close()
+        await c.close()
+
+
+async def test_wildcard_subscription_caches_a_bounded_number_of_topics(
+    conn: NatsConnection,
+) -> None:
+    plane = make_event_plane("nats", None, nats=conn)
+    try:
+        pub = await plane.publisher("ns", "comp")
+        sub = await plane.subscribe("ns", "comp", "")
+        count = MAX_CACHED_TOPICS + 50
+        for i in range(count):
+            pub.publish_nowait(f"t.{i}", b"")  # escaped tokens: decoded, then cached
+        async with asyncio.timeout(10):
+            topics = [(await anext(sub)).topic for _ in range(count)]
+        assert topics == [f"t.{i}" for i in range(count)]
+        assert len(sub._topics) == MAX_CACHED_TOPICS  # type: ignore[attr-defined]
+    finally:
+        await plane.close()
 
 
 @pytest.mark.parametrize("name", ["a.b", "*", ">", "a b", "~7e", "ü-ns", "plain_name-1"])

@@ -27,6 +27,15 @@ def nats_binary() -> str | None:
     )
 
 
+def _stopped(task: Path) -> bool:
+    """Whether the thread ``/proc/<pid>/task/<tid>`` is stopped (or gone)."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "tT"
+
+
 class NatsServerProcess(ServerProcess):
     """One nats-server. ``restart()`` brings it back on the same port, as after a crash."""
 
@@ -97,6 +106,22 @@ class NatsServerProcess(ServerProcess):
                 self.kill()
                 raise RuntimeError(f"nats-server did not answer within {START_DEADLINE_SECONDS}s")
             time.sleep(0.01)
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP) and return once it is frozen. The signal takes effect
+        asynchronously: without the wait, a message sent right after ``pause`` may still be
+        answered by a server thread that has not stopped yet."""
+        super().pause()
+        assert self.process is not None
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        if not tasks.is_dir():
+            time.sleep(0.05)  # no procfs: give the signal a moment
+            return
+        deadline = time.monotonic() + START_DEADLINE_SECONDS
+        while not all(_stopped(task) for task in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("nats-server did not stop on SIGSTOP")
+            time.sleep(0.001)
 
     def __enter__(self) -> NatsServerProcess:
         return self.start() if self.process is None else self

@@ -7,6 +7,10 @@ outages: it reconnects forever with a back-off, logging one line when it loses t
 one when it is back, never one per attempt. Subscriptions are restored by the client library
 on reconnect; what was published while disconnected is buffered (bounded) or lost, as the
 request and event planes' contracts allow.
+
+``subscribe_confirmed`` is how both planes subscribe: it returns once the NATS server has
+registered the subscription, or within a bounded time raises ``NatsUnavailable`` having removed
+it again, so a failed attempt leaves nothing behind and the next one starts afresh.
 """
 
 from __future__ import annotations
@@ -16,17 +20,28 @@ import contextlib
 import logging
 import re
 import ssl
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
-from turnout.errors import ConfigError
+from turnout.errors import ConfigError, TurnoutError
 
 logger = logging.getLogger("turnout.runtime.nats")
 
 #: Seconds between reconnect attempts to one server while disconnected.
 RECONNECT_WAIT = 0.5
+#: Seconds between looks at the connection while waiting for a reconnect to finish.
+_RECONNECT_POLL = 0.05
+
+
+class NatsUnavailable(TurnoutError):
+    """The NATS server did not confirm an operation in time: it is unreachable, frozen, or the
+    connection is closed. Raised by ``round_trip`` and ``subscribe_confirmed``."""
 
 
 @dataclass
@@ -184,3 +199,58 @@ async def connect_nats(options: NatsOptions) -> NatsConnection:
         raise ConfigError(f"cannot reach NATS at {shown}: {_reason(cause)}") from cause
     state["connected"] = True
     return NatsConnection(client, options)
+
+
+async def round_trip(conn: NatsConnection, timeout: float) -> None:
+    """Return once the NATS server has processed everything this connection sent so far (a
+    PING answered by its PONG), or raise ``NatsUnavailable`` after ``timeout`` seconds.
+
+    While the connection is reconnecting, the wait for the reconnect counts against
+    ``timeout``. Not ``Client.flush(timeout)``: when that times out, nats-py cancels its PONG
+    future, and the late PONG then kills the library's reader task (``set_result`` on a
+    cancelled future), leaving the connection deaf until its pings declare it stale. Here the
+    PONG future is only ever abandoned, never cancelled.
+    """
+    client = conn.client
+    deadline = time.monotonic() + timeout
+    while not client.is_connected:
+        if client.is_closed:
+            raise NatsUnavailable("the NATS connection is closed")
+        if time.monotonic() >= deadline:
+            raise NatsUnavailable(f"not connected to NATS (reconnecting for over {timeout:g}s)")
+        await asyncio.sleep(_RECONNECT_POLL)
+    pong: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    try:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+            await client._send_ping(pong)
+            await asyncio.shield(pong)
+    except TimeoutError:
+        raise NatsUnavailable(f"NATS did not answer within {timeout:g}s") from None
+    except (OSError, AssertionError, nats.errors.Error) as exc:  # the transport went away
+        raise NatsUnavailable(f"NATS connection failed: {_reason(exc)}") from exc
+
+
+async def subscribe_confirmed(
+    conn: NatsConnection, subject: str, cb: Callable[[Msg], Awaitable[None]], timeout: float
+) -> Subscription:
+    """Subscribe to ``subject`` and return once the NATS server has registered it (from then
+    on nothing published to it is missed).
+
+    Raises ``NatsUnavailable`` when that is not confirmed within ``timeout`` seconds; the
+    subscription is then removed again (as it is when the caller is cancelled), so a failed
+    attempt leaks no subscription that the library would restore on the next reconnect.
+    """
+    client = conn.client
+    try:
+        sub = await client.subscribe(subject, cb=cb)
+    except (OSError, nats.errors.Error) as exc:
+        raise NatsUnavailable(f"cannot subscribe to {subject}: {_reason(exc)}") from exc
+    try:
+        await round_trip(conn, timeout)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):  # closed or reconnecting: removed locally anyway
+            await sub.unsubscribe()
+        if isinstance(exc, NatsUnavailable):
+            raise NatsUnavailable(f"subscription to {subject} not confirmed: {exc}") from exc
+        raise
+    return sub

@@ -11,8 +11,10 @@ that come and go by construction. Names are escaped into single subject tokens (
 of a subject, and the subscribe-to-all wildcard recovers each topic from its token.
 
 Joining: ``subscribe`` returns once the NATS server has registered the subscription (a
-round-trip ``flush``), so unlike ZeroMQ there is no slow-joiner window; what is published after
-that reaches the subscriber.
+PING/PONG round trip), so unlike ZeroMQ there is no slow-joiner window; what is published after
+that reaches the subscriber. When NATS does not confirm within ``subscribe_timeout`` seconds
+(unreachable, frozen), ``subscribe`` raises ``NatsUnavailable`` and removes the subscription
+again: a failed subscribe leaves nothing behind for the client library to restore later.
 
 Ordering: NATS keeps the order of one connection's messages to one subscriber; each plane's
 publishers send through one writer task in call order, so FIFO per publisher holds.
@@ -51,13 +53,18 @@ from turnout.runtime.event_plane.base import (
     check_name,
     check_topic,
 )
-from turnout.runtime.nats import NatsConnection
+from turnout.runtime.nats import NatsConnection, subscribe_confirmed
 
 logger = logging.getLogger(__name__)
 
 SUBJECT_ROOT = "turnout.ev"
 #: Messages the plane's outbox holds while the NATS client is slower than the publishers.
 DEFAULT_MAX_OUTBOX = 65_536
+#: Seconds ``subscribe`` waits for the NATS server to confirm a subscription.
+DEFAULT_SUBSCRIBE_TIMEOUT = 5.0
+#: Decoded topic names a subscribe-to-all subscription keeps; past that, names are decoded
+#: per message (publishers choose topics, so their number is not ours to bound).
+MAX_CACHED_TOPICS = 1024
 
 _SAFE = re.compile(r"[A-Za-z0-9_\-]+")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
@@ -135,20 +142,30 @@ class NatsEventSubscription(EventSubscription):
         self._buffer = EventBuffer(max_pending, name=f"nats:{namespace}/{component}/{topic}")
         self._sub: Subscription | None = None
         self._closed = False
-        #: Topic tokens already decoded (the wildcard subscription sees few distinct ones).
+        #: Topic tokens already decoded, at most ``MAX_CACHED_TOPICS`` (a wildcard
+        #: subscription usually sees few distinct ones, but any publisher may invent more).
         self._topics: dict[str, str] = {}
 
     async def _start(self) -> None:
-        client = self._plane.conn.client
-        self._sub = await client.subscribe(self.subject, cb=self._on_msg)
-        await client.flush()  # registered at the server: from here on nothing is missed
+        """Subscribe; returns once registered at the server (from then on nothing is missed).
+        Raises ``NatsUnavailable`` when not confirmed in time, leaving no subscription."""
+        plane = self._plane
+        self._sub = await subscribe_confirmed(
+            plane.conn, self.subject, self._on_msg, plane.subscribe_timeout
+        )
 
     async def _on_msg(self, msg: Msg) -> None:
         if self.topic:
             topic = self.topic
         else:
             token = msg.subject[self._prefix_len :]
-            topic = self._topics.get(token) or self._topics.setdefault(token, token_name(token))
+            topics = self._topics
+            cached = topics.get(token)
+            if cached is None:
+                cached = token_name(token)
+                if len(topics) < MAX_CACHED_TOPICS:
+                    topics[token] = cached
+            topic = cached
         self._buffer.offer(Event(topic, msg.data))
 
     async def close(self) -> None:
@@ -168,9 +185,16 @@ class NatsEventPlane(EventPlane):
 
     kind = "nats"
 
-    def __init__(self, conn: NatsConnection, *, max_outbox: int = DEFAULT_MAX_OUTBOX) -> None:
+    def __init__(
+        self,
+        conn: NatsConnection,
+        *,
+        max_outbox: int = DEFAULT_MAX_OUTBOX,
+        subscribe_timeout: float = DEFAULT_SUBSCRIBE_TIMEOUT,
+    ) -> None:
         self.conn = conn
         self.max_outbox = max_outbox
+        self.subscribe_timeout = subscribe_timeout
         self._outbox: collections.deque[tuple[str, bytes]] = collections.deque()
         self._wakeup: asyncio.Future[None] | None = None
         self._idle: asyncio.Future[None] | None = None

@@ -26,10 +26,19 @@ What NATS does not give, the frames add:
   own heartbeat: a server that hears nothing from a stream's client for ``idle_timeout``
   cancels the handler. No wait is unbounded.
 * **Back-pressure.** As on tcp: a handler runs at most ``WINDOW`` items ahead of its consumer.
+* **Lost ACK.** Only a stream the server took gets DATA, PART, HEARTBEAT, END or ABORT, and its
+  first frame (``num`` 1) is always the ACK: any of those proves the request was delivered even
+  when the ACK itself was lost. A gap after that is ``StreamBroken`` (the handler ran), never
+  ``PeerUnavailable``; the ACK alone missing is no gap at all.
+* **Start-up.** A client subscribes to its reply subjects on first use and a server to its
+  subject in ``start``; each waits at most ``idle_timeout`` for NATS to confirm. A failure is
+  ``PeerUnavailable`` (client) or ``RequestPlaneError`` (server) and leaves nothing behind, so
+  the next call starts over.
 * **Size.** NATS caps a message at ``max_payload`` (1 MiB by default). Items produced within one
   event-loop iteration share a DATA frame up to that size; an item larger than a message is sent
   as PART frames and a last DATA frame, and reassembled. A request payload larger than one
-  message is refused with ``RequestPlaneError`` (it never reaches a server).
+  message is refused with ``RequestPlaneError`` (it never reaches a server). The text of an
+  ERROR or REJECT frame (a handler's exception message may be anything) is truncated to fit.
 
 Sends never await in the caller: frames go to an ``_Outbox`` whose writer task publishes them
 in order (and frames each stream's pending items at that moment, so a burst is one message).
@@ -53,7 +62,7 @@ from nats.aio.subscription import Subscription
 from turnout.errors import PeerUnavailable, RemoteError, RequestPlaneError, StreamBroken
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
-from turnout.runtime.nats import NatsConnection
+from turnout.runtime.nats import NatsConnection, NatsUnavailable, subscribe_confirmed
 from turnout.runtime.request_plane.base import (
     Handler,
     RequestPlaneClient,
@@ -78,12 +87,29 @@ _DATA = int(Kind.DATA)
 _PART = int(Kind.PART)
 _HEARTBEAT = int(Kind.HEARTBEAT)
 _CREDIT = int(Kind.CREDIT)
+#: Frame kinds the server sends only on a stream it took, i.e. after that stream's ACK.
+_TAKEN = frozenset({_DATA, _PART, _HEARTBEAT, int(Kind.END), int(Kind.ABORT)})
+#: Appended to a frame text cut to fit a message.
+_TRUNCATED = " ... [truncated]"
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Frame).decode
 
 #: One message to publish: subject, payload, reply subject ("" for none).
 Message = tuple[str, bytes, str]
+
+
+def _fit_text(text: str, limit: int) -> str:
+    """``text`` cut (on a character boundary) so that its UTF-8 takes at most ``limit`` bytes,
+    with a marker when cut: a frame's text must fit in one NATS message, or the frame is
+    never published and its stream ends in silence instead of with the text."""
+    if len(text) * 4 <= limit:  # the common case, without encoding
+        return text
+    raw = text.encode(errors="replace")
+    if len(raw) <= limit:
+        return text
+    keep = max(limit - len(_TRUNCATED), 0)
+    return raw[:keep].decode(errors="ignore") + _TRUNCATED
 
 
 class _Outbox:
@@ -217,11 +243,23 @@ class NatsServer(RequestPlaneServer):
         self._address: TransportAddress | None = None
 
     async def start(self) -> TransportAddress:
+        """Subscribe to this server's subject; returns its address once NATS has registered the
+        subscription. Raises ``RequestPlaneError`` when NATS does not confirm it within
+        ``idle_timeout``, with nothing left behind (a later ``start`` tries again)."""
         if self._address is not None:
             return self._address
+        # Before subscribing: a request that arrives before start returns is answered REJECT.
         self._outbox = _Outbox(self.conn, f"nats-rp-server-{self.subject[-8:]}")
-        self._sub = await self.conn.client.subscribe(self.subject, cb=self._on_msg)
-        await self.conn.client.flush()  # the subscription is live at the server from here
+        try:
+            self._sub = await subscribe_confirmed(
+                self.conn, self.subject, self._on_msg, self.idle_timeout
+            )
+        except BaseException as exc:
+            outbox, self._outbox = self._outbox, None
+            await outbox.close()
+            if isinstance(exc, NatsUnavailable):
+                raise RequestPlaneError(f"nats request plane cannot serve: {exc}") from exc
+            raise
         self._heartbeats = asyncio.get_running_loop().create_task(self._beat())
         self._accepting = True
         self._address = TransportAddress(kind=self.kind, address=self.subject)
@@ -249,6 +287,8 @@ class NatsServer(RequestPlaneServer):
     def _send(self, stream: _ServerStream, kind: int, text: str = "") -> None:
         """Queue a control frame of ``stream``, after its pending items."""
         assert self._outbox is not None
+        if text:
+            text = _fit_text(text, max(self.conn.max_payload - _FRAME_OVERHEAD, 1))
 
         def frame() -> list[Message]:
             out = self._frame_pending(stream)
@@ -334,8 +374,10 @@ class NatsServer(RequestPlaneServer):
 
     def _open(self, reply: str, frame: Frame) -> None:
         path = frame.text
+        if self._outbox is None:
+            return  # not started, or stopped: no one to answer through
         stream = _ServerStream(reply, path, RequestContext(frame.text2 or None), time.monotonic())
-        if not self._takes(path) or self._outbox is None:
+        if not self._takes(path):
             self._send(stream, Kind.REJECT, f"not taking requests for {path!r}")
             return
         handler = self._handlers.get(path)
@@ -506,6 +548,15 @@ class _NatsStream:
     async def aclose(self) -> None:
         self._cancel()
 
+    def abort(self, exc: BaseException) -> None:
+        """Fail the stream with ``exc`` at once (its server is known to be gone, e.g. its
+        instance left discovery, though no frame has said so yet) and send CANCEL, so that a
+        server still alive stops the handler. A pending ``__anext__`` raises ``exc``."""
+        inbox = self._inbox
+        if inbox is not None and inbox.terminal is None:
+            self._client._cancel_stream(self._sid)
+            inbox.finish(exc)
+
     def __del__(self) -> None:
         inbox = self._inbox
         loop = self._client._loop
@@ -553,10 +604,40 @@ class NatsClient(RequestPlaneClient):
         return _NatsStream(self, address.address, endpoint_path, payload, ctx)
 
     async def _start(self) -> None:
+        """Subscribe to this client's reply subjects, then open the outbox and the monitor.
+
+        Nothing is kept unless NATS confirmed the subscription (within ``idle_timeout``):
+        ``_outbox`` is what says the client has started, so a failed start is retried by the
+        next stream instead of leaving a client without its idle monitor."""
+        self._sub = await subscribe_confirmed(
+            self.conn, self.prefix + "*", self._on_msg, self.idle_timeout
+        )
         self._outbox = _Outbox(self.conn, f"nats-rp-client-{self.prefix[-9:-1]}")
-        self._sub = await self.conn.client.subscribe(self.prefix + "*", cb=self._on_msg)
-        await self.conn.client.flush()
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    def _started(self, task: asyncio.Task[None]) -> None:
+        """Forget a start-up that failed (or was cancelled), so the next stream tries again;
+        retrieves its exception, which no stream may be left waiting to take."""
+        failed = task.cancelled() or task.exception() is not None
+        if failed and self._starting is task:
+            self._starting = None
+
+    async def _ensure_started(self, server: str) -> None:
+        """Start the client on first use; ``PeerUnavailable`` when NATS does not confirm."""
+        if self._starting is None:
+            self._loop = asyncio.get_running_loop()
+            self._starting = self._loop.create_task(self._start())
+            self._starting.add_done_callback(self._started)
+        starting = self._starting
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if starting.cancelled() and self._closed and task is not None and not task.cancelling():
+                raise PeerUnavailable("nats request plane client is closed") from None
+            raise
+        except NatsUnavailable as exc:
+            raise PeerUnavailable(f"nats peer {server}: {exc}") from exc
 
     async def _open(
         self, server: str, path: str, payload: bytes, request_id: str
@@ -572,10 +653,7 @@ class NatsClient(RequestPlaneClient):
                 f"carries ({limit} bytes)"
             )
         if self._outbox is None:
-            if self._starting is None:
-                self._loop = asyncio.get_running_loop()
-                self._starting = self._loop.create_task(self._start())
-            await asyncio.shield(self._starting)
+            await self._ensure_started(server)
         if not self.conn.is_connected:
             raise PeerUnavailable(f"nats peer {server}: not connected to NATS")
         assert self._outbox is not None
@@ -626,6 +704,13 @@ class NatsClient(RequestPlaneClient):
             inbox.finish(inbox.lost(f"undecodable message: {exc}"))
             return
         kind = frame.kind
+        if not inbox.acked and (kind in _TAKEN or frame.num > 1):
+            # The server took the request and its ACK (always ``num`` 1) was lost: the
+            # request ran, so whatever goes wrong from here is StreamBroken, not
+            # PeerUnavailable (which would send it elsewhere as if nothing had run).
+            inbox.acked = True
+            if inbox.seq == 0:
+                inbox.seq = 1  # the lost ACK is no gap: it carried nothing
         if kind == _HEARTBEAT:
             if frame.num > inbox.seq:
                 self._cancel_stream(sid)
