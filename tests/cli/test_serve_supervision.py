@@ -133,3 +133,29 @@ def test_serve_restarts_a_killed_worker(tmp_path: Path) -> None:
         for child in children:  # workers run in their own sessions
             if child.is_running():
                 child.kill()
+
+
+@pytest.mark.slow
+def test_serve_gives_up_on_workers_that_keep_dying_and_exits_non_zero(tmp_path: Path) -> None:
+    """A worker that cannot start dies 5 times within a minute (restarts after 1, 2, 4, 8 s):
+    serve gives up on it with one error line and, with no worker left, exits non-zero."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnout", "serve", "--port", str(port), "--engine", "echo",
+             "--num-workers", "1", "--model-path", str(tmp_path / "missing.gguf"),
+             "--store-path", str(tmp_path / "store.sqlite")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log_path.read_text(errors="replace")
+    assert code != 0, text[-3000:]
+    assert text.count("restarting it in") == 4, text[-3000:]
+    assert "its 5th death within 60s; giving up on it" in text, text[-3000:]
+    assert "every worker failed for good" in text, text[-3000:]
