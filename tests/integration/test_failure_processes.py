@@ -76,8 +76,8 @@ def run_streams(url: str, model: str, n: int, max_tokens: int) -> tuple[list[dic
 def test_a_frozen_worker_costs_no_request(procs: ProcessSet) -> None:
     """SIGSTOP one of two echo workers under streaming load: every stream finishes, whole and
     within its deadline, by migrating off the frozen worker after the stall timeout."""
-    procs.frontend("--migration-limit", "3", "--stall-timeout", "1", "--ttft-timeout", "2",
-                   "--request-timeout", "30")  # fmt: skip
+    procs.frontend("--migration-limit", "3", "--stall-timeout", "1.5", "--ttft-timeout", "4",
+                   "--request-timeout", "40")  # fmt: skip
     a = procs.worker("--engine", "echo", "--model-name", "echo", "--echo-delay-ms", "25")
     wait_until(lambda: len(instances(procs.url, "echo")) == 1, 60, "worker A", procs.logs)
     procs.worker("--engine", "echo", "--model-name", "echo", "--echo-delay-ms", "25")
@@ -92,7 +92,7 @@ def test_a_frozen_worker_costs_no_request(procs: ProcessSet) -> None:
         assert r.get("status") == 200 and "error" not in r, (r, procs.logs())
         assert r.get("finish") == "length", r
         assert r.get("usage") == 60, f"tokens were lost or repeated: {r}"
-        assert float(r["seconds"]) < 30, r  # type: ignore[arg-type]
+        assert float(r["seconds"]) < 40, r  # type: ignore[arg-type]
     assert any(r.get("migrations") for r in results), results
     os.killpg(a.pid, signal.SIGCONT)
 
@@ -152,6 +152,7 @@ def test_engine_refusals_map_to_400_and_503(procs: ProcessSet) -> None:
     run_streams(procs.url, "mock", 1, 1000)
     deadline = time.monotonic() + 60
     status = 0
+    r = httpx.Response(0)
     while status != 503 and time.monotonic() < deadline:
         time.sleep(0.5)
         try:
