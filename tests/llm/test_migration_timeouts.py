@@ -178,3 +178,32 @@ async def test_request_error_kinds_raise_and_never_migrate(
 def test_negative_timeouts_are_refused() -> None:
     with pytest.raises(ValueError, match="stall_timeout"):
         Migration(Script(), migration_limit=1, stall_timeout=-1)
+
+
+async def test_deadline_stream_bounds_a_plain_stream() -> None:
+    from turnout.llm.migration import deadline_stream
+
+    closed: list[bool] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            yield b"a"
+            await asyncio.get_running_loop().create_future()
+        finally:
+            closed.append(True)
+
+    got: list[bytes] = []
+    with pytest.raises(RequestTimedOut, match=r"\(1 chunks generated\)"):
+        async for chunk in deadline_stream(chunks(), 0.05, RequestContext("r")):
+            got.append(chunk)
+    assert got == [b"a"] and closed == [True]
+
+
+async def test_deadline_stream_passes_a_quick_stream_through() -> None:
+    from turnout.llm.migration import deadline_stream
+
+    async def chunks() -> AsyncIterator[int]:
+        for i in range(3):
+            yield i
+
+    assert [i async for i in deadline_stream(chunks(), 60, RequestContext("r"))] == [0, 1, 2]

@@ -19,7 +19,7 @@ import msgspec
 from turnout.errors import ConfigError, NoInstanceAvailable, RequestTimedOut
 from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
 from turnout.llm.chat_template import ChatTemplate
-from turnout.llm.migration import Migration
+from turnout.llm.migration import Migration, deadline_stream
 from turnout.llm.preprocessor import Preprocessor
 from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
@@ -156,11 +156,31 @@ class TextPipeline:
     client: InstanceSource
     is_chat: bool
     gate: WorkerGate | None = None
+    #: ``--request-timeout`` (0: none); the per-request ``nvext`` override is not read here
+    #: (the body is relayed as it is).
+    request_timeout: float = 0.0
 
     def generate(self, body: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
         if self.gate is not None:
             self.gate.check()
+        if self.request_timeout > 0:
+            return _timed_relay(self.router.generate(body, ctx), self.request_timeout, ctx)
         return self.router.generate(body, ctx)
+
+
+async def _timed_relay(
+    chunks: AsyncIterator[bytes], timeout: float, ctx: RequestContext
+) -> AsyncIterator[bytes]:
+    """A text model's chunks under its deadline: 504 before the first chunk, an SSE error
+    event after (the HTTP layer's mapping of ``HttpError``)."""
+    stream = deadline_stream(chunks, timeout, ctx)
+    try:
+        async for chunk in stream:
+            yield chunk
+    except RequestTimedOut as exc:
+        raise HttpError(504, str(exc), type="timeout", code="request_timeout") from exc
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 def _identity(raw: bytes) -> bytes:
@@ -322,11 +342,23 @@ class PipelineFactory:
     async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
         router = self._router(card, client, encode=_identity, decode=_identity)
         return TextPipeline(
-            card.display_name, card, router, client, is_chat=True, gate=self._gate(client)
+            card.display_name,
+            card,
+            router,
+            client,
+            is_chat=True,
+            gate=self._gate(client),
+            request_timeout=self.request_timeout,
         )
 
     async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
         router = self._router(card, client, encode=_identity, decode=_identity)
         return TextPipeline(
-            card.display_name, card, router, client, is_chat=False, gate=self._gate(client)
+            card.display_name,
+            card,
+            router,
+            client,
+            is_chat=False,
+            gate=self._gate(client),
+            request_timeout=self.request_timeout,
         )

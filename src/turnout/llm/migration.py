@@ -35,6 +35,7 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import msgspec
 
@@ -45,6 +46,7 @@ from turnout.runtime.context import RequestContext
 log = logging.getLogger("turnout.migration")
 
 EngineFn = Callable[[PreprocessedRequest, RequestContext], AsyncIterator[LLMEngineOutput]]
+T = TypeVar("T")
 
 _ERROR = FinishReason.ERROR
 _ENGINE_FAILED = ErrorKind.ENGINE_FAILED.value
@@ -201,7 +203,7 @@ class Migration:
                     while True:
                         now = watch.since = time()
                         if now >= watch.deadline:
-                            raise self._timed_out(ctx, timeout, generated)
+                            raise self._timed_out(ctx, timeout, len(generated))
                         watch.waiting = True
                         if rearm or watch._handle is None:
                             # Otherwise the pending timer is due no later than needed (the
@@ -218,7 +220,7 @@ class Migration:
                             if fired is None or task.uncancel() > 0:
                                 raise
                             if fired == _DEADLINE:
-                                raise self._timed_out(ctx, timeout, generated) from None
+                                raise self._timed_out(ctx, timeout, len(generated)) from None
                             instance = ctx.metadata.get("worker_instance_id")
                             if self._report_down is not None and isinstance(instance, int):
                                 self._report_down(instance)
@@ -298,17 +300,60 @@ class Migration:
         return migrations
 
     @staticmethod
-    def _timed_out(ctx: RequestContext, timeout: float, generated: list[int]) -> RequestTimedOut:
+    def _timed_out(
+        ctx: RequestContext, timeout: float, produced: int, what: str = "tokens"
+    ) -> RequestTimedOut:
         log.warning(
-            "request %s: deadline of %gs passed after %d tokens; cancelled",
+            "request %s: deadline of %gs passed after %d %s; cancelled",
             ctx.request_id,
             timeout,
-            len(generated),
+            produced,
+            what,
         )
         return RequestTimedOut(
             f"the request did not finish within its {timeout:g}s deadline "
-            f"({len(generated)} tokens generated)"
+            f"({produced} {what} generated)"
         )
+
+
+async def deadline_stream(
+    stream: AsyncIterator[T], timeout: float, ctx: RequestContext
+) -> AsyncIterator[T]:
+    """``stream`` bounded by a deadline ``timeout`` seconds from now (for pipelines without
+    migration, e.g. router-only text models): past it, the upstream is cancelled and
+    ``RequestTimedOut`` is raised. Same one-timer watchdog as ``Migration``."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    watch = _Watchdog(loop, task)
+    watch.deadline = loop.time() + timeout
+    anext_ = stream.__anext__
+    count = 0
+    try:
+        while True:
+            if loop.time() >= watch.deadline:
+                raise Migration._timed_out(ctx, timeout, count, "chunks")
+            watch.waiting = True
+            if watch._handle is None:
+                watch.arm()
+            try:
+                item = await anext_()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                fired, watch.fired = watch.fired, None
+                if fired is None or task.uncancel() > 0:
+                    raise
+                raise Migration._timed_out(ctx, timeout, count, "chunks") from None
+            finally:
+                watch.waiting = False
+            count += 1
+            yield item
+    finally:
+        watch.close()
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def continue_request(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
