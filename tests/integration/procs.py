@@ -24,6 +24,9 @@ class ProcessSet:
     lease_ttl: float = 2.0
     port: int = field(default_factory=free_port)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    #: Store flags replacing the file store's (e.g. ``--store etcd --store-endpoints ...``),
+    #: for stacks whose store is itself under test; None: the file store in ``tmp``.
+    store_flags: list[str] | None = None
 
     @property
     def store_path(self) -> str:
@@ -45,8 +48,10 @@ class ProcessSet:
         return proc
 
     def common(self) -> list[str]:
-        return ["--store", "file", "--store-path", self.store_path,
-                "--lease-ttl", str(self.lease_ttl)]  # fmt: skip
+        store = self.store_flags
+        if store is None:
+            store = ["--store", "file", "--store-path", self.store_path]
+        return [*store, "--lease-ttl", str(self.lease_ttl)]
 
     def frontend(self, *extra: str) -> subprocess.Popen[bytes]:
         return self._spawn(
