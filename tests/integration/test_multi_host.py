@@ -294,15 +294,16 @@ def test_a_cut_off_host_loses_its_instances_its_streams_migrate_and_it_comes_bac
 
 def test_an_etcd_outage_costs_no_request_and_no_restart(cluster: Cluster) -> None:
     """etcd goes away for three lease TTLs and comes back: the frontend keeps routing from
-    what it knew, the worker's lease is lost and it registers again by itself, and no
-    request fails, during the outage or after."""
+    what it knew; the worker keeps trying its keep-alive, and etcd, which restores leases with
+    a fresh TTL when it starts, either still holds the lease (nothing was lost: the worker
+    keeps its id) or says it ended (the worker registers again by itself); no request fails,
+    during the outage or after."""
     ns = cluster.new_namespace()
     planes = cluster.planes("tcp", "zmq")
     try:
         cluster.frontend(ns, planes)
         worker = cluster.worker("w1", ns, planes, "--engine", "echo", "--model-name", "echo")
         cluster.wait_models({"echo": 1})
-        before = set(health(cluster.url)["echo"])
         processes = [*cluster.hosts["fe"].procs, worker]
 
         def ask() -> None:
@@ -321,17 +322,15 @@ def test_an_etcd_outage_costs_no_request_and_no_restart(cluster: Cluster) -> Non
                 time.sleep(0.2)
         finally:
             cluster.etcd.start()
-        # The worker comes back under a new lease; the old one ends; requests never fail.
+        # One instance serves again (the same or a new one); requests never fail.
         deadline = time.monotonic() + 60
-        while (
-            set(health(cluster.url).get("echo", [])) in (before, set())
-            or len(health(cluster.url).get("echo", [])) != 1
-        ):
+        while len(health(cluster.url).get("echo", [])) != 1:
             assert time.monotonic() < deadline, cluster.hosts.logs()
             ask()
             time.sleep(0.2)
         for _ in range(10):
             ask()
+        assert len(health(cluster.url)["echo"]) == 1
         assert all(p.poll() is None for p in processes), "a process exited"
     finally:
         cluster.stop_run()
