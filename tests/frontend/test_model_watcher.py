@@ -469,6 +469,32 @@ async def test_last_served_instance_leaving_switches_to_the_largest_standby_card
     assert metrics.card_switches.labels("llama")._value.get() == 2
 
 
+async def test_served_card_unreachable_switches_to_a_reachable_standby(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that stops taking requests before this frontend sees it leave (a polled
+    store) is set aside by the request that found it gone: with no reachable instance of the
+    served card left and a standby card up, the model switches at once, so that request's
+    retry finds an instance."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    old = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    new = await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    client = h.factory.calls[0][2]
+    await until(lambda: len(client.announced_ids()) == 2)
+
+    client.report_instance_down(old.instance_id)
+    assert client.instance_ids() == [new.instance_id]  # switched, synchronously
+    assert [c.instance_id for c in h.manager.entries_for_model("llama")] == [new.instance_id]
+    assert any("is reachable" in r.getMessage() for r in caplog.records)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    # The old card waits on standby; when it leaves, nothing changes for the model.
+    await old.stop()
+    assert await h.barrier() == []
+    assert client.instance_ids() == [new.instance_id]
+
+
 async def test_switch_ties_go_to_the_card_seen_first(h: Harness) -> None:
     """Cards with no instance announced (the card's DELETE is the only signal)."""
     a = await h.put_card(make_card("llama", instance_id=1))

@@ -2,7 +2,7 @@
 length, so another checksum) start; the A workers stop gracefully one by one while clients
 keep sending requests. No request fails, and afterwards the model serves card B.
 
-The stack is real: a memory store, the tcp request plane, echo workers, the HTTP frontend;
+The stack is real: a memory or file store, the tcp request plane, echo workers, the HTTP frontend;
 only the clients run in the same process. Nothing here waits on wall-clock speed: each step
 waits for a state (the model served, the standby card built, the switch made) and the load
 runs until the steps are done.
@@ -23,7 +23,7 @@ from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker
 from turnout.frontend.service import Frontend
 from turnout.runtime.component import DistributedRuntime
-from turnout.runtime.discovery.memory import MemoryStore
+from turnout.runtime.discovery import DiscoveryStore, FileStore, MemoryStore
 
 MODEL = "tiny"
 #: Card A's context length comes from the model's config (1024); card B overrides it.
@@ -36,9 +36,16 @@ async def until(cond: Callable[[], bool], within: float = 20.0) -> None:
             await asyncio.sleep(0.01)
 
 
-@pytest.fixture
-async def runtime() -> AsyncIterator[DistributedRuntime]:
-    store = MemoryStore()
+@pytest.fixture(params=["memory", "file"])
+async def runtime(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[DistributedRuntime]:
+    """On the file store too: there the endpoint client and the model watcher poll the store
+    apart, so the instance and the card of a leaving worker vanish for them at different
+    times, which the switch must not turn into a failed request."""
+    store: DiscoveryStore = (
+        MemoryStore() if request.param == "memory" else FileStore(tmp_path / "d.sqlite")
+    )
     rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=5.0)
     yield rt
     await rt.shutdown()

@@ -227,8 +227,9 @@ class _Model:
 
     served: _Group
     standby: dict[str, _Group] = field(default_factory=dict)
-    #: Instances of the served group that discovery announced at the last look: when the last
-    #: of them leaves while a standby group has live instances, the model switches at once.
+    #: Instances of the served group that could be routed to at the last look (announced,
+    #: not set aside): when the last of them goes while a standby group has routable
+    #: instances, the model switches at once.
     served_live: set[int] = field(default_factory=set)
 
     def groups(self) -> list[_Group]:
@@ -333,7 +334,7 @@ class ModelWatcher:
             if group.view is not served.view:
                 group.view.accepted = group.instance_ids()
         served.view.accepted = served.instance_ids()
-        model.served_live = served.view.accepted & served.view.announced_ids()
+        model.served_live = _routable(served)
 
     async def close(self) -> None:
         """Close every endpoint client the watcher opened (at frontend shutdown)."""
@@ -593,11 +594,9 @@ class ModelWatcher:
     @staticmethod
     def _choose(model: _Model, live_only: bool) -> _Group | None:
         """The standby group to serve next: the most instances, ties by the earliest seen.
-        ``live_only``: only groups with an instance that discovery announces now."""
+        ``live_only``: only groups with an instance that can be routed to now."""
         candidates = [
-            g
-            for g in model.standby.values()
-            if g.entries and (not live_only or g.instance_ids() & g.view.announced_ids())
+            g for g in model.standby.values() if g.entries and (not live_only or _routable(g))
         ]
         if not candidates:
             return None
@@ -649,22 +648,35 @@ class ModelWatcher:
         return updates
 
     def _on_instances_changed(self, name: str) -> None:
-        """A client of ``name`` saw instances come or go. When the last announced instance of
-        the served card has just left and a standby card has live instances, switch now:
-        the card's DELETE follows on the watch, but requests arriving meanwhile would find no
-        instance to route to. Runs inside the client's discovery update (synchronously)."""
+        """A client of ``name`` saw instances come, go, or be set aside. When the last
+        routable instance of the served card has just gone and a standby card has routable
+        instances, switch now, rather than answer 503 while new workers are up:
+
+        * it left discovery: the card's DELETE follows on the model watch, but requests
+          arriving meanwhile would find no instance to route to;
+        * it is set aside (unreachable): typically a worker that stopped taking requests
+          before this frontend's discovery saw it leave (stores that are polled).
+
+        Runs inside the client's update (synchronously), so the request that set the last
+        instance aside retries on the new card's instances."""
         model = self._models.get(name)
         if model is None:
             return
         served = model.served
-        live = served.instance_ids() & served.view.announced_ids()
+        live = _routable(served)
         was_live, model.served_live = model.served_live, live
         if live or not was_live or not model.standby:
             return
         new = self._choose(model, live_only=True)
         if new is None:
             return
-        updates = self._switch(model, new, "the last instance of the served card left")
+        announced = served.instance_ids() & served.view.announced_ids()
+        why = (
+            "no instance of the served card is reachable"
+            if announced
+            else "the last instance of the served card left"
+        )
+        updates = self._switch(model, new, why)
         task = asyncio.get_running_loop().create_task(self._send_all(updates))
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
@@ -797,6 +809,11 @@ class AcceptedInstances:
 
 def _nothing() -> None:
     pass
+
+
+def _routable(group: _Group) -> set[int]:
+    """The group's instances its view's client can route to (announced, not set aside)."""
+    return group.instance_ids() & set(group.view.client.instance_ids())
 
 
 class _Unsupported(Exception):
