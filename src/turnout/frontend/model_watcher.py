@@ -344,11 +344,15 @@ class ModelWatcher:
         await self._manager.close()
         for view in views.values():  # standby views (closing twice is harmless)
             await _close_client(view)
+        # Clients being closed and updates being sent after a switch: let them finish (an
+        # update into a full, unread queue would wait forever: those are cancelled).
         pending = list(self._pending_sends)
-        for task in pending:
-            task.cancel()
         if pending:
-            await asyncio.wait(pending)
+            _, late = await asyncio.wait(pending, timeout=1.0)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
 
     async def handle_event(self, event: WatchEvent) -> None:
         """Apply one store event; errors are logged, never raised (cancellation excepted)."""
