@@ -236,11 +236,12 @@ class Endpoint:
 class ServingInstance:
     """One served instance: its record in discovery, its lease, its handler.
 
-    When its lease is lost (the store was unreachable for longer than the TTL, or the lease
+    When the store says its lease ended (it expired during an outage longer than the TTL, or
     was revoked elsewhere), every watcher has already seen the instance leave. The process
     itself is fine, so it registers again under a new lease, which is a new instance id,
     retrying with backoff until the store answers: ``records`` is called again with the new
-    id, side handlers move to the new path, and streams in flight on the old id go on.
+    id, side handlers move to the new path, streams in flight on the old id go on, and the
+    old id keeps answering for frontends that have not seen the new one yet.
     """
 
     def __init__(
