@@ -130,11 +130,12 @@ class BadOutputEcho(EchoEngine):
             yield out
 
 
+@pytest.mark.parametrize("mode", [RouterMode.ROUND_ROBIN, RouterMode.KV])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_worker_protocol_error_is_502_not_the_clients_fault(
-    gguf_path: str, stream: bool
+    gguf_path: str, stream: bool, mode: RouterMode
 ) -> None:
-    async for stack in stack_with(gguf_path, BadOutputEcho(gguf_path)):
+    async for stack in stack_with(gguf_path, BadOutputEcho(gguf_path), router_mode=mode):
         async with httpx.AsyncClient(base_url=stack.url) as http:
             r = await http.post("/v1/completions", json={**completion(), "stream": stream})
             assert r.status_code == 502, r.text

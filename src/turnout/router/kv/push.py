@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from turnout.errors import NoInstanceAvailable, PeerUnavailable
+from turnout.errors import NoInstanceAvailable, PeerUnavailable, WorkerProtocolError
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.router.kv.router import KvRouter
 from turnout.router.kv.selector import Selection, SelectionStatus
@@ -74,7 +74,13 @@ class KvPushRouter:
             cached: int | None = None
             try:
                 async for raw in stream:
-                    output = _decode(raw)
+                    try:
+                        output = _decode(raw)
+                    except msgspec.DecodeError as exc:  # ValidationError included
+                        raise WorkerProtocolError(
+                            f"worker {target:x} of {router.endpoint.path()} sent an output "
+                            f"that does not decode: {exc}"
+                        ) from exc
                     if first and output.token_ids:
                         first = False
                         if booked:
