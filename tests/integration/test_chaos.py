@@ -198,16 +198,22 @@ def test_kill_9_workers_under_streaming_load(procs: ProcessSet) -> None:
 def test_sigterm_a_worker_under_load_fails_no_request(procs: ProcessSet) -> None:
     """A worker told to stop (SIGTERM) leaves discovery, finishes or hands over its streams,
     and exits cleanly: no request fails and every text is whole."""
-    start_stack(procs, 3, "--migration-limit", "3")
+    procs.frontend("--migration-limit", "3")
+    procs.worker(*MOCKER, "--speedup-ratio", SPEEDUP)
+    procs.worker(*MOCKER, "--speedup-ratio", SPEEDUP)
+    # A drain shorter than the streams: it finishes none of them, so its streams are cut
+    # and must be handed over (migrated) whole.
+    victim = procs.worker(*MOCKER, "--speedup-ratio", SPEEDUP, "--drain-timeout", "0.3")
+    wait_until(lambda: len(instances(procs.url)) == 3, 60, "the workers", procs.logs)
     reference = reference_texts(procs.url)
 
-    victim = procs.procs[2]
     batch = StreamBatch.start(procs.url)
     wait_streaming(batch)
     os.killpg(victim.pid, signal.SIGTERM)
     results = batch.join()
     assert_whole(results, reference, procs.logs())
     assert victim.wait(timeout=30) == 0, procs.logs()
+    assert metric(procs.url, "turnout_migrations_total") > 0, "no stream was handed over"
 
     # Requests after it left go to the two that remain.
     wait_until(lambda: len(instances(procs.url)) == 2, 30, "the worker to leave", procs.logs)

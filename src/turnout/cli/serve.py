@@ -65,6 +65,7 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
         "--request-plane", "tcp",
         "--event-plane", "zmq",
         "--lease-ttl", str(args.lease_ttl),
+        "--drain-timeout", str(args.drain_timeout),
         "--log-level", args.log_level,
     ]  # fmt: skip
     if args.engine == "mocker":

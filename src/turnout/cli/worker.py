@@ -31,6 +31,9 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(p, "--model-name", help="served model name (default: from the model)")
     add_flag(p, "--endpoint", default=DEFAULT_ENDPOINT, help="namespace/component/endpoint")
     add_flag(p, "--context-length", type=int, help="override the model's context length")
+    add_flag(p, "--drain-timeout", default=5.0, type=float,
+             help="on SIGTERM, seconds in-flight requests may finish before the rest are "
+                  "cut (frontends migrate them)")  # fmt: skip
     add_flag(p, "--max-waiting", default=1024, type=int,
              help="mocker, llamacpp: most queued requests per worker; more are refused as "
                   "overloaded (503)")  # fmt: skip
@@ -143,7 +146,7 @@ async def run_worker(args: argparse.Namespace) -> None:
 
     async def stop() -> None:
         try:
-            await asyncio.gather(*(w.stop() for w in workers))
+            await asyncio.gather(*(w.stop(args.drain_timeout) for w in workers))
         finally:
             await runtime.shutdown()
 
