@@ -226,3 +226,34 @@ def test_serve_default_store_is_per_port(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert store_path("--port", "8001", "--store-path", given) == given
     monkeypatch.setenv("TURNOUT_STORE_PATH", given)
     assert store_path("--port", "8001") == given
+
+
+async def test_a_sweep_refused_the_lock_gives_no_lease_time_back(
+    path: str, clock: FakeClock
+) -> None:
+    """A sweep waits only briefly for the write lock and then gives up by design: that is
+    no stall, and the process's next ordinary write must not push deadlines out (a deadline
+    beyond a full TTL from now reads as foreign, and the sweep would end a healthy lease)."""
+    a = FileStore(path, poll_interval=0.0, clock=clock, boot="b")
+    b = FileStore(path, poll_interval=0.0, clock=clock, boot="b")
+    try:
+        await a.get("warm-up")
+        await b.grant_lease(1.0)  # a worker that dies: its lease expires, a sweep is due
+        healthy = await b.grant_lease(10.0)
+        await b.put("v1/instances/healthy", b"x", lease_id=healthy)
+        clock.now += 2.0
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # someone holds the lock for a moment
+        await a.get("nothing")  # its sweep is refused the lock
+        other.execute("COMMIT")
+        other.close()
+        clock.now += 1.5
+        assert await b.keep_alive(healthy)
+        clock.now += 0.5
+        await a.grant_lease(10.0)  # an ordinary, uncontended write
+        clock.now += 0.01
+        assert await a.get("v1/instances/healthy") is not None
+        assert await b.keep_alive(healthy)
+    finally:
+        await a.close()
+        await b.close()

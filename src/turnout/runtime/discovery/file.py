@@ -368,9 +368,12 @@ class FileStore(DiscoveryStore):
             start = max(float(extended), min(float(held_from), since))
             stalled = now - start
             if stalled >= _STALL_MIN:
+                # Never past a full TTL from now: a deadline further out than that reads as
+                # "not written with this clock", and the sweep would end a healthy lease.
                 cur = db.execute(
-                    "UPDATE leases SET expires_at = expires_at + ? WHERE expires_at >= ?",
-                    (stalled, start),
+                    "UPDATE leases SET expires_at = MIN(expires_at + ?, ? + ttl) "
+                    "WHERE expires_at >= ?",
+                    (stalled, now, start),
                 )
                 db.execute("UPDATE meta SET value=? WHERE name='extended_until'", (now,))
                 logger.warning(
@@ -440,6 +443,9 @@ class FileStore(DiscoveryStore):
                 if not _is_busy(exc):
                     raise
                 self._last_sweep = -float("inf")  # someone holds the lock: next poll
+                # A sweep gives up after a short wait by design: that is no stall, and must
+                # not make this process's next write give every lease time back.
+                self._busy_since = None
 
     # -- leases ---------------------------------------------------------------------------
 
