@@ -91,6 +91,26 @@ async def test_a_stopped_supervisor_does_not_restart() -> None:
     assert not sup.gave_up and sup.restarts == 0
 
 
+async def test_a_restart_that_cannot_spawn_counts_as_a_death_not_a_silent_stop() -> None:
+    """Spawning can fail (no file descriptors, no memory): that is retried with backoff and
+    given up on like a crash, never left as a supervisor that silently stopped."""
+    clock = FakeClock()
+    spawned = 0
+
+    async def spawn(argv: list[str]) -> FakeProcess:
+        nonlocal spawned
+        spawned += 1
+        if spawned > 1:
+            raise OSError(24, "Too many open files")
+        return FakeProcess(100, -signal.SIGKILL, 0.5, clock)
+
+    sup = WorkerSupervisor(["worker"], "worker 0", spawn=spawn, clock=clock, sleep=clock.sleep)
+    await sup.start()
+    await sup.run()
+    assert sup.gave_up
+    assert clock.slept == [1.0, 2.0, 4.0, 8.0]
+
+
 def test_exit_descriptions() -> None:
     assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
     assert describe_exit(2) == "exit status 2"

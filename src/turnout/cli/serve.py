@@ -203,7 +203,26 @@ class WorkerSupervisor:
                 return
             delay = min(delay * 2, self._max_delay)
             self.restarts += 1
-            self.process = await self._spawn(self.argv)
+            while True:
+                try:
+                    self.process = await self._spawn(self.argv)
+                    break
+                except OSError as exc:  # no process to watch: counts as one more death
+                    now = self._clock()
+                    deaths.append(now)
+                    while deaths and now - deaths[0] > self._window:
+                        deaths.popleft()
+                    if len(deaths) >= self._max_crashes:
+                        log.error("%s could not be restarted (%s); giving up on it",
+                                  self.name, exc)  # fmt: skip
+                        self.gave_up = True
+                        return
+                    log.error("%s could not be restarted (%s); trying again in %gs",
+                              self.name, exc, delay)  # fmt: skip
+                    await self._sleep(delay)
+                    if self._stopping:
+                        return
+                    delay = min(delay * 2, self._max_delay)
             if self._stopping:  # stopped while it was being spawned
                 with contextlib.suppress(ProcessLookupError):
                     self.process.send_signal(signal.SIGTERM)
