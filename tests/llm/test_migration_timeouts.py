@@ -112,11 +112,18 @@ async def test_the_deadline_cancels_the_work_and_raises() -> None:
     assert script.closed == 1
 
 
-async def test_a_request_timeout_overrides_the_default() -> None:
+async def test_a_request_timeout_may_shorten_the_default() -> None:
     script = Script([HANG])
     migration = Migration(script, migration_limit=3, request_timeout=3600)
     with pytest.raises(RequestTimedOut):
         await collect(migration, request(timeout=0.05))
+
+
+async def test_a_request_timeout_cannot_lift_the_operators_deadline() -> None:
+    script = Script([HANG])
+    migration = Migration(script, migration_limit=3, request_timeout=0.05)
+    with pytest.raises(RequestTimedOut, match=r"0\.05s deadline"):
+        await collect(migration, request(timeout=3600))
 
 
 async def test_a_slow_consumer_is_not_a_stall() -> None:

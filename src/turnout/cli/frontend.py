@@ -28,7 +28,7 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
              help="times a request may move to another worker when its worker dies")  # fmt: skip
     add_flag(p, "--request-timeout", default=0.0, type=float,
              help="seconds a request may take in all, migrations included; past it 504 "
-                  "(0: none; nvext.request_timeout overrides)")  # fmt: skip
+                  "(0: none; nvext.request_timeout may shorten it)")  # fmt: skip
     add_flag(p, "--ttft-timeout", default=0.0, type=float,
              help="seconds a worker may take to its first token before the request "
                   "migrates (0: none)")  # fmt: skip

@@ -151,7 +151,9 @@ class Migration:
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
         """The request's output stream (an async generator: ``aclose()`` it)."""
-        timeout = request.request_timeout or self._request_timeout
+        # The client may shorten the operator's deadline, never lift it.
+        asked, limit = request.request_timeout, self._request_timeout
+        timeout = min(asked, limit) if asked and limit else (asked or limit)
         if not timeout and self._ttft == math.inf and self._stall == math.inf:
             return self._generate_plain(request, ctx)
         return self._generate_timed(request, ctx, timeout)

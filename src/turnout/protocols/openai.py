@@ -25,7 +25,8 @@ class NvExt(msgspec.Struct, kw_only=True):
     #: Admission priority while the frontend's request slots are full: higher waits less
     #: (first-come-first-served within a priority); default 0, negative allowed.
     priority: int | None = None
-    #: Seconds this request may take in all (overrides ``--request-timeout``); > 0.
+    #: Seconds this request may take in all (> 0); shortens ``--request-timeout``, never
+    #: lifts it.
     request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
