@@ -93,6 +93,8 @@ async def test_both_ends_turn_keepalive_on() -> None:
             assert conn.transport is not None
             sock = conn.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data is bounded too
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 25_000
     finally:
         await client.close()
         await server.stop()

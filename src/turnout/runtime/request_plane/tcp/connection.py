@@ -5,8 +5,9 @@
 incremental reads, and the close/loss bookkeeping. Kept apart so each end's module holds only
 its own side of the exchange.
 
-Liveness: every connection has TCP keepalive on (a peer host that vanished is noticed by the
-kernel within ``KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_COUNT`` seconds), and each end
+Liveness: every connection has TCP keepalive on, and a TCP user timeout of the same length for
+data left unacknowledged (a peer host that vanished is noticed by the kernel within
+``KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_COUNT`` seconds, idle or not), and each end
 runs one periodic timer (not one per stream): the server sends a HEARTBEAT frame on a
 connection with open streams that wrote nothing for a heartbeat interval; the client drops a
 connection with open streams that heard nothing (no frame at all) for its idle timeout, which
@@ -43,6 +44,9 @@ def set_keepalive(sock: socket.socket) -> None:
         ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
         ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
         ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        # Keepalive probes only go out on an idle connection; one that keeps sending
+        # (heartbeats to a peer host that vanished) is bounded by this instead, in ms.
+        ("TCP_USER_TIMEOUT", 1000 * (KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_COUNT)),
     ):
         option = getattr(socket, name, None)
         if option is not None:
