@@ -314,9 +314,16 @@ class FileStore(DiscoveryStore):
         self._end_leases(db, ids)
         db.execute("INSERT OR REPLACE INTO clock VALUES ('boot_id', ?)", (self._boot_id,))
 
-    def _write(self, fn: Callable[[sqlite3.Connection], _T], busy_ms: int = _BUSY_TIMEOUT_MS) -> _T:
+    def _write(
+        self,
+        fn: Callable[[sqlite3.Connection], _T],
+        busy_ms: int = _BUSY_TIMEOUT_MS,
+        *,
+        stall_evidence: bool = True,
+    ) -> _T:
         """Run ``fn`` in one IMMEDIATE (write-locked) transaction, waiting up to ``busy_ms``
-        for the lock (then ``sqlite3.OperationalError``, "database is locked")."""
+        for the lock (then ``sqlite3.OperationalError``, "database is locked"). A refusal
+        counts as evidence of a stall (see ``_begin``) unless ``stall_evidence`` is False."""
         db = self._conn()
         if busy_ms != _BUSY_TIMEOUT_MS:
             db.execute(f"PRAGMA busy_timeout={busy_ms}")
@@ -324,7 +331,7 @@ class FileStore(DiscoveryStore):
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            if _is_busy(exc):
+            if _is_busy(exc) and stall_evidence:
                 if self._busy_since is None or asked - self._busy_last > _BUSY_CONTINUITY:
                     self._busy_since = asked
                 self._busy_last = self._clock()
@@ -438,14 +445,13 @@ class FileStore(DiscoveryStore):
                 self._end_leases(db, [lease_id for (lease_id,) in expired.fetchall()])
 
             try:
-                self._write(sweep, busy_ms=_SWEEP_BUSY_MS)
+                # A sweep gives up after a short wait by design: that is no stall, and must
+                # not make this process's next write give every lease time back.
+                self._write(sweep, busy_ms=_SWEEP_BUSY_MS, stall_evidence=False)
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
                 self._last_sweep = -float("inf")  # someone holds the lock: next poll
-                # A sweep gives up after a short wait by design: that is no stall, and must
-                # not make this process's next write give every lease time back.
-                self._busy_since = None
 
     # -- leases ---------------------------------------------------------------------------
 
