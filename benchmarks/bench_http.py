@@ -14,6 +14,7 @@ It records, per request, the latency to the last body byte and to the first body
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -171,3 +172,53 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class _OneRequest(asyncio.Protocol):
+    """One request on its own connection; resolves to (status, lower-cased head, raw body)
+    once the response is complete (``content-length`` or chunked), or fails when the
+    connection goes first."""
+
+    def __init__(self, raw: bytes, done: asyncio.Future[tuple[int, bytes, bytes]]) -> None:
+        self.raw = raw
+        self.done = done
+        self.buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.raw)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.done.done():
+            return
+        head = bytes(self.buf[:end]).lower()
+        body = bytes(self.buf[end + 4 :])
+        m = re.search(rb"\r\ncontent-length: *(\d+)", head)
+        # content-length, or chunked, where the last chunk is "0\r\n\r\n"
+        complete = len(body) >= int(m.group(1)) if m else body.endswith(b"0\r\n\r\n")
+        if complete:
+            self.done.set_result((int(head[9:12]), head, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc or ConnectionError("closed before a complete response"))
+
+
+async def one_request(
+    host: str, port: int, raw: bytes, timeout: float
+) -> tuple[int, bytes, bytes] | str:
+    """One request on a connection of its own, within ``timeout`` seconds: (status, head,
+    body), or a string naming what went wrong instead (for load tests that count outcomes)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[int, bytes, bytes]] = loop.create_future()
+    transport = None
+    try:
+        async with asyncio.timeout(timeout):
+            transport, _ = await loop.create_connection(lambda: _OneRequest(raw, done), host, port)
+            return await done
+    except (OSError, TimeoutError) as exc:
+        return repr(exc)
+    finally:
+        if transport is not None:
+            transport.close()

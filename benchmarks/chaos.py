@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from tests.integration.procs import ProcessSet, health, wait_until  # noqa: E402
 from tests.servers.etcd import EtcdServer, etcd_binary  # noqa: E402
 
-from bench_http import percentile, render_post  # noqa: E402
+from bench_http import one_request, percentile, render_post  # noqa: E402
 
 FAULTS = ("none", "kill9", "sigstop", "sigterm", "store_restart", "overload")
 MODEL = "mock"
@@ -77,52 +77,10 @@ CLIENT_TIMEOUT_S = 60.0
 # -- client ------------------------------------------------------------------------------------
 
 
-class _OneRequest(asyncio.Protocol):
-    """One request on its own connection; resolves to (status, raw body) once the response
-    is complete (``content-length`` or chunked), or fails when the connection goes first."""
-
-    def __init__(self, raw: bytes, done: asyncio.Future[tuple[int, bytes]]) -> None:
-        self.raw = raw
-        self.done = done
-        self.buf = bytearray()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.raw)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0 or self.done.done():
-            return
-        head = bytes(self.buf[:end]).lower()
-        body = bytes(self.buf[end + 4 :])
-        m = re.search(rb"\r\ncontent-length: *(\d+)", head)
-        # content-length, or chunked, where the last chunk is "0\r\n\r\n"
-        complete = len(body) >= int(m.group(1)) if m else body.endswith(b"0\r\n\r\n")
-        if complete:
-            self.done.set_result((int(head[9:12]), body))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc or ConnectionError("closed before a complete response"))
-
-
 async def send(port: int, raw: bytes) -> tuple[int, bytes] | str:
     """One request; (status, body), or a string naming what went wrong instead."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[tuple[int, bytes]] = loop.create_future()
-    transport = None
-    try:
-        async with asyncio.timeout(CLIENT_TIMEOUT_S):
-            transport, _ = await loop.create_connection(
-                lambda: _OneRequest(raw, done), "127.0.0.1", port
-            )
-            return await done
-    except (OSError, TimeoutError) as exc:
-        return repr(exc)
-    finally:
-        if transport is not None:
-            transport.close()
+    answer = await one_request("127.0.0.1", port, raw, CLIENT_TIMEOUT_S)
+    return answer if isinstance(answer, str) else (answer[0], answer[2])
 
 
 def classify(answer: tuple[int, bytes] | str, streamed: bool) -> str:

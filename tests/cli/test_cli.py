@@ -31,16 +31,23 @@ def run(
         (["frontend", "--router-mode", "magic"], "unknown router mode 'magic'"),
         (["frontend", "--router-mode", "least-loaded"], "not yet supported"),
         (["worker", "--endpoint", "just-one-part"], "namespace/component/endpoint"),
-        (["frontend", "--store", "etcd", "--store-endpoints", "http://127.0.0.1:1"],
-         "cannot reach etcd at"),
-        (["status", "--store", "etcd", "--store-endpoints", "http://127.0.0.1:1"],
-         "127.0.0.1:1"),
-        (["worker", "--request-plane", "nats", "--nats-url", "nats://127.0.0.1:1"],
-         "cannot reach NATS at"),
-        (["frontend", "--event-plane", "nats", "--nats-url", "nats://127.0.0.1:1"],
-         "nats://127.0.0.1:1"),
-        (["worker", "--bind-host", "0.0.0.0", "--advertise-host", "0.0.0.0"],
-         "--advertise-host must be an address others can dial"),
+        (
+            ["frontend", "--store", "etcd", "--store-endpoints", "http://127.0.0.1:1"],
+            "cannot reach etcd at",
+        ),
+        (["status", "--store", "etcd", "--store-endpoints", "http://127.0.0.1:1"], "127.0.0.1:1"),
+        (
+            ["worker", "--request-plane", "nats", "--nats-url", "nats://127.0.0.1:1"],
+            "cannot reach NATS at",
+        ),
+        (
+            ["frontend", "--event-plane", "nats", "--nats-url", "nats://127.0.0.1:1"],
+            "nats://127.0.0.1:1",
+        ),
+        (
+            ["worker", "--bind-host", "0.0.0.0", "--advertise-host", "0.0.0.0"],
+            "--advertise-host must be an address others can dial",
+        ),
     ],
 )
 def test_bad_settings_fail_clearly(args: list[str], words: str, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from benchmarks.bench_http import one_request
 from tests.integration.procs import ProcessSet, health, wait_until
 
 pytestmark = pytest.mark.slow
@@ -297,58 +298,6 @@ REJECT_STATUS = 429
 CLIENT_DEADLINE_S = 90.0
 
 
-class OneShot(asyncio.Protocol):
-    """One HTTP/1.1 request on its own connection; resolves to (status, headers, body) once
-    the response (always ``content-length``: nothing here is streamed) is complete."""
-
-    def __init__(self, raw: bytes, done: asyncio.Future[tuple[int, bytes, bytes]]) -> None:
-        self.raw = raw
-        self.done = done
-        self.buf = bytearray()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.raw)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            return
-        head = bytes(self.buf[:end]).lower()
-        m = re.search(rb"\r\ncontent-length: *(\d+)", head)
-        if m is None:
-            self._finish(ConnectionError(f"response without content-length: {head!r}"))
-            return
-        body = bytes(self.buf[end + 4 :])
-        if len(body) >= int(m.group(1)) and not self.done.done():
-            self.done.set_result((int(head[9:12]), head, body))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._finish(exc or ConnectionError("closed before a complete response"))
-
-    def _finish(self, exc: Exception) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc)
-
-
-async def one_client(port: int, raw: bytes) -> tuple[int, bytes, bytes] | str:
-    """One client: connect, send, read the answer; a string says what went wrong instead."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[tuple[int, bytes, bytes]] = loop.create_future()
-    transport = None
-    try:
-        async with asyncio.timeout(CLIENT_DEADLINE_S):
-            transport, _ = await loop.create_connection(
-                lambda: OneShot(raw, done), "127.0.0.1", port
-            )
-            return await done
-    except (OSError, TimeoutError) as exc:
-        return repr(exc)
-    finally:
-        if transport is not None:
-            transport.close()
-
-
 async def crowd(port: int) -> list[tuple[int, bytes, bytes] | str]:
     """``CLIENTS`` clients at once, each on its own connection."""
     body = json.dumps({"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 1}).encode()
@@ -357,7 +306,9 @@ async def crowd(port: int) -> list[tuple[int, bytes, bytes] | str]:
         + f"content-length: {len(body)}\r\n\r\n".encode()
         + body
     )
-    return await asyncio.gather(*(one_client(port, raw) for _ in range(CLIENTS)))
+    return await asyncio.gather(
+        *(one_request("127.0.0.1", port, raw, CLIENT_DEADLINE_S) for _ in range(CLIENTS))
+    )
 
 
 def test_ten_thousand_concurrent_clients_get_an_answer(procs: ProcessSet) -> None:

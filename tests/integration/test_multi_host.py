@@ -27,6 +27,7 @@ from tests.integration.hosts import Hosts
 from tests.integration.procs import health, wait_until
 from tests.servers.etcd import EtcdServer
 from tests.servers.nats import NatsServerProcess
+from tests.servers.process import require
 
 from turnout.frontend.service import free_port
 
@@ -37,10 +38,7 @@ HTTP_PORT = 8000
 
 
 def _need(binary: str) -> None:
-    import shutil
-
-    if shutil.which(binary) is None:
-        pytest.skip(f"{binary} is not installed (scripts/setup.sh installs it)")
+    require(binary)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import psutil
 import pytest
 import uvloop
 from tests.servers.etcd import EtcdServer, TlsFiles, etcd_binary
+from tests.servers.process import require
 
 from turnout.runtime.discovery import DiscoveryStore, EtcdStore, FileStore, MemoryStore
 from turnout.runtime.request_plane import local as local_plane
@@ -47,8 +48,7 @@ async def no_leaks(request: pytest.FixtureRequest) -> AsyncIterator[None]:
 
 def start_etcd(data_dir: Path, host: str = "127.0.0.1", tls: TlsFiles | None = None) -> EtcdServer:
     """A running ``EtcdServer`` in ``data_dir``; skips the test when etcd is not installed."""
-    if etcd_binary() is None:
-        pytest.skip("the etcd binary is not installed (Debian package etcd-server)")
+    require("etcd", etcd_binary() is not None)
     return EtcdServer(data_dir, host=host, tls=tls).start()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -22,6 +21,7 @@ import grpc.aio
 import pytest
 from tests.runtime.conftest import start_etcd
 from tests.servers.etcd import EtcdServer, etcd_binary, make_tls_files
+from tests.servers.process import require
 
 from turnout.errors import ConfigError, DiscoveryError
 from turnout.runtime.discovery import (
@@ -420,8 +420,7 @@ async def test_resume_after_get_prefix_past_compaction_behind_a_cut(
 async def test_quiet_watch_resumes_after_progress_without_relisting(tmp_path: Path) -> None:
     """etcd's progress notifications move a quiet watch's resume point: cut off after a
     compaction of revisions it never needed, it resumes by revision, without a re-list."""
-    if etcd_binary() is None:
-        pytest.skip("the etcd binary is not installed (Debian package etcd-server)")
+    require("etcd", etcd_binary() is not None)
     server = EtcdServer(tmp_path / "etcd", progress_notify_interval=0.1).start()
     proxy = Proxy(server.host, server.client_port)
     await proxy.restore()
@@ -636,8 +635,7 @@ async def test_user_and_password(own_etcd: EtcdServer) -> None:
 
 async def test_mutual_tls(tmp_path: Path) -> None:
     """https endpoints with a CA and a client certificate; etcd requires the certificate."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed")
+    require("openssl")
     tls = make_tls_files(tmp_path / "tls")
     server = start_etcd(tmp_path / "etcd", tls=tls)
     try:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from nats.aio.msg import Msg
 from tests.servers.nats import NatsServerProcess, nats_binary
+from tests.servers.process import require
 
 from turnout.errors import (
     ConfigError,
@@ -35,7 +36,10 @@ from turnout.runtime.request_plane import nats as rpn
 from turnout.runtime.request_plane.framing import Kind
 from turnout.runtime.request_plane.nats import NatsClient, NatsServer
 
-pytestmark = pytest.mark.skipif(nats_binary() is None, reason="nats-server is not installed")
+
+@pytest.fixture(autouse=True)
+def _needs_nats() -> None:
+    require("nats-server", nats_binary() is not None)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from tests.servers.nats import NatsServerProcess, nats_binary
+from tests.servers.process import require
 
 from turnout.errors import ConfigError, PeerUnavailable, RemoteError, StreamBroken
 from turnout.protocols.model import TransportAddress
@@ -86,8 +87,7 @@ class Plane:
 @pytest.fixture(scope="module")
 def nats_server() -> Iterator[NatsServerProcess]:
     """One nats-server for the module's contract tests (they never disrupt it)."""
-    if nats_binary() is None:
-        pytest.skip("nats-server is not installed")
+    require("nats-server", nats_binary() is not None)
     with NatsServerProcess() as server:
         yield server
 

@@ -68,3 +68,20 @@ class ServerProcess:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+def require(binary: str, found: bool | None = None) -> None:
+    """Skip the calling test when ``binary`` is missing on a developer's machine, but fail it
+    under CI (``CI`` set), where the test command installs it: a silent skip there would turn
+    a broken set-up green."""
+    import os
+    import shutil
+
+    import pytest
+
+    if (shutil.which(binary) is not None) if found is None else found:
+        return
+    message = f"{binary} is not installed (scripts/setup.sh installs it)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from tests.servers.nats import NatsServerProcess, nats_binary
+from tests.servers.process import require
 
 from turnout.errors import ConfigError
 from turnout.protocols.kv import (
@@ -50,8 +51,7 @@ async def store() -> AsyncIterator[MemoryStore]:
 @pytest.fixture(scope="module")
 def nats_server() -> Iterator[NatsServerProcess]:
     """One nats-server for the module's contract tests (they never disrupt it)."""
-    if nats_binary() is None:
-        pytest.skip("nats-server is not installed")
+    require("nats-server", nats_binary() is not None)
     with NatsServerProcess() as server:
         yield server
 
