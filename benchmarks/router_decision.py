@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
+from turnout.protocols.block_hashing import compute_block_hashes, compute_seq_hashes
 from turnout.protocols.kv import BlockRemoved, BlockStored, KvCacheEvent, StoredBlock
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
-from turnout.router.kv.hashing import compute_block_hashes, compute_seq_hashes
 from turnout.router.kv.selector import select_worker
 
 RESULTS = Path(__file__).parent / "results" / "router_decision.json"

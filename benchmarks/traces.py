@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from turnout.router.kv.hashing import compute_block_hashes
+from turnout.protocols.block_hashing import compute_block_hashes
 
 #: Token ids are drawn uniformly from ``[TOKEN_LOW, TOKEN_HIGH)``.
 TOKEN_LOW = 1000

@@ -14,10 +14,10 @@ from tests.frontend.stack import ENDPOINT, Stack, echo_engine, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.mocker import MockerConfig, make_mocker_engines
+from turnout.protocols.block_hashing import compute_seq_hashes
 from turnout.protocols.model import EndpointId
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
-from turnout.router.kv.hashing import compute_seq_hashes
 from turnout.router.kv.router import KvRouter
 from turnout.router.service import RouterService
 

@@ -90,6 +90,12 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     annotations: list[str] = msgspec.field(default_factory=list)
     lora_name: str | None = None
+    #: The tenant's cache partition (vLLM's ``cache_salt``): it seeds the block hashes, so
+    #: requests with different salts never share cached blocks, on the worker or in a router.
+    cache_salt: str | None = None
+    #: Routing hint (``x-session-id``): turns of one conversation prefer the worker of the
+    #: previous turn. Engines ignore it.
+    session_id: str | None = None
     #: Set by the client (``nvext.backend_instance_id``) or the router: the instance to use.
     backend_instance_id: int | None = None
     #: The model card checksum the frontend built this request against.

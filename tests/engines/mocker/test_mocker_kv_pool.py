@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from tests.engines.mocker.replay import BS, ReplayModel
 
 from turnout.engines.mocker import KvBlockPool
+from turnout.protocols.block_hashing import compute_block_hashes
 from turnout.protocols.kv import AllBlocksCleared, BlockRemoved, BlockStored
-from turnout.router.kv.hashing import compute_block_hashes
 
 
 def chain(symbols: list[int]) -> tuple[list[int], list[int]]:

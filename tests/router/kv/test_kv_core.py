@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from turnout.protocols.block_hashing import compute_block_hashes, compute_seq_hashes
 from turnout.protocols.kv import (
     BlockStored,
     KvCacheEvent,
@@ -14,7 +15,6 @@ from turnout.router.kv.active_sequences import ActiveLoad, ActiveSequenceEvent
 from turnout.router.kv.base import EventOutcome, WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
-from turnout.router.kv.hashing import compute_block_hashes, compute_seq_hashes
 from turnout.router.kv.selector import SelectionStatus
 
 BS = 16

@@ -35,17 +35,17 @@ from turnout.engines.mocker.kv_pool import KvBlockPool
 from turnout.engines.mocker.request import MockRequest, RequestState
 from turnout.engines.mocker.timing import PolynomialTimingModel, TimingModel, step_ms
 from turnout.engines.mocker.tokens import HashTokenSampler, TokenSampler, token_seed
+from turnout.protocols.block_hashing import (
+    compute_block_hashes,
+    compute_local_block_hashes,
+    compute_sequence_hashes,
+)
 from turnout.protocols.llm import (
     CompletionUsage,
     ErrorKind,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
-)
-from turnout.router.kv.hashing import (
-    compute_block_hashes,
-    compute_local_block_hashes,
-    compute_sequence_hashes,
 )
 
 #: (request id, output): what a step produced for one request.

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 import numpy as np
 
+from turnout.protocols.block_hashing import compute_seq_hashes
 from turnout.protocols.kv import KvCacheEvent, KvEventBatch, LoadReport
 from turnout.router.kv.active_sequences import (
     ActiveSequenceEvent,
@@ -31,7 +32,6 @@ from turnout.router.kv.active_sequences import (
 from turnout.router.kv.approx import ApproxIndexer
 from turnout.router.kv.base import EventOutcome, KvIndex, WorkerKey
 from turnout.router.kv.config import KvRouterConfig
-from turnout.router.kv.hashing import compute_seq_hashes
 from turnout.router.kv.indexer import GapCallback, KvIndexer, KvIndexerStats
 from turnout.router.kv.selector import Selection, SelectionStatus, select_worker
 from turnout.router.kv.worker_load import WorkerLoads
@@ -107,6 +107,7 @@ class KvRouterCore:
         candidates: Sequence[WorkerKey],
         *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
         block_extra: Sequence[bytes | None] | None = None,
         now: float | None = None,
         book: bool = True,
@@ -124,7 +125,11 @@ class KvRouterCore:
         self._index.expire(now)
         self.active.expire(now)
         seq_hashes = compute_seq_hashes(
-            token_ids, config.block_size, lora_name=lora_name, block_extra=block_extra
+            token_ids,
+            config.block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            block_extra=block_extra,
         )
         overlaps = self._index.find_matches(seq_hashes)
         num_tokens = len(token_ids)

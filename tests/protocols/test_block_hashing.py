@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnout.router.kv.hashing import (
+from turnout.protocols.block_hashing import (
     KV_HASH_SEED,
     compute_block_hashes,
     compute_seq_hashes,
@@ -75,3 +75,20 @@ def test_block_size_must_be_positive(bad: int) -> None:
 def test_ids_outside_u32_are_refused() -> None:
     with pytest.raises((OverflowError, ValueError)):
         compute_seq_hashes([2**32] * 16, 16)
+
+
+def test_cache_salt_partitions_the_hash_space() -> None:
+    tokens = list(range(64))
+    plain = compute_seq_hashes(tokens, 16)
+    tenant_a = compute_seq_hashes(tokens, 16, cache_salt="tenant-a")
+    tenant_b = compute_seq_hashes(tokens, 16, cache_salt="tenant-b")
+    assert len({tuple(plain), tuple(tenant_a), tuple(tenant_b)}) == 3
+    # No block of one partition names a block of another, not only the first.
+    assert not set(plain) & set(tenant_a) and not set(tenant_a) & set(tenant_b)
+    # Deterministic, and an empty salt is no salt.
+    assert compute_seq_hashes(tokens, 16, cache_salt="tenant-a") == tenant_a
+    assert compute_seq_hashes(tokens, 16, cache_salt="") == plain
+    # Adapter and salt combine; no split of the same bytes meets another.
+    assert hash_seed("a", "b") != hash_seed("ab", None) != hash_seed(None, "ab")
+    assert hash_seed("a", "bc") != hash_seed("ab", "c")
+    assert hash_seed("a", "b") != hash_seed("a", None)

@@ -1,11 +1,14 @@
-"""Block hashing shared by the router and the engines (the mocker), so both name blocks alike.
+"""Block hashing: a wire format shared by workers (their KV events) and routers (their index),
+so both name blocks alike. It lives below both layers: engines need not import the router.
 
 A prompt is cut into blocks of ``block_size`` tokens; a trailing partial block is not hashed
 (engines cache only full blocks).
 
 * local block hash: ``xxh3_64(tokens as little-endian u32 [+ extra bytes], seed)``, where the
-  seed is ``KV_HASH_SEED``, or derived from it and the LoRA adapter's name, so the same tokens
-  under an adapter hash apart. ``extra`` carries multimodal item hashes that belong to a block.
+  seed is ``KV_HASH_SEED``, or derived from it, the LoRA adapter's name and the request's
+  cache salt (vLLM's ``cache_salt``): the same tokens under another adapter or another tenant's
+  salt hash apart, so no router credits one partition with another's cache. ``extra`` carries
+  multimodal item hashes that belong to a block.
 * sequence hash: the first block's sequence hash is its local hash; every later one is
   ``xxh3_64(parent_sequence_hash as u64 LE ++ local_hash as u64 LE, KV_HASH_SEED)``. It
   names the whole prefix up to and including the block.
@@ -44,11 +47,20 @@ _pack_pair = struct.Struct("<QQ").pack
 _ARRAY_IS_LE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 
 
-def hash_seed(lora_name: str | None = None) -> int:
-    """The seed for local block hashes: adapters get their own hash space."""
-    if not lora_name:
-        return KV_HASH_SEED
-    return _xxh3(lora_name.encode(), seed=KV_HASH_SEED)
+def hash_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The seed for local block hashes: each adapter and each cache salt is its own hash space.
+
+    Without a salt the seed is what it always was (so unsalted hashes keep their values); a
+    salted key spells out the adapter name's length, so no (adapter, salt) split of the same
+    bytes can meet another.
+    """
+    if not cache_salt:
+        if not lora_name:
+            return KV_HASH_SEED
+        return _xxh3(lora_name.encode(), seed=KV_HASH_SEED)
+    lora = (lora_name or "").encode()
+    key = b"salt\x00%d\x00%s%s" % (len(lora), lora, cache_salt.encode())
+    return _xxh3(key, seed=KV_HASH_SEED)
 
 
 def _pack_tokens(token_ids: Sequence[int] | np.ndarray, count: int) -> bytes:
@@ -77,6 +89,7 @@ def compute_local_block_hashes(
     block_size: int,
     *,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
     block_extra: Sequence[bytes | None] | None = None,
 ) -> list[LocalBlockHash]:
     """Local hash of each full block of ``token_ids``.
@@ -89,7 +102,7 @@ def compute_local_block_hashes(
     if num_blocks == 0:
         return []
     raw = _pack_tokens(token_ids, num_blocks * block_size)
-    seed = hash_seed(lora_name)
+    seed = hash_seed(lora_name, cache_salt)
     stride = block_size * 4
     if block_extra is None:
         return list(
@@ -124,11 +137,12 @@ def compute_block_hashes(
     block_size: int,
     *,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
     block_extra: Sequence[bytes | None] | None = None,
 ) -> tuple[list[LocalBlockHash], list[SequenceHash]]:
     """Both hash lists for a prompt, in one call."""
     local = compute_local_block_hashes(
-        token_ids, block_size, lora_name=lora_name, block_extra=block_extra
+        token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt, block_extra=block_extra
     )
     return local, compute_sequence_hashes(local)
 
@@ -138,9 +152,10 @@ def compute_seq_hashes(
     block_size: int,
     *,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
     block_extra: Sequence[bytes | None] | None = None,
 ) -> list[SequenceHash]:
     """The sequence hashes of a prompt's full blocks (what the router looks up)."""
     return compute_block_hashes(
-        token_ids, block_size, lora_name=lora_name, block_extra=block_extra
+        token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt, block_extra=block_extra
     )[1]
