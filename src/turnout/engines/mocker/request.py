@@ -52,6 +52,8 @@ class MockRequest:
     eos_token_ids: frozenset[int]
     stop_token_ids: frozenset[int]
     lora_name: str | None = None
+    #: The tenant's cache partition: seeds the block hashes, as the router's are seeded.
+    cache_salt: str | None = None
     #: Per-request seed of the output tokens (derived from the prompt and the engine seed).
     token_seed: int = 0
     state: RequestState = RequestState.WAITING

@@ -151,10 +151,13 @@ class Scheduler:
             eos_token_ids=eos,
             stop_token_ids=frozenset(stop.stop_token_ids_hidden or ()),
             lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
             token_seed=token_seed(self._config.seed, prompt, request.original_prompt_len),
         )
         if self._caching:
-            local, seq = compute_block_hashes(prompt, self._block_size, lora_name=req.lora_name)
+            local, seq = compute_block_hashes(
+                prompt, self._block_size, lora_name=req.lora_name, cache_salt=req.cache_salt
+            )
             req.local_hashes = list(local)
             req.seq_hashes = list(seq)
         self._requests[request_id] = req
@@ -397,7 +400,9 @@ class Scheduler:
         """Hash the block that the last sampled token completed."""
         bs = self._block_size
         start = len(req.token_ids) - bs
-        (local,) = compute_local_block_hashes(req.token_ids[start:], bs, lora_name=req.lora_name)
+        (local,) = compute_local_block_hashes(
+            req.token_ids[start:], bs, lora_name=req.lora_name, cache_salt=req.cache_salt
+        )
         parent = req.seq_hashes[-1] if req.seq_hashes else None
         (seq,) = compute_sequence_hashes([local], parent)
         req.local_hashes.append(local)
