@@ -13,15 +13,18 @@ from tests.frontend.stack import Stack, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.mocker import MockerConfig, make_mocker_engines
+from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
 
 BLOCK = 16
 
 
-@pytest.fixture
-async def kv_stack(gguf_path: str) -> AsyncIterator[Stack]:
+@pytest.fixture(params=[RouterCost.TTFT, RouterCost.BLOCKS])
+async def kv_stack(gguf_path: str, request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     before = set(asyncio.all_tasks())
-    stack = await make_stack(router_mode=RouterMode.KV)
+    stack = await make_stack(
+        router_mode=RouterMode.KV, kv=KvRouterConfig(block_size=BLOCK, router_cost=request.param)
+    )
     config = MockerConfig(num_gpu_blocks=1024, block_size=BLOCK, speedup_ratio=1.0)
     for engine in make_mocker_engines(config, 4, model_path=gguf_path):
         await stack.add_worker(engine, model_name="mock")
@@ -74,10 +77,16 @@ async def test_repeated_prompts_go_where_their_prefix_is(kv_stack: Stack) -> Non
 
 
 async def test_a_flood_of_one_prefix_spreads_once_its_worker_is_loaded(kv_stack: Stack) -> None:
+    """Requests sharing a cached prefix but each with its own long tail: the prefix's worker
+    takes the first ones, then its queued prefill outweighs the hit and others take the rest
+    (with either cost)."""
     async with httpx.AsyncClient(base_url=kv_stack.url) as http:
         await complete(http, prompt_of(42))
         await asyncio.sleep(0.2)
-        flood = [complete(http, prompt_of(42), max_tokens=40) for _ in range(16)]
+        flood = [
+            complete(http, prompt_of(42)[:480] + prompt_of(1000 + i), max_tokens=40)
+            for i in range(16)
+        ]
         outs = await asyncio.gather(*flood)
         used = Counter(o["nvext"]["worker_id"] for o in outs)
         assert len(used) >= 3, used

@@ -9,7 +9,7 @@ from typing import Any
 from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.http_errors import REJECT_STATUSES
 from turnout.frontend.service import Frontend, FrontendConfig
-from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
 
 from .flags import add_flag, add_runtime_flags, planes_config
@@ -61,8 +61,15 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
 
 def add_kv_router_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV-aware routing (--router-mode kv)")
+    add_flag(g, "--router-cost", default=RouterCost.TTFT.value,
+             choices=[c.value for c in RouterCost],
+             help="what the KV router minimises: ttft (predicted seconds to first token, "
+                  "from workers' reported step times) or blocks (Dynamo's cost)")  # fmt: skip
     add_flag(g, "--kv-overlap-score-weight", default=1.0, type=float,
-             help="weight of the prefill term in the cost (higher: favour cache hits)")  # fmt: skip
+             help="blocks cost: weight of the prefill term (higher: favour hits)")  # fmt: skip
+    add_flag(g, "--router-session-weight", default=1.0, type=float,
+             help="bonus of the worker that served a session's last turn (x-session-id): "
+                  "that many of its smallest steps (ttft) or blocks (blocks); 0: off")  # fmt: skip
     add_flag(g, "--router-temperature", default=0.0, type=float,
              help="0: cheapest worker (ties at random); > 0: softmax sampling")  # fmt: skip
     add_flag(g, "--no-kv-events", action="store_true",
@@ -79,7 +86,9 @@ def add_kv_router_flags(p: argparse.ArgumentParser) -> None:
 
 def kv_router_config(args: argparse.Namespace) -> KvRouterConfig:
     return KvRouterConfig(
+        router_cost=RouterCost(args.router_cost),
         overlap_score_weight=args.kv_overlap_score_weight,
+        session_weight=args.router_session_weight,
         router_temperature=args.router_temperature,
         use_kv_events=not args.no_kv_events,
         approx_ttl_s=args.kv_approx_ttl,

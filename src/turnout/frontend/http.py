@@ -64,6 +64,31 @@ _SSE = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: Headers that name a conversation, in order of precedence: ours, then those coding agents
+#: send by themselves (Claude Code; Codex, in its current and legacy spelling; OpenCode).
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-claude-code-session-id",
+    "session-id",
+    "session_id",
+    "x-opencode-session",
+)
+MAX_SESSION_ID_CHARS = 256
+
+
+def session_id_from(headers: Any) -> str | None:
+    """The request's session id (a soft routing hint for the KV router), or None."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            if len(value) > MAX_SESSION_ID_CHARS:
+                raise HttpError(
+                    400,
+                    f"header '{name}' is longer than {MAX_SESSION_ID_CHARS} characters",
+                    param=name,
+                )
+            return str(value)
+    return None
 
 
 class HttpService:
@@ -229,7 +254,8 @@ class HttpService:
                 if isinstance(pipeline, TextPipeline):
                     await self._relay_text(proto, pipeline, body, request, ctx)
                 else:
-                    await self._serve_tokens(proto, pipeline, request, ctx)
+                    session_id = session_id_from(scope.headers)
+                    await self._serve_tokens(proto, pipeline, request, ctx, session_id)
             finally:
                 inflight.dec()
                 if ticket is not None:
@@ -261,8 +287,10 @@ class HttpService:
         pipeline: TokensPipeline,
         request: ChatCompletionRequest | CompletionRequest,
         ctx: RequestContext,
+        session_id: str | None = None,
     ) -> None:
         pre = await pipeline.preprocess(request)
+        pre.session_id = session_id
         if pre.backend_instance_id is not None:
             # Every router mode: an unknown pin is a 404 before any work, a known instance
             # that is down a 503.

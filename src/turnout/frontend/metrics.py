@@ -258,7 +258,10 @@ class _KvRouterCollector(Collector):
     """``turnout_kv_*``: what each model's KV router predicted, and what workers reported.
 
     ``turnout_kv_hit_rate_gap`` is predicted minus reported hit rate: a router whose index
-    drifts from the workers' real caches shows it here.
+    drifts from the workers' real caches shows it here. Likewise, per worker,
+    ``turnout_kv_ttft_gap_seconds`` is the mean realised minus predicted time to first token
+    (TTFT cost): a step-time model that drifts from the hardware shows there, and
+    ``turnout_kv_worker_step_model`` shows the fitted coefficients themselves.
     """
 
     def __init__(self, routers: Mapping[str, Any]) -> None:
@@ -300,7 +303,56 @@ class _KvRouterCollector(Collector):
         gaps = CounterMetricFamily(
             "turnout_kv_event_gaps", "Gaps found in workers' KV event ids", labels=["model"]
         )
+        ttft_count = CounterMetricFamily(
+            "turnout_kv_ttft_predictions", "Requests whose TTFT was predicted, then realised",
+            labels=["model", "worker"],
+        )  # fmt: skip
+        ttft_predicted = CounterMetricFamily(
+            "turnout_kv_ttft_predicted_seconds", "Sum of predicted times to first token",
+            labels=["model", "worker"],
+        )  # fmt: skip
+        ttft_realised = CounterMetricFamily(
+            "turnout_kv_ttft_realised_seconds",
+            "Sum of realised times to first token (routing to first token, at the router)",
+            labels=["model", "worker"],
+        )
+        ttft_gap = GaugeMetricFamily(
+            "turnout_kv_ttft_gap_seconds", "Mean realised minus predicted time to first token",
+            labels=["model", "worker"],
+        )  # fmt: skip
+        ttft_error = GaugeMetricFamily(
+            "turnout_kv_ttft_abs_error_seconds",
+            "Mean absolute error of the predicted time to first token",
+            labels=["model", "worker"],
+        )
+        step_model = GaugeMetricFamily(
+            "turnout_kv_worker_step_model",
+            "Fitted step time terms: prefill a + b·P + c·P² + e·B, decode d0 + d1·B "
+            "(seconds, per token, per token², per decode)",
+            labels=["model", "worker", "term"],
+        )
+        step_samples = CounterMetricFamily(
+            "turnout_kv_worker_step_samples", "Step timings received from the worker",
+            labels=["model", "worker", "kind"],
+        )  # fmt: skip
         for model, router in list(self._routers.items()):
+            core = router.core
+            for key, acc in list(core.ttft_accuracy.items()):
+                worker = _worker_label(key)
+                ttft_count.add_metric([model, worker], acc.count)
+                ttft_predicted.add_metric([model, worker], acc.predicted_s)
+                ttft_realised.add_metric([model, worker], acc.realised_s)
+                if acc.count:
+                    ttft_gap.add_metric(
+                        [model, worker], (acc.realised_s - acc.predicted_s) / acc.count
+                    )
+                    ttft_error.add_metric([model, worker], acc.abs_error_s / acc.count)
+            for key, fit in list(core.step_models.items()):
+                worker = _worker_label(key)
+                for term, value in fit.terms().items():
+                    step_model.add_metric([model, worker, term], value)
+                step_samples.add_metric([model, worker, "prefill"], fit.prefill.num_samples)
+                step_samples.add_metric([model, worker, "decode"], fit.decode.num_samples)
             stats = router.core.get_stats()
             p = stats.predicted_hit_rate
             r = (
@@ -321,5 +373,12 @@ class _KvRouterCollector(Collector):
                 gaps.add_metric([model], stats.indexer.gaps)
         yield from (
             predicted, reported, gap, predicted_tokens, reported_tokens, silent, resyncs,
-            events, gaps,
+            events, gaps, ttft_count, ttft_predicted, ttft_realised, ttft_gap, ttft_error,
+            step_model, step_samples,
         )  # fmt: skip
+
+
+def _worker_label(key: Any) -> str:
+    """A worker as metrics name it: hex instance id, and ``/rank`` past rank 0."""
+    worker_id, dp_rank = key
+    return f"{worker_id:x}" if not dp_rank else f"{worker_id:x}/{dp_rank}"

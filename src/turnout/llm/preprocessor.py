@@ -221,6 +221,7 @@ class Preprocessor:
             raise RequestError("'min_p' must be between 0 and 1", param="min_p")
         if req.repetition_penalty is not None and req.repetition_penalty <= 0:
             raise RequestError("'repetition_penalty' must be positive", param="repetition_penalty")
+        _cache_salt(req)
 
     def _build(
         self,
@@ -285,8 +286,34 @@ class Preprocessor:
             annotations=list(nvext.annotations or ()) if nvext else [],
             lora_name=self.card.lora.name if self.card.lora else None,
             backend_instance_id=nvext.backend_instance_id if nvext else None,
+            cache_salt=_cache_salt(req),
             mdc_sum=self._mdc_sum,
         )
+
+
+#: Longest cache salt accepted (a tenant id or a random token, not a document).
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _cache_salt(req: _Request) -> str | None:
+    """The request's cache salt, from ``cache_salt`` or ``nvext.cache_salt`` (equal if both)."""
+    top = req.cache_salt
+    ext = req.nvext.cache_salt if req.nvext is not None else None
+    if top is not None and ext is not None and top != ext:
+        raise RequestError(
+            "'cache_salt' and 'nvext.cache_salt' differ; give one", param="cache_salt"
+        )
+    salt = top if top is not None else ext
+    if salt is None:
+        return None
+    param = "cache_salt" if top is not None else "nvext.cache_salt"
+    if not salt:
+        raise RequestError(f"'{param}' must not be empty", param=param)
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise RequestError(
+            f"'{param}' is longer than {MAX_CACHE_SALT_CHARS} characters", param=param
+        )
+    return salt
 
 
 __all__ = ["OFFLOAD_THRESHOLD_CHARS", "Preprocessor"]

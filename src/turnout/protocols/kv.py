@@ -62,6 +62,18 @@ class KvEventBatch(msgspec.Struct, kw_only=True):
     events: list[KvCacheEvent]
 
 
+class StepSample(msgspec.Struct, frozen=True, array_like=True):
+    """How long one engine step took (wall seconds) and what it computed: routers fit each
+    worker's step-time model from these, so predicted times to first token track the real
+    hardware (and its load) rather than a guess."""
+
+    #: Prompt tokens computed in the step (prefill chunks; cached tokens are not computed).
+    prefill_tokens: int
+    #: Requests that decoded one token in the step.
+    num_decodes: int
+    seconds: float
+
+
 class LoadReport(msgspec.Struct, kw_only=True):
     """A worker's load, published at a steady rate and on change."""
 
@@ -76,6 +88,12 @@ class LoadReport(msgspec.Struct, kw_only=True):
     #: The worker refuses new requests now (its waiting queue is at its bound): routers
     #: leave it out, whatever their thresholds, until a report says otherwise.
     busy: bool = False
+    #: A sample of the steps since the previous report (bounded; an engine that cannot time
+    #: its steps sends none, and routers keep their prior).
+    steps: list[StepSample] = msgspec.field(default_factory=list)
+    #: The engine's per-step token budget (vLLM's ``max_num_batched_tokens``; 0: unknown):
+    #: a long prefill takes ``ceil(tokens / budget)`` steps.
+    max_num_batched_tokens: int = 0
 
 
 KV_SNAPSHOT_HANDLER = "kv_snapshot"

@@ -28,6 +28,8 @@ class NvExt(msgspec.Struct, kw_only=True):
     #: Seconds this request may take in all (> 0); shortens ``--request-timeout``, never
     #: lifts it.
     request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    #: The tenant's KV cache partition (same as the top-level ``cache_salt``).
+    cache_salt: str | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -67,6 +69,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    #: vLLM's cache partition: requests reuse each other's cached prefixes only when their
+    #: salts are equal (tenants that must not observe each other's cache timing).
+    cache_salt: str | None = None
     nvext: NvExt | None = None
 
 

@@ -44,6 +44,8 @@ class RouterCall(msgspec.Struct, kw_only=True):
     request_id: str = ""
     token_ids: list[int] = msgspec.field(default_factory=list)
     lora_name: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
     book: bool = False
 
 
@@ -133,7 +135,12 @@ class RouterService:
         request_id = call.request_id or ctx.request_id
         if call.op is RouterOp.BEST_WORKER:
             selection = router.route(
-                request_id, call.token_ids, lora_name=call.lora_name, book=call.book
+                request_id,
+                call.token_ids,
+                lora_name=call.lora_name,
+                cache_salt=call.cache_salt,
+                session_id=call.session_id,
+                book=call.book,
             )
             yield _encode(RouterReply(selection=selection, ok=selection.ok))
         elif call.op is RouterOp.PREFILL_DONE:

@@ -21,6 +21,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,7 +37,7 @@ from turnout.engines.mocker.kv_pool import KvBlockPool
 from turnout.engines.mocker.scheduler import Scheduler, StepResult
 from turnout.engines.mocker.timing import TimingModel
 from turnout.engines.mocker.tokens import TokenSampler
-from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport
+from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport, StepSample
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import EndpointId, ModelDeploymentCard, RuntimeConfig
 from turnout.runtime.context import RequestContext
@@ -48,6 +49,9 @@ Sleep = Callable[[float], Awaitable[None]]
 
 #: How far (wall seconds) a loop may run behind its schedule before it stops catching up.
 _MAX_LAG_S = 0.05
+#: Step timings sent with one load report at most (a uniform sample of the steps since the
+#: previous one): reports go out on every change, so this bounds a report, not the data.
+_STEP_SAMPLES_PER_REPORT = 32
 
 
 class KvEventSink(Protocol):
@@ -116,6 +120,8 @@ class _Rank:
         "next_report",
         "scheduler",
         "stats",
+        "step_samples",
+        "steps_since_report",
         "streams",
         "task",
         "wake",
@@ -132,6 +138,21 @@ class _Rank:
         self.stats = MockerStats()
         #: When the loop last went round (the health probe's heartbeat).
         self.last_beat = 0.0
+        #: A uniform sample (reservoir) of the steps since the last load report.
+        self.step_samples: list[StepSample] = []
+        self.steps_since_report = 0
+
+    def sample_step(self, result: StepResult, speedup: float, rng: random.Random) -> None:
+        """Offer a finished step to the reservoir sent with the next load report."""
+        seconds = result.duration_s / speedup if speedup > 0 else 0.0
+        sample = StepSample(result.num_prefill_tokens, result.num_decodes, seconds)
+        self.steps_since_report += 1
+        if len(self.step_samples) < _STEP_SAMPLES_PER_REPORT:
+            self.step_samples.append(sample)
+        else:
+            slot = rng.randrange(self.steps_since_report)
+            if slot < _STEP_SAMPLES_PER_REPORT:
+                self.step_samples[slot] = sample
 
 
 class MockerEngine(Engine):
@@ -163,6 +184,7 @@ class MockerEngine(Engine):
         self._context_length = context_length
         self._worker_id = worker_id
         self._ids = itertools.count()
+        self._sample_rng = random.Random(config.seed ^ worker_id)
         self._ranks = [
             _Rank(
                 Scheduler(
@@ -401,6 +423,8 @@ class MockerEngine(Engine):
                     f"injected failure after {fail_after} steps (--fail-after-steps)"
                 )
             stats.simulated_s += result.duration_s
+            if result.num_scheduled:
+                rank.sample_step(result, speedup, self._sample_rng)
             if speedup > 0 and result.duration_s > 0:
                 # Aim at a deadline so loop overhead does not add up; a debt of more than
                 # _MAX_LAG_S is written off (and counted) rather than repaid in a burst.
@@ -484,7 +508,11 @@ class MockerEngine(Engine):
             num_running=load.num_running,
             total_kv_blocks=load.total_kv_blocks,
             busy=rank.scheduler.is_full,
+            steps=rank.step_samples,
+            max_num_batched_tokens=self._config.max_num_batched_tokens,
         )
+        rank.step_samples = []
+        rank.steps_since_report = 0
         try:
             self._sink.publish_load(report)
         except Exception:  # a sink's failure must not stop the engine

@@ -92,6 +92,8 @@ class WorkerCounters:
     prefill_tokens: int = 0
     decode_blocks: int = 0
     num_requests: int = 0
+    #: Requests that have not produced their first token (the rest are decoding).
+    prefill_requests: int = 0
 
 
 EventPublisher = Callable[[ActiveSequenceEvent], None]
@@ -251,6 +253,7 @@ class ActiveSequences:
         counters.prefill_tokens += prefill_tokens
         counters.decode_blocks += num_blocks
         counters.num_requests += 1
+        counters.prefill_requests += 1
         self._by_worker[key].add(request_id)
         self._touch(req, now)
 
@@ -260,9 +263,11 @@ class ActiveSequences:
         counters = self._counters[req.worker_key]
         if frm is RequestPhase.PREFILL and to is RequestPhase.DECODE:
             counters.prefill_tokens -= req.prefill_tokens
+            counters.prefill_requests -= 1
         elif frm is not RequestPhase.GONE and to is RequestPhase.GONE:
             if frm is RequestPhase.PREFILL:
                 counters.prefill_tokens -= req.prefill_tokens
+                counters.prefill_requests -= 1
             counters.decode_blocks -= req.num_blocks
             counters.num_requests -= 1
             del self._requests[req.request_id]

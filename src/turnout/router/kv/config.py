@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 
 import msgspec
@@ -9,15 +10,38 @@ import msgspec
 from turnout.errors import ConfigError
 
 
+class RouterCost(enum.StrEnum):
+    """What the KV router minimises (``--router-cost``)."""
+
+    #: The predicted time to first token, in seconds, from each worker's fitted step times
+    #: (``step_time.py``): queued prefill + this request's uncached prefill + decode ride-along.
+    TTFT = "ttft"
+    #: Dynamo's cost in blocks: ``overlap_score_weight * prefill_blocks + decode_blocks``.
+    BLOCKS = "blocks"
+
+
 class KvRouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the KV router weighs cache overlap against load, and when a worker counts as busy.
 
-    Cost of sending a request of ``new_blocks`` blocks to a worker (DESIGN.md §3)::
+    Block cost of sending a request of ``new_blocks`` blocks to a worker (DESIGN.md §3)::
 
         prefill_blocks = max(active_prefill_blocks + new_blocks - overlap_blocks, 0)
         decode_blocks  = active_decode_blocks + new_blocks
         cost           = overlap_score_weight * prefill_blocks + decode_blocks
+
+    The TTFT cost (the default) is the predicted seconds to first token instead.
     """
+
+    #: What is minimised: predicted seconds to first token, or Dynamo's blocks.
+    router_cost: RouterCost = RouterCost.TTFT
+    #: Bonus of the worker that served a session's last turn (``x-session-id``): in TTFT cost,
+    #: this many of that worker's smallest steps (one block's prefill); in block cost, this many
+    #: blocks. 0 turns the preference off.
+    session_weight: float = 1.0
+    #: A session's preference lasts this long after its last turn.
+    session_ttl_s: float = 600.0
+    #: Most sessions remembered (least recently used go first).
+    max_sessions: int = 65536
 
     #: Tokens per KV block; must equal the workers' ``kv_cache_block_size``.
     block_size: int = 16
@@ -48,7 +72,10 @@ class KvRouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ConfigError(f"kv block size must be positive, got {self.block_size}")
         _check_finite("overlap_score_weight", self.overlap_score_weight, minimum=0.0)
         _check_finite("router_temperature", self.router_temperature, minimum=0.0)
-        for name in ("approx_ttl_s", "active_request_ttl_s", "load_report_ttl_s"):
+        _check_finite("session_weight", self.session_weight, minimum=0.0)
+        if self.max_sessions <= 0:
+            raise ConfigError(f"max_sessions must be positive, got {self.max_sessions}")
+        for name in ("approx_ttl_s", "active_request_ttl_s", "load_report_ttl_s", "session_ttl_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")

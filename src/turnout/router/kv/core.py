@@ -34,7 +34,13 @@ from turnout.router.kv.base import EventOutcome, KvIndex, WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.indexer import GapCallback, KvIndexer, KvIndexerStats
 from turnout.router.kv.selector import Selection, SelectionStatus, select_worker
+from turnout.router.kv.sessions import SessionTable
+from turnout.router.kv.step_time import StepTimeModels, StepTimePrior, TtftAccuracy
 from turnout.router.kv.worker_load import WorkerLoads
+
+#: Predictions kept for requests awaiting their first token, at most (a safety bound: entries
+#: leave at the first token or the end of the stream).
+MAX_PENDING_PREDICTIONS = 1 << 16
 
 
 class KvRouterStats(msgspec.Struct, kw_only=True):
@@ -67,6 +73,7 @@ class KvRouterCore:
         router_id: str = "local",
         publish_active: EventPublisher | None = None,
         on_gap: GapCallback | None = None,
+        step_prior: StepTimePrior | None = None,
     ) -> None:
         self.config = config = config if config is not None else KvRouterConfig()
         self._rng = rng if rng is not None else random.Random()
@@ -87,6 +94,12 @@ class KvRouterCore:
             publish=publish_active,
         )
         self.loads = WorkerLoads.from_config(config)
+        self.step_models = StepTimeModels(step_prior)
+        self.sessions = SessionTable(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions)
+        #: request id -> (worker, predicted TTFT, routed at): realised TTFT is measured against it.
+        self._pending_ttft: dict[str, tuple[WorkerKey, float, float]] = {}
+        #: Per worker: predicted against realised TTFT of its requests.
+        self.ttft_accuracy: dict[WorkerKey, TtftAccuracy] = {}
         self._requests_routed = 0
         self._requests_all_busy = 0
         self._requests_no_candidates = 0
@@ -108,6 +121,7 @@ class KvRouterCore:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
         block_extra: Sequence[bytes | None] | None = None,
         now: float | None = None,
         book: bool = True,
@@ -134,6 +148,7 @@ class KvRouterCore:
         overlaps = self._index.find_matches(seq_hashes)
         num_tokens = len(token_ids)
         new_blocks = -(-num_tokens // config.block_size)
+        preferred = None if session_id is None else self.sessions.get(session_id, now)
         selection = select_worker(
             candidates,
             overlaps,
@@ -144,6 +159,9 @@ class KvRouterCore:
             loads=self.loads,
             now=now,
             request_id=request_id,
+            num_tokens=num_tokens,
+            step_models=self.step_models,
+            preferred=preferred,
         )
         status = selection.status
         if not book:
@@ -159,6 +177,14 @@ class KvRouterCore:
                 now=now,
             )
             self._index.record_routed(key, seq_hashes, now)
+            if session_id is not None:
+                self.sessions.record(session_id, key, now)
+            if selection.predicted_ttft_s is not None:
+                pending = self._pending_ttft
+                pending.pop(request_id, None)  # a migrated request is predicted afresh
+                if len(pending) >= MAX_PENDING_PREDICTIONS:
+                    del pending[next(iter(pending))]
+                pending[request_id] = (key, selection.predicted_ttft_s, now)
             self._requests_routed += 1
             self._blocks_routed += len(seq_hashes)
             self._overlap_blocks_routed += selection.overlap_blocks
@@ -172,10 +198,20 @@ class KvRouterCore:
 
     def on_first_token(self, request_id: str, now: float | None = None) -> bool:
         """Prefill of the request is done; False when it is not in flight (or already was)."""
-        return self.active.mark_prefill_done(request_id, self._clock() if now is None else now)
+        if now is None:
+            now = self._clock()
+        pending = self._pending_ttft.pop(request_id, None)
+        if pending is not None:
+            key, predicted, routed_at = pending
+            accuracy = self.ttft_accuracy.get(key)
+            if accuracy is None:
+                accuracy = self.ttft_accuracy[key] = TtftAccuracy()
+            accuracy.add(predicted, now - routed_at)
+        return self.active.mark_prefill_done(request_id, now)
 
     def on_finished(self, request_id: str) -> bool:
         """The request's stream ended (any reason); False when it was not in flight."""
+        self._pending_ttft.pop(request_id, None)
         return self.active.free(request_id)
 
     def on_kv_event(self, event: KvCacheEvent) -> EventOutcome:
@@ -205,6 +241,7 @@ class KvRouterCore:
 
     def on_load(self, report: LoadReport, now: float | None = None) -> bool:
         """A worker's load report; returns whether it marks the worker busy."""
+        self.step_models.on_load(report)
         return self.loads.on_load(report, self._clock() if now is None else now)
 
     def on_worker_removed(self, worker_id: int) -> None:
@@ -212,6 +249,10 @@ class KvRouterCore:
         self._index.remove_worker(worker_id)
         self.active.remove_worker(worker_id)
         self.loads.remove_worker(worker_id)
+        self.step_models.remove_worker(worker_id)
+        self.sessions.remove_worker(worker_id)
+        for key in [k for k in self.ttft_accuracy if k.worker_id == worker_id]:
+            del self.ttft_accuracy[key]
 
     def get_workers_needing_resync(self) -> list[WorkerKey]:
         return [] if self._exact is None else self._exact.get_workers_needing_resync()

@@ -56,7 +56,12 @@ class KvPushRouter:
                 booked = False
             else:
                 selection = router.route(
-                    request_id, request.token_ids, lora_name=request.lora_name, excluded=excluded
+                    request_id,
+                    request.token_ids,
+                    lora_name=request.lora_name,
+                    cache_salt=request.cache_salt,
+                    session_id=request.session_id,
+                    excluded=excluded,
                 )
                 if not selection.ok or selection.worker_id is None:
                     raise NoInstanceAvailable(_why(selection, router.endpoint.path()))

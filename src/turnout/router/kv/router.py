@@ -151,6 +151,8 @@ class KvRouter:
         token_ids: Sequence[int],
         *,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
         excluded: Sequence[int] = (),
         book: bool = True,
     ) -> Selection:
@@ -158,7 +160,13 @@ class KvRouter:
         ``on_finished``. ``book=False`` only answers the question (``turnout router``)."""
         candidates = self.candidates(excluded)
         selection = self.core.route(
-            request_id, token_ids, candidates, lora_name=lora_name, book=book
+            request_id,
+            token_ids,
+            candidates,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            session_id=session_id,
+            book=book,
         )
         if book and selection.ok and selection.worker_id is not None:
             worker = selection.worker_id

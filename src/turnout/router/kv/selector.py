@@ -1,11 +1,20 @@
 """The KV router's policy: the cost of each candidate worker, and the choice among them.
 
+Two costs (``KvRouterConfig.router_cost``). ``ttft`` (the default) is the predicted seconds
+to first token on the worker (``step_time.WorkerStepModel.predict_ttft``: its queued prefill,
+this request's uncached prompt, its running decodes, through step times fitted from the
+worker's reports). ``blocks`` is Dynamo's cost, in blocks:
+
 ::
 
     active_prefill_blocks = ceil(active_prefill_tokens / block_size)
     prefill_blocks        = max(active_prefill_blocks + new_blocks - overlap_blocks, 0)
     decode_blocks         = active_decode_blocks + new_blocks
     cost                  = overlap_score_weight * prefill_blocks + decode_blocks
+
+A session's last worker (``preferred``) has ``session_weight`` of its smallest steps (TTFT
+cost) or blocks (block cost) taken off its cost: ties and near-ties keep a conversation where
+its context is, a clearly worse worker still loses it.
 
 Temperature 0 takes the lowest cost; ties are broken with the injected ``rng``, so equal
 workers share the load rather than the first one in the list taking it all. Temperature
@@ -28,7 +37,8 @@ import msgspec
 
 from turnout.router.kv.active_sequences import ActiveSequences
 from turnout.router.kv.base import OverlapScores, WorkerKey
-from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.config import KvRouterConfig, RouterCost
+from turnout.router.kv.step_time import StepTimeModels
 from turnout.router.kv.worker_load import WorkerLoads
 
 
@@ -40,9 +50,10 @@ class SelectionStatus(enum.StrEnum):
     NO_CANDIDATES = "no_candidates"
 
 
-class CandidateCost(msgspec.Struct, frozen=True):
-    """One candidate's terms in the cost (all in blocks). Positional fields: built once per
-    candidate per decision, where keyword construction costs measurably more."""
+class CandidateCost(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One candidate's terms in the cost (blocks, and seconds for the TTFT cost). Positional
+    fields: built once per candidate per decision, where keyword construction costs
+    measurably more."""
 
     worker_id: int
     dp_rank: int
@@ -56,6 +67,10 @@ class CandidateCost(msgspec.Struct, frozen=True):
     cost: float
     #: Sampling probability (temperature > 0 only).
     probability: float | None = None
+    #: TTFT cost: the predicted seconds to first token on this worker.
+    predicted_ttft_s: float | None = None
+    #: Subtracted from ``cost``: this worker served the session's last turn.
+    session_bonus: float | None = None
 
     @property
     def worker_key(self) -> WorkerKey:
@@ -74,6 +89,12 @@ class Selection(msgspec.Struct, kw_only=True):
     new_blocks: int = 0
     temperature: float = 0.0
     overlap_score_weight: float = 1.0
+    #: The cost minimised: ``ttft`` (seconds) or ``blocks``.
+    cost: RouterCost = RouterCost.BLOCKS
+    #: TTFT cost: the chosen worker's predicted seconds to first token.
+    predicted_ttft_s: float | None = None
+    #: The worker of the session's last turn, when the request named a known session.
+    preferred_worker_id: int | None = None
     candidates: list[CandidateCost] = msgspec.field(default_factory=list)
     #: Candidates left out because their load report says busy.
     busy: list[WorkerKey] = msgspec.field(default_factory=list)
@@ -101,25 +122,37 @@ def select_worker(
     loads: WorkerLoads | None = None,
     now: float = 0.0,
     request_id: str | None = None,
+    num_tokens: int | None = None,
+    step_models: StepTimeModels | None = None,
+    preferred: WorkerKey | None = None,
 ) -> Selection:
-    """Pick a worker for a request of ``new_blocks`` blocks among ``candidates``.
+    """Pick a worker for a request of ``new_blocks`` blocks (``num_tokens`` tokens) among
+    ``candidates``.
 
-    Busy workers (per ``loads`` at time ``now``) are left out and listed in ``busy``.
+    Busy workers (per ``loads`` at time ``now``) are left out and listed in ``busy``. The TTFT
+    cost needs ``step_models`` (without them, the block cost is used); ``preferred`` (the
+    worker of the session's last turn) gets the session bonus.
     """
     temperature = config.router_temperature
     weight = config.overlap_score_weight
+    ttft = config.router_cost is RouterCost.TTFT and step_models is not None
+    cost_name = RouterCost.TTFT if ttft else RouterCost.BLOCKS
     if not candidates:
         return Selection(
             status=SelectionStatus.NO_CANDIDATES,
             new_blocks=new_blocks,
             temperature=temperature,
             overlap_score_weight=weight,
+            cost=cost_name,
             request_id=request_id,
         )
     bs = config.block_size
+    if num_tokens is None:
+        num_tokens = new_blocks * bs
     get_overlap = overlaps.scores.get
     get_counters = active.counters.get
     check_busy = loads is not None and loads.any_busy
+    session_weight = config.session_weight if preferred is not None else 0.0
     busy: list[WorkerKey] = []
     rows: list[CandidateCost] = []
     costs: list[float] = []
@@ -131,27 +164,52 @@ def select_worker(
         counters = get_counters(key)
         if counters is None:
             active_prefill = active_decode = 0
+            queued_tokens = decodes = 0
         else:
             active_prefill = -(-counters.prefill_tokens // bs)
             active_decode = counters.decode_blocks
+            queued_tokens = counters.prefill_tokens
+            decodes = counters.num_requests - counters.prefill_requests
         prefill = active_prefill + new_blocks - overlap
         if prefill < 0:
             prefill = 0
         decode = active_decode + new_blocks
-        cost = weight * prefill + decode
+        if not ttft:
+            cost = weight * prefill + decode
+            if session_weight and key == preferred:
+                cost -= session_weight
+                # Positional: worker_id, dp_rank, overlap, active prefill/decode, prefill,
+                # decode, cost, probability, predicted TTFT, session bonus.
+                row = CandidateCost(
+                    key[0], key[1], overlap, active_prefill, active_decode, prefill, decode,
+                    cost, None, None, session_weight,
+                )  # fmt: skip
+            else:
+                row = CandidateCost(
+                    key[0], key[1], overlap, active_prefill, active_decode, prefill, decode, cost
+                )
+        else:
+            assert step_models is not None
+            model = step_models.get(key)
+            new_tokens = num_tokens - overlap * bs
+            predicted = model.predict_ttft(queued_tokens, new_tokens, decodes)
+            bonus = 0.0
+            if session_weight and key == preferred:
+                bonus = session_weight * model.prefill_step_s(bs, decodes)
+            cost = predicted - bonus
+            row = CandidateCost(
+                key[0], key[1], overlap, active_prefill, active_decode, prefill, decode,
+                cost, None, predicted, bonus,
+            )  # fmt: skip
         costs.append(cost)
-        # Positional: worker_id, dp_rank, overlap, active prefill/decode, prefill, decode, cost.
-        rows.append(
-            CandidateCost(
-                key[0], key[1], overlap, active_prefill, active_decode, prefill, decode, cost
-            )
-        )
+        rows.append(row)
     if not rows:
         return Selection(
             status=SelectionStatus.ALL_BUSY,
             new_blocks=new_blocks,
             temperature=temperature,
             overlap_score_weight=weight,
+            cost=cost_name,
             busy=busy,
             request_id=request_id,
         )
@@ -173,6 +231,9 @@ def select_worker(
         new_blocks=new_blocks,
         temperature=temperature,
         overlap_score_weight=weight,
+        cost=cost_name,
+        predicted_ttft_s=best.predicted_ttft_s,
+        preferred_worker_id=None if preferred is None else preferred.worker_id,
         candidates=rows,
         busy=busy,
         request_id=request_id,

@@ -1,0 +1,234 @@
+"""How long each worker's engine steps take, learnt from what it reports, and the time to first
+token (TTFT) that a request would see there.
+
+Workers send a sample of their steps with every load report (``StepSample``: prompt tokens
+computed, requests decoded, wall seconds). Per worker two least-squares fits are kept::
+
+    prefill step:  t = a + b·P + c·P² + e·B     P prompt tokens computed, B decodes riding along
+    decode step:   t = d0 + d1·B                only decodes
+
+``a`` is the fixed cost of a forward pass, ``b`` the per-token work (the MLPs), ``c`` the
+attention over the chunk, ``e`` what each decoding request adds. The fits are recursive (normal
+equations with exponential forgetting, so a worker that slows down is followed) and
+regularised towards a prior, so a worker with no reports yet, or one that cannot time its
+steps, is predicted by the prior: the shape of a mid-size model on one GPU (the mocker's
+default timing). Coefficients are kept non-negative: a prediction never falls as work grows.
+
+The time to first token of a request on a worker (``predict_ttft``) is the time to compute
+everything queued there before it plus its own uncached prompt, in steps of the worker's token
+budget, each step also carrying the worker's running decodes::
+
+    work   = queued_prefill_tokens + max(new_tokens, 1)
+    chunk  = budget - decodes                      (per step; budget: max_num_batched_tokens)
+    ttft   = floor(work / chunk) · step(chunk, decodes) + step(work mod chunk, decodes)
+
+This is what Mooncake's Conductor and Preble estimate: queueing plus prefill, in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from turnout.protocols.kv import LoadReport, StepSample
+from turnout.router.kv.base import WorkerKey
+
+#: Feature scales: the fits work in units where typical features are about 1.
+_TOKENS_UNIT = 1024.0
+_DECODES_UNIT = 64.0
+#: Per-sample forgetting: the weight of a sample halves after about 700 newer ones.
+FORGETTING = 0.999
+#: Weight of the prior, in samples' worth: a few reports outweigh it.
+PRIOR_WEIGHT = 4.0
+#: The per-step token budget assumed until a worker reports its own.
+DEFAULT_STEP_BUDGET = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimePrior:
+    """Seconds of a prefill step ``a + b·P + c·P² + e·B`` and a decode step ``d0 + d1·B``.
+
+    The defaults are the mocker's default timing (a mid-size model on one GPU) at speedup 1.
+    """
+
+    prefill_constant: float = 0.0165
+    prefill_per_token: float = 1.518e-5
+    prefill_per_token_sq: float = 4.21e-10
+    prefill_per_decode: float = 1.5e-5
+    decode_constant: float = 0.0126
+    decode_per_seq: float = 1.0e-5
+
+    def prefill_vector(self) -> np.ndarray:
+        """The prefill coefficients in the fit's scaled units."""
+        u, d = _TOKENS_UNIT, _DECODES_UNIT
+        return np.array(
+            [
+                self.prefill_constant,
+                self.prefill_per_token * u,
+                self.prefill_per_token_sq * u * u,
+                self.prefill_per_decode * d,
+            ]
+        )
+
+    def decode_vector(self) -> np.ndarray:
+        return np.array([self.decode_constant, self.decode_per_seq * _DECODES_UNIT])
+
+
+class RidgeFit:
+    """Least squares with exponential forgetting, pulled towards ``prior`` with ``weight``.
+
+    Solves ``(A + wI) θ = r + w θ₀`` where ``A = Σ λ^age x xᵀ`` and ``r = Σ λ^age x y``; θ is
+    then clipped at 0 (a step never gets faster with more work). Solving is lazy: once per
+    batch of samples, at the first prediction after it.
+    """
+
+    def __init__(self, prior: np.ndarray, weight: float, forgetting: float) -> None:
+        n = len(prior)
+        self._prior = prior
+        self._weight = weight
+        self._forgetting = forgetting
+        self._a = np.zeros((n, n))
+        self._r = np.zeros(n)
+        self._theta = prior.copy()
+        self._dirty = False
+        self.num_samples = 0
+
+    def add(self, rows: np.ndarray, targets: np.ndarray) -> None:
+        """Add samples (one feature row each, oldest first)."""
+        k = len(targets)
+        if k == 0:
+            return
+        lam = self._forgetting
+        # The j-th of k new samples is k-1-j samples old at the end of the batch.
+        weights = lam ** np.arange(k - 1, -1, -1, dtype=float)
+        decay = lam**k
+        weighted = rows * weights[:, None]
+        self._a = decay * self._a + weighted.T @ rows
+        self._r = decay * self._r + weighted.T @ targets
+        self.num_samples += k
+        self._dirty = True
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        if self._dirty:
+            n = len(self._prior)
+            lhs = self._a + self._weight * np.eye(n)
+            rhs = self._r + self._weight * self._prior
+            self._theta = np.clip(np.linalg.solve(lhs, rhs), 0.0, None)
+            self._dirty = False
+        return self._theta
+
+
+class WorkerStepModel:
+    """One worker's fitted step times and token budget."""
+
+    def __init__(self, prior: StepTimePrior) -> None:
+        self.prefill = RidgeFit(prior.prefill_vector(), PRIOR_WEIGHT, FORGETTING)
+        self.decode = RidgeFit(prior.decode_vector(), PRIOR_WEIGHT, FORGETTING)
+        self.step_budget = DEFAULT_STEP_BUDGET
+
+    def observe(self, samples: Iterable[StepSample]) -> None:
+        prefill_rows: list[tuple[float, float, float, float]] = []
+        prefill_y: list[float] = []
+        decode_rows: list[tuple[float, float]] = []
+        decode_y: list[float] = []
+        for s in samples:
+            if not (math.isfinite(s.seconds) and s.seconds >= 0):
+                continue  # a broken clock on the worker: not data
+            q = s.num_decodes / _DECODES_UNIT
+            if s.prefill_tokens > 0:
+                p = s.prefill_tokens / _TOKENS_UNIT
+                prefill_rows.append((1.0, p, p * p, q))
+                prefill_y.append(s.seconds)
+            elif s.num_decodes > 0:
+                decode_rows.append((1.0, q))
+                decode_y.append(s.seconds)
+        if prefill_y:
+            self.prefill.add(np.array(prefill_rows), np.array(prefill_y))
+        if decode_y:
+            self.decode.add(np.array(decode_rows), np.array(decode_y))
+
+    def prefill_step_s(self, tokens: int, decodes: int) -> float:
+        """Seconds of a step computing ``tokens`` prompt tokens beside ``decodes`` decodes."""
+        a, b, c, e = self.prefill.coefficients
+        p = tokens / _TOKENS_UNIT
+        return float(a + b * p + c * p * p + e * decodes / _DECODES_UNIT)
+
+    def decode_step_s(self, decodes: int) -> float:
+        """Seconds of a step that only decodes ``decodes`` requests (the inter-token time)."""
+        d0, d1 = self.decode.coefficients
+        return float(d0 + d1 * decodes / _DECODES_UNIT)
+
+    def terms(self) -> dict[str, float]:
+        """The fitted coefficients in SI units (seconds; per token; per token²; per decode)."""
+        a, b, c, e = self.prefill.coefficients
+        d0, d1 = self.decode.coefficients
+        u, d = _TOKENS_UNIT, _DECODES_UNIT
+        return {
+            "a": float(a),
+            "b": float(b / u),
+            "c": float(c / (u * u)),
+            "e": float(e / d),
+            "d0": float(d0),
+            "d1": float(d1 / d),
+        }
+
+    def predict_ttft(self, queued_tokens: int, new_tokens: int, decodes: int) -> float:
+        """Seconds until the first token of a request with ``new_tokens`` uncached prompt
+        tokens, behind ``queued_tokens`` of prefill, beside ``decodes`` running requests."""
+        work = queued_tokens + max(new_tokens, 1)
+        chunk = max(self.step_budget - decodes, 1)
+        full, rest = divmod(work, chunk)
+        total = full * self.prefill_step_s(chunk, decodes) if full else 0.0
+        if rest:
+            total += self.prefill_step_s(rest, decodes)
+        return total
+
+
+class StepTimeModels:
+    """``WorkerStepModel`` per worker, fed from load reports; workers that leave are dropped."""
+
+    def __init__(self, prior: StepTimePrior | None = None) -> None:
+        self._prior = prior or StepTimePrior()
+        self._models: dict[WorkerKey, WorkerStepModel] = {}
+        self._default = WorkerStepModel(self._prior)
+
+    def on_load(self, report: LoadReport) -> None:
+        key = WorkerKey(report.worker_id, report.dp_rank)
+        model = self._models.get(key)
+        if model is None:
+            model = self._models[key] = WorkerStepModel(self._prior)
+        if report.max_num_batched_tokens > 0:
+            model.step_budget = report.max_num_batched_tokens
+        if report.steps:
+            model.observe(report.steps)
+
+    def get(self, key: WorkerKey) -> WorkerStepModel:
+        """The worker's model; the prior's for a worker that has not reported."""
+        return self._models.get(key, self._default)
+
+    def items(self) -> Iterable[tuple[WorkerKey, WorkerStepModel]]:
+        return self._models.items()
+
+    def remove_worker(self, worker_id: int) -> None:
+        for key in [k for k in self._models if k.worker_id == worker_id]:
+            del self._models[key]
+
+
+@dataclass(slots=True)
+class TtftAccuracy:
+    """Predicted against realised TTFT of one worker's requests (sums, for metrics)."""
+
+    count: int = 0
+    predicted_s: float = 0.0
+    realised_s: float = 0.0
+    abs_error_s: float = 0.0
+
+    def add(self, predicted: float, realised: float) -> None:
+        self.count += 1
+        self.predicted_s += predicted
+        self.realised_s += realised
+        self.abs_error_s += abs(realised - predicted)
