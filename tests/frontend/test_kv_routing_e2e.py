@@ -92,3 +92,86 @@ async def test_a_flood_of_one_prefix_spreads_once_its_worker_is_loaded(kv_stack:
         assert len(used) >= 3, used
         home = outs[0]["nvext"]["worker_id"]
         assert used[home] >= 2
+
+
+async def test_tenants_with_identical_prompts_share_no_cache(kv_stack: Stack) -> None:
+    """cache_salt partitions the workers' caches and the router's index alike."""
+    prompt = prompt_of(7)
+    async with httpx.AsyncClient(base_url=kv_stack.url) as http:
+
+        async def as_tenant(salt: str, where: str) -> Any:
+            body: dict[str, Any] = {
+                "model": "mock", "prompt": prompt, "max_tokens": 2, "ignore_eos": True,
+                "nvext": {"extra_fields": ["worker_id", "routing"]},
+            }  # fmt: skip
+            if where == "top":
+                body["cache_salt"] = salt
+            else:
+                body["nvext"]["cache_salt"] = salt
+            r = await http.post("/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        await as_tenant("tenant-a", "top")
+        await asyncio.sleep(0.2)
+        again = await as_tenant("tenant-a", "nvext")
+        assert again["nvext"]["routing"]["overlap_blocks"] == len(prompt) // BLOCK
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) - BLOCK
+        other = await as_tenant("tenant-b", "top")
+        assert all(c["overlap_blocks"] == 0 for c in other["nvext"]["routing"]["candidates"])
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        plain = await complete(http, prompt)
+        assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers", "param"),
+    [
+        ({"cache_salt": "a", "nvext": {"cache_salt": "b"}}, {}, "cache_salt"),
+        ({"cache_salt": ""}, {}, "cache_salt"),
+        ({"nvext": {"cache_salt": "x" * 257}}, {}, "nvext.cache_salt"),
+        ({"cache_salt": 5}, {}, None),
+        ({}, {"x-session-id": "s" * 257}, "x-session-id"),
+    ],
+)
+async def test_bad_salt_or_session_is_a_400_naming_it(
+    kv_stack: Stack, extra: dict[str, Any], headers: dict[str, str], param: str | None
+) -> None:
+    body = {"model": "mock", "prompt": [1, 2, 3], "max_tokens": 1, **extra}
+    async with httpx.AsyncClient(base_url=kv_stack.url) as http:
+        r = await http.post("/v1/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param and param in error["message"]
+    else:
+        assert "cache_salt" in error["message"]
+
+
+@pytest.mark.parametrize("header", ["x-session-id", "x-claude-code-session-id", "session-id"])
+async def test_a_session_header_names_the_last_turns_worker(kv_stack: Stack, header: str) -> None:
+    async with httpx.AsyncClient(base_url=kv_stack.url) as http:
+
+        async def turn(tokens: list[int]) -> Any:
+            r = await http.post(
+                "/v1/completions",
+                json={"model": "mock", "prompt": tokens, "max_tokens": 2,
+                      "nvext": {"extra_fields": ["worker_id", "routing"]}},
+                headers={header: "conversation-1"},
+                timeout=30,
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = await turn(prompt_of(11, 64))
+        assert first["nvext"]["routing"].get("preferred_worker_id") is None
+        second = await turn(prompt_of(12, 64))  # an unrelated prompt: only the session links
+        routing = second["nvext"]["routing"]
+        assert routing["preferred_worker_id"] == first["nvext"]["worker_id"]
+        assert second["nvext"]["worker_id"] == first["nvext"]["worker_id"]
+        bonus = [c for c in routing["candidates"] if c.get("session_bonus")]
+        assert [c["worker_id"] for c in bonus] == [first["nvext"]["worker_id"]]
+        metrics = (await http.get("/metrics")).text
+        assert "turnout_kv_ttft_predictions_total" in metrics or routing["cost"] == "blocks"
+        assert "turnout_kv_worker_step_model" in metrics

@@ -72,6 +72,8 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     #: Requests that decoded one token in the step.
     num_decodes: int
     seconds: float
+    #: Share of the KV cache in use during the step (decode steps read all of it).
+    kv_usage: float = 0.0
 
 
 class LoadReport(msgspec.Struct, kw_only=True):

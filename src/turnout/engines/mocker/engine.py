@@ -145,7 +145,7 @@ class _Rank:
     def sample_step(self, result: StepResult, speedup: float, rng: random.Random) -> None:
         """Offer a finished step to the reservoir sent with the next load report."""
         seconds = result.duration_s / speedup if speedup > 0 else 0.0
-        sample = StepSample(result.num_prefill_tokens, result.num_decodes, seconds)
+        sample = StepSample(result.num_prefill_tokens, result.num_decodes, seconds, result.kv_usage)
         self.steps_since_report += 1
         if len(self.step_samples) < _STEP_SAMPLES_PER_REPORT:
             self.step_samples.append(sample)

@@ -62,6 +62,8 @@ class StepResult:
     num_prefill_tokens: int = 0
     num_decodes: int = 0
     num_preempted: int = 0
+    #: KV cache utilisation the step was timed at.
+    kv_usage: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -268,9 +270,8 @@ class Scheduler:
         result.num_scheduled = len(scheduled)
         result.num_prefill_tokens = prefill_tokens
         result.num_decodes = num_decodes
-        result.duration_s = (
-            step_ms(self._timing, prefill_tokens, num_decodes, self.pool.usage) / 1000.0
-        )
+        result.kv_usage = usage = self.pool.usage
+        result.duration_s = step_ms(self._timing, prefill_tokens, num_decodes, usage) / 1000.0
         end = now + result.duration_s
         outputs = result.outputs
         for req, n in scheduled:

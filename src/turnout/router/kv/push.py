@@ -32,6 +32,8 @@ def explain(selection: Selection, block_size: int) -> dict[str, object]:
     out["block_size"] = block_size
     if selection.worker_id is not None:
         out["worker_id"] = f"{selection.worker_id:x}"
+    if selection.preferred_worker_id is not None:
+        out["preferred_worker_id"] = f"{selection.preferred_worker_id:x}"
     for candidate in out.get("candidates", []):
         candidate["worker_id"] = f"{candidate['worker_id']:x}"
     out["busy"] = [f"{w[0]:x}" for w in out.get("busy", [])]

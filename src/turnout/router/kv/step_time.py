@@ -4,11 +4,12 @@ token (TTFT) that a request would see there.
 Workers send a sample of their steps with every load report (``StepSample``: prompt tokens
 computed, requests decoded, wall seconds). Per worker two least-squares fits are kept::
 
-    prefill step:  t = a + b·P + c·P² + e·B     P prompt tokens computed, B decodes riding along
-    decode step:   t = d0 + d1·B                only decodes
+    prefill step:  t = a + b·P + c·P² + e·B           P prompt tokens computed, B decodes
+    decode step:   t = d0 + d1·B + d2·u + d3·u²       only decodes; u the KV cache in use
 
 ``a`` is the fixed cost of a forward pass, ``b`` the per-token work (the MLPs), ``c`` the
-attention over the chunk, ``e`` what each decoding request adds. The fits are recursive (normal
+attention over the chunk, ``e`` what each decoding request adds; a decode step is memory
+bound, so it grows with the KV cache it reads (``u``). The fits are recursive (normal
 equations with exponential forgetting, so a worker that slows down is followed) and
 regularised towards a prior, so a worker with no reports yet, or one that cannot time its
 steps, is predicted by the prior: the shape of a mid-size model on one GPU (the mocker's
@@ -41,15 +42,28 @@ _TOKENS_UNIT = 1024.0
 _DECODES_UNIT = 64.0
 #: Per-sample forgetting: the weight of a sample halves after about 700 newer ones.
 FORGETTING = 0.999
-#: Weight of the prior, in samples' worth: a few reports outweigh it.
-PRIOR_WEIGHT = 4.0
+#: Ridge weight of the prior (features are about 1 in the fit's units, so a tenth of one
+#: sample's weight per direction): a few steps of data outweigh it wherever they speak.
+PRIOR_WEIGHT = 0.1
+
+
+def _prefill_row(tokens: float, decodes: float) -> tuple[float, float, float, float]:
+    p = tokens / _TOKENS_UNIT
+    return (1.0, p, p * p, decodes / _DECODES_UNIT)
+
+
+def _decode_row(decodes: float, usage: float) -> tuple[float, float, float, float]:
+    return (1.0, decodes / _DECODES_UNIT, usage, usage * usage)
+
+
 #: The per-step token budget assumed until a worker reports its own.
 DEFAULT_STEP_BUDGET = 8192
 
 
 @dataclass(frozen=True, slots=True)
 class StepTimePrior:
-    """Seconds of a prefill step ``a + b·P + c·P² + e·B`` and a decode step ``d0 + d1·B``.
+    """Seconds of a prefill step ``a + b·P + c·P² + e·B`` and a decode step
+    ``d0 + d1·B + d2·u + d3·u²``.
 
     The defaults are the mocker's default timing (a mid-size model on one GPU) at speedup 1.
     """
@@ -58,8 +72,10 @@ class StepTimePrior:
     prefill_per_token: float = 1.518e-5
     prefill_per_token_sq: float = 4.21e-10
     prefill_per_decode: float = 1.5e-5
-    decode_constant: float = 0.0126
+    decode_constant: float = 0.01255
     decode_per_seq: float = 1.0e-5
+    decode_per_usage: float = 0.05401
+    decode_per_usage_sq: float = -0.02574
 
     def prefill_vector(self) -> np.ndarray:
         """The prefill coefficients in the fit's scaled units."""
@@ -74,19 +90,37 @@ class StepTimePrior:
         )
 
     def decode_vector(self) -> np.ndarray:
-        return np.array([self.decode_constant, self.decode_per_seq * _DECODES_UNIT])
+        return np.array(
+            [
+                self.decode_constant,
+                self.decode_per_seq * _DECODES_UNIT,
+                self.decode_per_usage,
+                self.decode_per_usage_sq,
+            ]
+        )
 
 
 class RidgeFit:
-    """Least squares with exponential forgetting, pulled towards ``prior`` with ``weight``.
+    """Least squares with exponential forgetting, pulled towards the prior (ridge).
 
-    Solves ``(A + wI) θ = r + w θ₀`` where ``A = Σ λ^age x xᵀ`` and ``r = Σ λ^age x y``; θ is
-    then clipped at 0 (a step never gets faster with more work). Solving is lazy: once per
-    batch of samples, at the first prediction after it.
+    Solves ``(A + wI) θ = r + w θ₀`` where ``A = Σ λ^age x xᵀ`` and ``r = Σ λ^age x y`` over
+    the samples: a direction the data pins down (eigenvalues of ``A`` far above ``w``) is
+    the data's, one it cannot tell (say, decodes riding along when a worker never mixes them)
+    keeps the prior's value. A prior on the coefficients, not pseudo-samples at chosen points:
+    those would weigh most exactly where the data is silent and bend the fit there. θ is then
+    clipped at 0 where ``nonneg`` says so (a step never gets faster with more tokens).
+    Solving is lazy: once per batch of samples, at the first prediction after it.
     """
 
-    def __init__(self, prior: np.ndarray, weight: float, forgetting: float) -> None:
+    def __init__(
+        self,
+        prior: np.ndarray,
+        weight: float,
+        forgetting: float,
+        nonneg: np.ndarray | None = None,
+    ) -> None:
         n = len(prior)
+        self._nonneg = np.ones(n, dtype=bool) if nonneg is None else nonneg
         self._prior = prior
         self._weight = weight
         self._forgetting = forgetting
@@ -117,7 +151,8 @@ class RidgeFit:
             n = len(self._prior)
             lhs = self._a + self._weight * np.eye(n)
             rhs = self._r + self._weight * self._prior
-            self._theta = np.clip(np.linalg.solve(lhs, rhs), 0.0, None)
+            theta = np.linalg.solve(lhs, rhs)
+            self._theta = np.where(self._nonneg & (theta < 0), 0.0, theta)
             self._dirty = False
         return self._theta
 
@@ -126,25 +161,34 @@ class WorkerStepModel:
     """One worker's fitted step times and token budget."""
 
     def __init__(self, prior: StepTimePrior) -> None:
-        self.prefill = RidgeFit(prior.prefill_vector(), PRIOR_WEIGHT, FORGETTING)
-        self.decode = RidgeFit(prior.decode_vector(), PRIOR_WEIGHT, FORGETTING)
+        self.prefill = RidgeFit(
+            prior.prefill_vector(),
+            PRIOR_WEIGHT,
+            FORGETTING,
+        )
+        # The usage curve may bend down (u²): only the constant and per-request terms are
+        # kept non-negative.
+        self.decode = RidgeFit(
+            prior.decode_vector(),
+            PRIOR_WEIGHT,
+            FORGETTING,
+            nonneg=np.array([True, True, False, False]),
+        )
         self.step_budget = DEFAULT_STEP_BUDGET
 
     def observe(self, samples: Iterable[StepSample]) -> None:
         prefill_rows: list[tuple[float, float, float, float]] = []
         prefill_y: list[float] = []
-        decode_rows: list[tuple[float, float]] = []
+        decode_rows: list[tuple[float, float, float, float]] = []
         decode_y: list[float] = []
         for s in samples:
             if not (math.isfinite(s.seconds) and s.seconds >= 0):
                 continue  # a broken clock on the worker: not data
-            q = s.num_decodes / _DECODES_UNIT
             if s.prefill_tokens > 0:
-                p = s.prefill_tokens / _TOKENS_UNIT
-                prefill_rows.append((1.0, p, p * p, q))
+                prefill_rows.append(_prefill_row(s.prefill_tokens, s.num_decodes))
                 prefill_y.append(s.seconds)
             elif s.num_decodes > 0:
-                decode_rows.append((1.0, q))
+                decode_rows.append(_decode_row(s.num_decodes, min(max(s.kv_usage, 0.0), 1.0)))
                 decode_y.append(s.seconds)
         if prefill_y:
             self.prefill.add(np.array(prefill_rows), np.array(prefill_y))
@@ -157,15 +201,17 @@ class WorkerStepModel:
         p = tokens / _TOKENS_UNIT
         return float(a + b * p + c * p * p + e * decodes / _DECODES_UNIT)
 
-    def decode_step_s(self, decodes: int) -> float:
-        """Seconds of a step that only decodes ``decodes`` requests (the inter-token time)."""
-        d0, d1 = self.decode.coefficients
-        return float(d0 + d1 * decodes / _DECODES_UNIT)
+    def decode_step_s(self, decodes: int, kv_usage: float) -> float:
+        """Seconds of a step that only decodes ``decodes`` requests with ``kv_usage`` of the
+        cache in use (the inter-token time)."""
+        d0, d1, d2, d3 = self.decode.coefficients
+        u = min(max(kv_usage, 0.0), 1.0)
+        return float(d0 + d1 * decodes / _DECODES_UNIT + d2 * u + d3 * u * u)
 
     def terms(self) -> dict[str, float]:
         """The fitted coefficients in SI units (seconds; per token; per token²; per decode)."""
         a, b, c, e = self.prefill.coefficients
-        d0, d1 = self.decode.coefficients
+        d0, d1, d2, d3 = self.decode.coefficients
         u, d = _TOKENS_UNIT, _DECODES_UNIT
         return {
             "a": float(a),
@@ -174,6 +220,8 @@ class WorkerStepModel:
             "e": float(e / d),
             "d0": float(d0),
             "d1": float(d1 / d),
+            "d2": float(d2),
+            "d3": float(d3),
         }
 
     def predict_ttft(self, queued_tokens: int, new_tokens: int, decodes: int) -> float:
