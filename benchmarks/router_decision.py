@@ -38,7 +38,7 @@ import numpy as np
 from turnout.protocols.block_hashing import compute_block_hashes, compute_seq_hashes
 from turnout.protocols.kv import BlockRemoved, BlockStored, KvCacheEvent, StoredBlock
 from turnout.router.kv.base import WorkerKey
-from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.kv.core import KvRouterCore
 from turnout.router.kv.selector import select_worker
 
@@ -275,7 +275,10 @@ def time_pieces(
         overlaps = core.index.find_matches(seq)
         t2 = clock()
         new_blocks = -(-len(tokens) // config.block_size)
-        select_worker(workers, overlaps, core.active, new_blocks, config, rng, loads=core.loads)
+        select_worker(
+            workers, overlaps, core.active, new_blocks, config, rng, loads=core.loads,
+            num_tokens=len(tokens), step_models=core.step_models,
+        )  # fmt: skip
         t3 = clock()
         hashing.append(t1 - t0)
         matching.append(t2 - t1)
@@ -313,7 +316,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nprng = np.random.default_rng(args.seed)
         corpus = Corpus(rng=nprng, block_size=args.block_size, conv_tokens=conv_tokens)
         corpus.make_system_prompts(args.system_prompts, conv_tokens // 2)
-        config = KvRouterConfig(block_size=args.block_size, router_temperature=args.temperature)
+        config = KvRouterConfig(
+            block_size=args.block_size,
+            router_temperature=args.temperature,
+            router_cost=RouterCost(args.router_cost),
+        )
         core = KvRouterCore(config, rng=random.Random(args.seed), clock=lambda: 0.0)
         workers = [WorkerKey(i) for i in range(num_workers)]
         gc.collect()
@@ -392,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--system-prompts", type=int, default=16)
     parser.add_argument("--chunk-blocks", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--router-cost", choices=[c.value for c in RouterCost], default="ttft")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-gc-freeze", action="store_true")
     parser.add_argument("--json", type=Path, default=RESULTS)

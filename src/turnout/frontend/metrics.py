@@ -327,7 +327,8 @@ class _KvRouterCollector(Collector):
         )
         step_model = GaugeMetricFamily(
             "turnout_kv_worker_step_model",
-            "Fitted step time terms: prefill a + b·P + c·P² + e·B, decode d0 + d1·B + d2·u + d3·u² "
+            "Fitted step time terms: prefill a + b·P + c·P² + e·B + [B>0](f0 + f1·u + f2·u²), "
+            "decode d0 + d1·B + d2·u + d3·u² "
             "(seconds, per token, per token², per decode)",
             labels=["model", "worker", "term"],
         )

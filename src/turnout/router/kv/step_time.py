@@ -2,18 +2,25 @@
 token (TTFT) that a request would see there.
 
 Workers send a sample of their steps with every load report (``StepSample``: prompt tokens
-computed, requests decoded, wall seconds). Per worker two least-squares fits are kept::
+computed, requests decoded, KV cache in use, wall seconds). Per worker two least-squares fits
+are kept::
 
-    prefill step:  t = a + b·P + c·P² + e·B           P prompt tokens computed, B decodes
-    decode step:   t = d0 + d1·B + d2·u + d3·u²       only decodes; u the KV cache in use
+    prefill step:  t = a + b·P + c·P² + e·B + [B > 0]·(f0 + f1·u + f2·u²)
+    decode step:   t = d0 + d1·B + d2·u + d3·u²
 
-``a`` is the fixed cost of a forward pass, ``b`` the per-token work (the MLPs), ``c`` the
-attention over the chunk, ``e`` what each decoding request adds; a decode step is memory
-bound, so it grows with the KV cache it reads (``u``). The fits are recursive (normal
-equations with exponential forgetting, so a worker that slows down is followed) and
-regularised towards a prior, so a worker with no reports yet, or one that cannot time its
-steps, is predicted by the prior: the shape of a mid-size model on one GPU (the mocker's
-default timing). Coefficients are kept non-negative: a prediction never falls as work grows.
+with ``P`` prompt tokens computed in the step, ``B`` requests decoding beside them and ``u``
+the share of the KV cache in use. ``a`` is the fixed cost of a forward pass, ``b`` the
+per-token work (the MLPs), ``c`` the attention over the chunk. Engines differ in how decodes
+join a prefill step: vLLM runs them as extra tokens of the same pass (``e`` per decode),
+Dynamo's mocker adds a whole decode pass, memory bound and so growing with the KV cache it
+reads (the ``f`` terms); the fit takes whichever the worker shows. A decode-only step is
+memory bound too (``d2``, ``d3``).
+
+The fits are recursive (normal equations with exponential forgetting, so a worker that slows
+down is followed) and pulled towards a prior (ridge), so a worker with no reports yet, or one
+that cannot time its steps, is predicted by the prior: a mid-size model on one GPU (the
+mocker's default timing). The token terms are kept non-negative: a prediction never falls as
+work grows.
 
 The time to first token of a request on a worker (``predict_ttft``) is the time to compute
 everything queued there before it plus its own uncached prompt, in steps of the worker's token
@@ -21,7 +28,7 @@ budget, each step also carrying the worker's running decodes::
 
     work   = queued_prefill_tokens + max(new_tokens, 1)
     chunk  = budget - decodes                      (per step; budget: max_num_batched_tokens)
-    ttft   = floor(work / chunk) · step(chunk, decodes) + step(work mod chunk, decodes)
+    ttft   = floor(work / chunk) · step(chunk) + step(work mod chunk)
 
 This is what Mooncake's Conductor and Preble estimate: queueing plus prefill, in seconds.
 """
@@ -45,35 +52,40 @@ FORGETTING = 0.999
 #: Ridge weight of the prior (features are about 1 in the fit's units, so a tenth of one
 #: sample's weight per direction): a few steps of data outweigh it wherever they speak.
 PRIOR_WEIGHT = 0.1
-
-
-def _prefill_row(tokens: float, decodes: float) -> tuple[float, float, float, float]:
-    p = tokens / _TOKENS_UNIT
-    return (1.0, p, p * p, decodes / _DECODES_UNIT)
-
-
-def _decode_row(decodes: float, usage: float) -> tuple[float, float, float, float]:
-    return (1.0, decodes / _DECODES_UNIT, usage, usage * usage)
-
-
 #: The per-step token budget assumed until a worker reports its own.
 DEFAULT_STEP_BUDGET = 8192
+
+_PrefillRow = tuple[float, float, float, float, float, float, float]
+_DecodeRow = tuple[float, float, float, float]
+
+
+def _prefill_row(tokens: float, decodes: float, usage: float) -> _PrefillRow:
+    p = tokens / _TOKENS_UNIT
+    m = 1.0 if decodes > 0 else 0.0
+    return (1.0, p, p * p, decodes / _DECODES_UNIT, m, m * usage, m * usage * usage)
+
+
+def _decode_row(decodes: float, usage: float) -> _DecodeRow:
+    return (1.0, decodes / _DECODES_UNIT, usage, usage * usage)
 
 
 @dataclass(frozen=True, slots=True)
 class StepTimePrior:
-    """Seconds of a prefill step ``a + b·P + c·P² + e·B`` and a decode step
-    ``d0 + d1·B + d2·u + d3·u²``.
+    """Seconds of the two kinds of step (see the module docstring), before any report.
 
-    The defaults are the mocker's default timing (a mid-size model on one GPU) at speedup 1.
+    The defaults are the mocker's default timing (Dynamo's mocker: a mid-size model on one
+    GPU) at speedup 1.
     """
 
     prefill_constant: float = 0.0165
     prefill_per_token: float = 1.518e-5
     prefill_per_token_sq: float = 4.21e-10
-    prefill_per_decode: float = 1.5e-5
-    decode_constant: float = 0.01255
-    decode_per_seq: float = 1.0e-5
+    prefill_per_decode: float = 0.0
+    mixed_constant: float = 0.00574
+    mixed_per_usage: float = 0.05401
+    mixed_per_usage_sq: float = -0.02574
+    decode_constant: float = 0.00574
+    decode_per_seq: float = 0.0
     decode_per_usage: float = 0.05401
     decode_per_usage_sq: float = -0.02574
 
@@ -86,6 +98,9 @@ class StepTimePrior:
                 self.prefill_per_token * u,
                 self.prefill_per_token_sq * u * u,
                 self.prefill_per_decode * d,
+                self.mixed_constant,
+                self.mixed_per_usage,
+                self.mixed_per_usage_sq,
             ]
         )
 
@@ -126,7 +141,7 @@ class RidgeFit:
         self._forgetting = forgetting
         self._a = np.zeros((n, n))
         self._r = np.zeros(n)
-        self._theta = prior.copy()
+        self._theta: tuple[float, ...] = tuple(float(x) for x in prior)
         self._dirty = False
         self.num_samples = 0
 
@@ -146,28 +161,30 @@ class RidgeFit:
         self._dirty = True
 
     @property
-    def coefficients(self) -> np.ndarray:
+    def coefficients(self) -> tuple[float, ...]:
+        """The fitted coefficients, as Python floats (cheap to compute with, per decision)."""
         if self._dirty:
             n = len(self._prior)
             lhs = self._a + self._weight * np.eye(n)
             rhs = self._r + self._weight * self._prior
             theta = np.linalg.solve(lhs, rhs)
-            self._theta = np.where(self._nonneg & (theta < 0), 0.0, theta)
+            theta = np.where(self._nonneg & (theta < 0), 0.0, theta)
+            self._theta = tuple(float(x) for x in theta)
             self._dirty = False
         return self._theta
 
 
 class WorkerStepModel:
-    """One worker's fitted step times and token budget."""
+    """One worker's fitted step times, token budget and KV usage."""
 
     def __init__(self, prior: StepTimePrior) -> None:
+        # Token and decode terms stay non-negative; the usage curves may bend down (u²).
         self.prefill = RidgeFit(
             prior.prefill_vector(),
             PRIOR_WEIGHT,
             FORGETTING,
+            nonneg=np.array([True, True, True, True, True, False, False]),
         )
-        # The usage curve may bend down (u²): only the constant and per-request terms are
-        # kept non-negative.
         self.decode = RidgeFit(
             prior.decode_vector(),
             PRIOR_WEIGHT,
@@ -175,64 +192,78 @@ class WorkerStepModel:
             nonneg=np.array([True, True, False, False]),
         )
         self.step_budget = DEFAULT_STEP_BUDGET
+        #: The KV cache in use, from the worker's latest load report.
+        self.kv_usage = 0.0
 
     def observe(self, samples: Iterable[StepSample]) -> None:
-        prefill_rows: list[tuple[float, float, float, float]] = []
+        prefill_rows: list[_PrefillRow] = []
         prefill_y: list[float] = []
-        decode_rows: list[tuple[float, float, float, float]] = []
+        decode_rows: list[_DecodeRow] = []
         decode_y: list[float] = []
         for s in samples:
             if not (math.isfinite(s.seconds) and s.seconds >= 0):
                 continue  # a broken clock on the worker: not data
+            usage = min(max(s.kv_usage, 0.0), 1.0)
             if s.prefill_tokens > 0:
-                prefill_rows.append(_prefill_row(s.prefill_tokens, s.num_decodes))
+                prefill_rows.append(_prefill_row(s.prefill_tokens, s.num_decodes, usage))
                 prefill_y.append(s.seconds)
             elif s.num_decodes > 0:
-                decode_rows.append(_decode_row(s.num_decodes, min(max(s.kv_usage, 0.0), 1.0)))
+                decode_rows.append(_decode_row(s.num_decodes, usage))
                 decode_y.append(s.seconds)
         if prefill_y:
             self.prefill.add(np.array(prefill_rows), np.array(prefill_y))
         if decode_y:
             self.decode.add(np.array(decode_rows), np.array(decode_y))
 
-    def prefill_step_s(self, tokens: int, decodes: int) -> float:
-        """Seconds of a step computing ``tokens`` prompt tokens beside ``decodes`` decodes."""
-        a, b, c, e = self.prefill.coefficients
+    def prefill_step_s(self, tokens: int, decodes: int, kv_usage: float | None = None) -> float:
+        """Seconds of a step computing ``tokens`` prompt tokens beside ``decodes`` decodes
+        (at ``kv_usage``; default: the worker's last reported)."""
+        a, b, c, e, f0, f1, f2 = self.prefill.coefficients
         p = tokens / _TOKENS_UNIT
-        return float(a + b * p + c * p * p + e * decodes / _DECODES_UNIT)
+        t = a + b * p + c * p * p + e * decodes / _DECODES_UNIT
+        if decodes > 0:
+            u = self.kv_usage if kv_usage is None else min(max(kv_usage, 0.0), 1.0)
+            t += f0 + f1 * u + f2 * u * u
+        return t
 
     def decode_step_s(self, decodes: int, kv_usage: float) -> float:
         """Seconds of a step that only decodes ``decodes`` requests with ``kv_usage`` of the
         cache in use (the inter-token time)."""
         d0, d1, d2, d3 = self.decode.coefficients
         u = min(max(kv_usage, 0.0), 1.0)
-        return float(d0 + d1 * decodes / _DECODES_UNIT + d2 * u + d3 * u * u)
+        return d0 + d1 * decodes / _DECODES_UNIT + d2 * u + d3 * u * u
 
     def terms(self) -> dict[str, float]:
         """The fitted coefficients in SI units (seconds; per token; per token²; per decode)."""
-        a, b, c, e = self.prefill.coefficients
+        a, b, c, e, f0, f1, f2 = self.prefill.coefficients
         d0, d1, d2, d3 = self.decode.coefficients
         u, d = _TOKENS_UNIT, _DECODES_UNIT
         return {
-            "a": float(a),
-            "b": float(b / u),
-            "c": float(c / (u * u)),
-            "e": float(e / d),
-            "d0": float(d0),
-            "d1": float(d1 / d),
-            "d2": float(d2),
-            "d3": float(d3),
-        }
+            "a": a, "b": b / u, "c": c / (u * u), "e": e / d, "f0": f0, "f1": f1, "f2": f2,
+            "d0": d0, "d1": d1 / d, "d2": d2, "d3": d3,
+        }  # fmt: skip
 
     def predict_ttft(self, queued_tokens: int, new_tokens: int, decodes: int) -> float:
         """Seconds until the first token of a request with ``new_tokens`` uncached prompt
         tokens, behind ``queued_tokens`` of prefill, beside ``decodes`` running requests."""
-        work = queued_tokens + max(new_tokens, 1)
-        chunk = max(self.step_budget - decodes, 1)
+        # The hot path of every routing decision (once per candidate): plain float arithmetic.
+        a, b, c, e, f0, f1, f2 = self.prefill.coefficients
+        work = queued_tokens + (new_tokens if new_tokens > 1 else 1)
+        chunk = self.step_budget - decodes
+        if chunk < 1:
+            chunk = 1
+        base = a + e * decodes / _DECODES_UNIT
+        if decodes > 0:
+            u = self.kv_usage
+            base += f0 + f1 * u + f2 * u * u
         full, rest = divmod(work, chunk)
-        total = full * self.prefill_step_s(chunk, decodes) if full else 0.0
+        total = 0.0
+        if full:
+            p = chunk / _TOKENS_UNIT
+            total = full * (base + b * p + c * p * p)
         if rest:
-            total += self.prefill_step_s(rest, decodes)
+            p = rest / _TOKENS_UNIT
+            total += base + b * p + c * p * p
         return total
 
 
@@ -251,6 +282,7 @@ class StepTimeModels:
             model = self._models[key] = WorkerStepModel(self._prior)
         if report.max_num_batched_tokens > 0:
             model.step_budget = report.max_num_batched_tokens
+        model.kv_usage = min(max(report.kv_usage, 0.0), 1.0)
         if report.steps:
             model.observe(report.steps)
 
