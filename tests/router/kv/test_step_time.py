@@ -7,9 +7,10 @@ import asyncio
 
 import numpy as np
 import pytest
+from tests.engines.mocker.test_mocker_engine import FakeClock, RecordingSink
 
 from turnout.engines.mocker import MockerConfig, MockerEngine, PolynomialTimingModel
-from turnout.protocols.kv import KvEventBatch, LoadReport, StepSample
+from turnout.protocols.kv import LoadReport, StepSample
 from turnout.protocols.llm import PreprocessedRequest, StopConditions
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.step_time import (
@@ -101,34 +102,11 @@ def test_models_follow_reports_and_forget_workers() -> None:
     assert models.get(key).predict_ttft(0, 1000, 0) == default
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.loads: list[LoadReport] = []
-
-    def publish_kv(self, batch: KvEventBatch) -> None:
-        pass
-
-    def publish_load(self, report: LoadReport) -> None:
-        self.loads.append(report)
-
-
-class _FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(0)
-        self.now += seconds
-
-
 async def test_calibration_converges_on_a_mocker_worker_with_known_timing() -> None:
     """The mocker's step times are its timing model divided by the speedup; fitted from its
     load reports alone, the router's model predicts them within a few percent."""
-    clock = _FakeClock()
-    sink = _Recorder()
+    clock = FakeClock()
+    sink = RecordingSink()
     timing = PolynomialTimingModel()
     speedup = 2.0
     config = MockerConfig(
