@@ -65,6 +65,9 @@ def add_kv_router_flags(p: argparse.ArgumentParser) -> None:
              choices=[c.value for c in RouterCost],
              help="what the KV router minimises: ttft (predicted seconds to first token, "
                   "from workers' reported step times) or blocks (Dynamo's cost)")  # fmt: skip
+    add_flag(g, "--router-itl-weight", default=0.0, type=float,
+             help="ttft cost: weight of the delay a request's prefill inflicts on the "
+                  "requests decoding on the worker (0: ignore it)")  # fmt: skip
     add_flag(g, "--kv-overlap-score-weight", default=1.0, type=float,
              help="blocks cost: weight of the prefill term (higher: favour hits)")  # fmt: skip
     add_flag(g, "--router-session-weight", default=1.0, type=float,
@@ -89,6 +92,7 @@ def kv_router_config(args: argparse.Namespace) -> KvRouterConfig:
         router_cost=RouterCost(args.router_cost),
         overlap_score_weight=args.kv_overlap_score_weight,
         session_weight=args.router_session_weight,
+        itl_weight=args.router_itl_weight,
         router_temperature=args.router_temperature,
         use_kv_events=not args.no_kv_events,
         approx_ttl_s=args.kv_approx_ttl,

@@ -234,3 +234,29 @@ def test_cache_salts_partition_the_index(cost: RouterCost) -> None:
     assert all(row.overlap_blocks == 0 for row in other.candidates)
     unsalted = core.route("c", tokens, [A, B], book=False)
     assert all(row.overlap_blocks == 0 for row in unsalted.candidates)
+
+
+def test_itl_weight_counts_the_delay_inflicted_on_decoding_requests() -> None:
+    models = linear_models()
+    active = ActiveSequences(block_size=BS)
+    for i in range(20):  # 20 requests decoding on A; none on B, but 10,000 tokens queued
+        active.add_request(f"d{i}", A, num_prompt_tokens=16, overlap_blocks=0, now=0.0)
+        active.mark_prefill_done(f"d{i}")
+    active.add_request("q", B, num_prompt_tokens=10_000, overlap_blocks=0, now=0.0)
+
+    def pick(weight: float) -> tuple[WorkerKey | None, dict[WorkerKey, object]]:
+        config = KvRouterConfig(block_size=BS, itl_weight=weight)
+        sel = select_worker(
+            [A, B], overlaps({}), active, 64, config, random.Random(0),
+            num_tokens=1024, step_models=models,
+        )  # fmt: skip
+        return sel.worker_key, {row.worker_key: row for row in sel.candidates}
+
+    chosen, rows = pick(0.0)
+    assert chosen == A  # B's queue makes its first token later
+    assert rows[A].inflicted_delay_s is None  # type: ignore[attr-defined]
+    chosen, rows = pick(1.0)
+    inflicted = rows[A].inflicted_delay_s  # type: ignore[attr-defined]
+    assert inflicted == pytest.approx(20 * models.get(A).predict_ttft(0, 1024, 20))
+    assert rows[A].cost == pytest.approx(rows[A].predicted_ttft_s + inflicted)  # type: ignore[attr-defined]
+    assert chosen == B  # 20 requests would each wait through this prefill on A

@@ -34,6 +34,10 @@ class KvRouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     #: What is minimised: predicted seconds to first token, or Dynamo's blocks.
     router_cost: RouterCost = RouterCost.TTFT
+    #: TTFT cost: weight of the delay this request's prefill inflicts on the requests decoding
+    #: on the worker (each waits through it for its next token): ``decodes * own prefill``
+    #: seconds, added to the cost. 0 (the default) ignores others' inter-token latency.
+    itl_weight: float = 0.0
     #: Bonus of the worker that served a session's last turn (``x-session-id``): in TTFT cost,
     #: this many of that worker's smallest steps (one block's prefill); in block cost, this many
     #: blocks. 0 turns the preference off.
@@ -73,6 +77,7 @@ class KvRouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _check_finite("overlap_score_weight", self.overlap_score_weight, minimum=0.0)
         _check_finite("router_temperature", self.router_temperature, minimum=0.0)
         _check_finite("session_weight", self.session_weight, minimum=0.0)
+        _check_finite("itl_weight", self.itl_weight, minimum=0.0)
         if self.max_sessions <= 0:
             raise ConfigError(f"max_sessions must be positive, got {self.max_sessions}")
         for name in ("approx_ttl_s", "active_request_ttl_s", "load_report_ttl_s", "session_ttl_s"):

@@ -16,6 +16,9 @@ A session's last worker (``preferred``) has ``session_weight`` of its smallest s
 cost) or blocks (block cost) taken off its cost: ties and near-ties keep a conversation where
 its context is, a clearly worse worker still loses it.
 
+With ``itl_weight`` the TTFT cost also counts, weighted, the delay this request's prefill
+inflicts on the requests decoding on the worker (each waits through it for its next token).
+
 Temperature 0 takes the lowest cost; ties are broken with the injected ``rng``, so equal
 workers share the load rather than the first one in the list taking it all. Temperature
 ``T > 0`` samples worker ``i`` with probability proportional to ``exp(-n_i / T)``, where
@@ -71,6 +74,9 @@ class CandidateCost(msgspec.Struct, frozen=True, omit_defaults=True):
     predicted_ttft_s: float | None = None
     #: Subtracted from ``cost``: this worker served the session's last turn.
     session_bonus: float | None = None
+    #: TTFT cost with an ITL weight: seconds this request's prefill would stall the requests
+    #: decoding on this worker, summed over them (added to ``cost`` times the weight).
+    inflicted_delay_s: float | None = None
 
     @property
     def worker_key(self) -> WorkerKey:
@@ -153,6 +159,7 @@ def select_worker(
     get_counters = active.counters.get
     check_busy = loads is not None and loads.any_busy
     session_weight = config.session_weight if preferred is not None else 0.0
+    itl_weight = config.itl_weight
     busy: list[WorkerKey] = []
     rows: list[CandidateCost] = []
     costs: list[float] = []
@@ -196,10 +203,14 @@ def select_worker(
             bonus = 0.0
             if session_weight and key == preferred:
                 bonus = session_weight * model.prefill_step_s(bs, decodes)
+            inflicted = None
             cost = predicted - bonus
+            if itl_weight and decodes:
+                inflicted = decodes * model.predict_ttft(0, new_tokens, decodes)
+                cost += itl_weight * inflicted
             row = CandidateCost(
                 key[0], key[1], overlap, active_prefill, active_decode, prefill, decode,
-                cost, None, predicted, bonus,
+                cost, None, predicted, bonus, inflicted,
             )  # fmt: skip
         costs.append(cost)
         rows.append(row)
