@@ -30,6 +30,12 @@ blocks). One difference: ``nvext.worker_id`` comes back as an object
 ``{"prefill_worker_id": int, "decode_worker_id": int, ...}``, not a string; ``worker_label``
 turns either form into a hashable label.
 
+Client caveat (measured): a request sent on a kept-alive connection to Dynamo's frontend
+within ~30 ms of that connection's previous response waits ~25 ms longer (TTFT 47 ms instead
+of 23 ms for a 128-token prompt at speedup 1; turnout's frontend shows no such stall). It
+is wall time, so x speedup in simulated time. Use a fresh connection per request (httpx:
+``Limits(max_keepalive_connections=0)``) or keep 60 ms between a connection's requests.
+
 Smoke test: ``.venv/bin/python benchmarks/dynamo_peer.py`` (2 workers, 3 requests).
 """
 
