@@ -124,12 +124,6 @@ def test_a_mixed_step_costs_its_prefill_plus_a_decode_like_dynamo() -> None:
     assert times["b"][0] in times["a"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Dynamo's decode cost reads u = summed context of the decoding requests / pool "
-    "tokens (a shared prefix counts once per request); turnout's Scheduler still passes the "
-    "physical block usage (see the calibration notes): remove this mark with that change",
-)
 def test_itl_over_a_shared_prefix_reads_every_requests_context_like_dynamo() -> None:
     sched = scheduler(GRID["shared_num_gpu_blocks"])
     rng = random.Random(11)

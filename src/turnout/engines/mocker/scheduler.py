@@ -224,6 +224,7 @@ class Scheduler:
         scheduled: list[tuple[MockRequest, int]] = []
         prefill_tokens = 0
         num_decodes = 0
+        decode_context = 0
 
         # 1. Running requests, oldest first; preempt from the back when the pool runs dry.
         running = self._running
@@ -246,6 +247,7 @@ class Scheduler:
             budget -= n
             if remaining == 1 and req.num_output > 0:
                 num_decodes += 1
+                decode_context += len(req.token_ids)
             else:
                 prefill_tokens += n
             i += 1
@@ -270,7 +272,9 @@ class Scheduler:
         result.num_scheduled = len(scheduled)
         result.num_prefill_tokens = prefill_tokens
         result.num_decodes = num_decodes
-        result.kv_usage = usage = self.pool.usage
+        # The decode pass reads the whole context of every decoding request (a shared prefix
+        # once per request), over the pool's token capacity: Dynamo's mocker measures it so.
+        result.kv_usage = usage = min(decode_context / self._max_context, 1.0)
         result.duration_s = step_ms(self._timing, prefill_tokens, num_decodes, usage) / 1000.0
         end = now + result.duration_s
         outputs = result.outputs

@@ -192,7 +192,8 @@ class WorkerStepModel:
             nonneg=np.array([True, True, False, False]),
         )
         self.step_budget = DEFAULT_STEP_BUDGET
-        #: The KV cache in use, from the worker's latest load report.
+        #: The KV usage of the worker's recent decode steps (its load report's, when it sends
+        #: no step timings).
         self.kv_usage = 0.0
 
     def observe(self, samples: Iterable[StepSample]) -> None:
@@ -282,7 +283,13 @@ class StepTimeModels:
             model = self._models[key] = WorkerStepModel(self._prior)
         if report.max_num_batched_tokens > 0:
             model.step_budget = report.max_num_batched_tokens
-        model.kv_usage = min(max(report.kv_usage, 0.0), 1.0)
+        decoding = [s.kv_usage for s in report.steps if s.num_decodes > 0]
+        if decoding:
+            # The usage the worker's decode passes ran at (what the fit learnt from); an
+            # engine may count it differently from its reported occupancy (shared prefixes).
+            model.kv_usage = min(max(sum(decoding) / len(decoding), 0.0), 1.0)
+        elif not report.steps:
+            model.kv_usage = min(max(report.kv_usage, 0.0), 1.0)
         if report.steps:
             model.observe(report.steps)
 
