@@ -41,20 +41,52 @@ broke: its stream ends as ``engine_failed`` (the frontend migrates it) and the e
 the failure (the worker leaves discovery and exits). Requests past ``n_parallel`` running
 plus ``max_waiting`` queued are refused as ``overloaded``. ``min_tokens`` is not supported by
 llama.cpp's server and is ignored here.
+
+Load reports. Given a sink (``set_event_sink``; the worker wires the event plane) and its
+worker id (``bind_instance``: the instance id, known only once the worker registered; nothing
+is published before), the engine publishes a ``LoadReport`` on every change (a request
+admitted, taking a slot, producing its first token, ending) and at least every
+``load_report_interval_s`` (a task started by ``start``), so the KV router's TTFT cost
+calibrates on the real model rather than running on its prior:
+
+* ``num_running``: requests whose native call holds a slot; ``num_waiting``: admitted
+  requests waiting in Python for a slot; ``busy`` at the bound where new requests are
+  refused as ``overloaded``; ``active_prefill_tokens``: prompt tokens of requests without a
+  first token yet (whole prompts: what the slot's prompt cache will save is known only at
+  the first token); ``kv_usage``: the tokens of the running requests over ``n_ctx`` (an
+  estimate: llama.cpp also keeps idle slots' prompts for reuse, evictable);
+  ``max_num_batched_tokens``: llama.cpp's ``n_batch`` (its server loop fills one batch with
+  at most that many tokens, capped at ``n_ctx``).
+* ``steps`` (at most 32 per report, a uniform sample of those since the previous report)
+  come from llama.cpp's per-request timings (``timings_per_token``: ``prompt_n``,
+  ``prompt_ms``, ``predicted_n``, ``predicted_ms``, ``cache_n``). A request's first chunk
+  gives one prefill sample: ``prompt_n`` tokens computed (cached ones excluded) in
+  ``prompt_ms``, beside the requests decoding at that moment (split in ``n_batch`` pieces
+  when longer). While it decodes, every ~100 ms of ``predicted_ms`` gives one decode sample,
+  the seconds per token over that span, beside the requests decoding then.
+
+  Caveat: these are per-request times, not step times. llama.cpp batches all slots into
+  each step, so a prompt's time includes the decode tokens of other slots, and prompts of
+  two slots in one batch are each charged the shared batch. With one slot busy at a time
+  they are step times; under concurrency they are an approximation the fit averages over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
+import random
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 
 from turnout.llm.model_card import default_gguf_path, load_model_card
+from turnout.protocols.kv import LoadReport, StepSample
 from turnout.protocols.llm import (
     CompletionUsage,
     ErrorKind,
@@ -82,6 +114,24 @@ _SAMPLING_KEYS: Final = (
     ("frequency_penalty", "frequency_penalty"),
     ("repetition_penalty", "repeat_penalty"),
 )
+
+#: Step samples sent with one load report at most (a uniform sample of those since the
+#: previous report): reports go out on every change, so this bounds a report, not the data.
+_STEP_SAMPLES_PER_REPORT: Final = 32
+#: A decoding request offers one decode sample per this much of its ``predicted_ms``.
+_DECODE_SAMPLE_MS: Final = 100.0
+
+# A stream's place, as the event loop sees it (``_Stream.phase``).
+_WAITING: Final = 0  # admitted, waiting in Python for a slot
+_RUNNING: Final = 1  # its native call holds a slot
+_DONE: Final = 2  # its native call returned, or it left before it got a slot
+
+
+class LoadReportSink(Protocol):
+    """Where load reports go (the worker's ``EventPlaneSink``, a test's recorder). Called on
+    the event loop; must not block."""
+
+    def publish_load(self, report: LoadReport) -> None: ...
 
 
 # ----------------------------------------------------------------- llama.cpp's chunks
@@ -115,7 +165,15 @@ class _Usage(msgspec.Struct):
 
 
 class _Timings(msgspec.Struct):
+    #: Prompt tokens served from the slot's prompt cache.
     cache_n: int | None = None
+    #: Prompt tokens computed, and the milliseconds from the start of prompt processing to
+    #: the first token.
+    prompt_n: int | None = None
+    prompt_ms: float | None = None
+    #: Tokens generated so far (1 at the first token) and the milliseconds since the first.
+    predicted_n: int | None = None
+    predicted_ms: float | None = None
 
 
 class _ErrorBody(msgspec.Struct):
@@ -154,13 +212,18 @@ class _Stream:
     __slots__ = (
         "aborted",
         "cached_tokens",
+        "decoding",
         "eos_ids",
         "finished",
+        "load",
         "loop",
         "num_tokens",
+        "phase",
         "prompt_tokens",
         "queue",
         "stop_ids",
+        "timed_ms",
+        "timed_n",
         "vocab",
         "want_logprobs",
     )
@@ -172,11 +235,13 @@ class _Stream:
         queue: asyncio.Queue[LLMEngineOutput | _End],
         request: PreprocessedRequest,
         vocab: VocabBytes,
+        load: _LoadTracker,
     ) -> None:
         sc = request.stop_conditions
         self.loop = loop
         self.queue = queue
         self.vocab = vocab
+        self.load = load
         self.prompt_tokens = len(request.token_ids)
         self.eos_ids = frozenset(() if sc.ignore_eos else request.eos_token_ids)
         self.stop_ids = self.eos_ids | frozenset(sc.stop_token_ids_hidden or ())
@@ -188,6 +253,14 @@ class _Stream:
         self.finished = False
         self.num_tokens = 0
         self.cached_tokens: int | None = None
+        #: Loop thread: ``_WAITING`` / ``_RUNNING`` / ``_DONE``, and whether its first token
+        #: came (the load tracker's view).
+        self.phase = _WAITING
+        self.decoding = False
+        #: Pool thread: ``predicted_n``/``predicted_ms`` at the last decode sample (-1: no
+        #: chunk with timings yet).
+        self.timed_n = -1
+        self.timed_ms = 0.0
 
     def usage(self) -> CompletionUsage:
         return CompletionUsage(
@@ -226,8 +299,11 @@ class _Stream:
             message = chunk.error.message if chunk.error is not None else chunk.message
             self.fail(message or f"llama.cpp sent a chunk without choices: {data[:200]!r}")
             return True
-        if chunk.timings is not None and chunk.timings.cache_n is not None:
-            self.cached_tokens = chunk.timings.cache_n
+        timings = chunk.timings
+        if timings is not None:
+            if timings.cache_n is not None:
+                self.cached_tokens = timings.cache_n
+            self._sample(timings)
         choice = chunk.choices[0]
         entries = choice.logprobs.content if choice.logprobs is not None else None
         ids: list[int] = []
@@ -277,23 +353,212 @@ class _Stream:
         )
         return self.finished
 
+    def _sample(self, timings: _Timings) -> None:
+        """Turn llama.cpp's running timings into step samples, handed to the loop: the
+        prefill at the first chunk, then one decode sample per ``_DECODE_SAMPLE_MS`` of
+        generation (the mean seconds per token over that span)."""
+        n, ms = timings.predicted_n, timings.predicted_ms
+        if n is None or ms is None:
+            return
+        if self.timed_n < 0:
+            self.timed_n, self.timed_ms = n, ms
+            prompt_n = timings.prompt_n or 0
+            seconds = (timings.prompt_ms or 0.0) / 1000.0
+            self.loop.call_soon_threadsafe(self.load.first_token, self, prompt_n, seconds)
+        elif n > self.timed_n and ms - self.timed_ms >= _DECODE_SAMPLE_MS:
+            per_token = (ms - self.timed_ms) / 1000.0 / (n - self.timed_n)
+            self.timed_n, self.timed_ms = n, ms
+            self.loop.call_soon_threadsafe(self.load.decoded, per_token)
+
 
 def _run_native(
     server: Any, body: bytes, stream: _Stream, on_failure: Callable[[str], None]
 ) -> None:
     """The blocking part, on a pool thread: drive one request to its end. A native exception
     is the engine's failure: the stream ends as ``engine_failed`` and ``on_failure`` is
-    called on the event loop."""
+    called on the event loop. The load tracker hears, on the loop, when the request takes
+    its slot and when it gives it back."""
+    loop = stream.loop
+    started = False
     try:
         if not stream.aborted:
+            started = True
+            loop.call_soon_threadsafe(stream.load.started, stream)
             server.handle_completions(body, stream.on_chunk)
     except Exception as e:
         message = f"llama.cpp failed: {e!r}"
         if not stream.finished:
             stream.fail(message, ErrorKind.ENGINE_FAILED)
-        stream.loop.call_soon_threadsafe(on_failure, message)
+        loop.call_soon_threadsafe(on_failure, message)
     finally:
+        if started:
+            loop.call_soon_threadsafe(stream.load.ended, stream)
         stream.end()
+
+
+# ----------------------------------------------------------------- load reports
+
+
+class _LoadTracker:
+    """The engine's load, as the event loop sees it, and its ``LoadReport``s.
+
+    Runs on the event loop only: pool threads reach it through ``call_soon_threadsafe``, in
+    order (a stream's ``started`` comes before its samples and its ``ended``). Reports go
+    out on change (``publish()`` after each transition) and on the steady beat
+    (``publish(force=True)``); nothing goes out before the worker id is known.
+    """
+
+    def __init__(self, *, n_ctx: int, bound: int, interval_s: float, seed: int) -> None:
+        self.n_ctx = n_ctx
+        #: Requests in flight at which the engine refuses more (``overloaded``).
+        self.bound = bound
+        self.interval_s = interval_s
+        self.sink: LoadReportSink | None = None
+        self.worker_id: int | None = None
+        #: False while the engine is stopped: state is kept, nothing is published.
+        self.enabled = False
+        #: llama.cpp's per-step token budget (``n_batch``, at most ``n_ctx``), once started.
+        self.step_budget = 0
+        #: Admitted streams (``generate``'s), and those holding a slot.
+        self.in_flight = 0
+        self.running: dict[_Stream, None] = {}
+        self.num_waiting = 0
+        self.waiting_tokens = 0
+        self.samples: list[StepSample] = []
+        self.samples_seen = 0
+        self._rng = random.Random(seed)
+        self._last_key: tuple[int, int, int, bool] | None = None
+        #: ``time.monotonic()`` by which the next report is due.
+        self.next_report = 0.0
+
+    # ---- transitions
+
+    def admitted(self, stream: _Stream) -> None:
+        """``generate`` took the request: it waits for a slot."""
+        self.in_flight += 1
+        self.num_waiting += 1
+        self.waiting_tokens += stream.prompt_tokens
+        self.publish()
+
+    def _leave_waiting(self, stream: _Stream) -> None:
+        if stream.phase == _WAITING:
+            self.num_waiting -= 1
+            self.waiting_tokens -= stream.prompt_tokens
+
+    def left(self, stream: _Stream) -> None:
+        """``generate`` is done with the stream (finished, cancelled, consumer gone); its
+        native call, if any, may still be returning."""
+        self.in_flight -= 1
+        self._leave_waiting(stream)
+        if stream.phase == _WAITING:
+            stream.phase = _DONE
+        self.publish()
+
+    def started(self, stream: _Stream) -> None:
+        """Its native call began: the request holds a slot."""
+        self._leave_waiting(stream)
+        stream.phase = _RUNNING
+        self.running[stream] = None
+        self.publish()
+
+    def ended(self, stream: _Stream) -> None:
+        """Its native call returned: the slot is free."""
+        stream.phase = _DONE
+        stream.decoding = False
+        if stream in self.running:
+            del self.running[stream]
+            self.publish()
+
+    def first_token(self, stream: _Stream, prompt_n: int, seconds: float) -> None:
+        """The request's prompt is computed (``prompt_n`` tokens in ``seconds``)."""
+        if stream.phase != _RUNNING:
+            return
+        decodes = self.num_decoding()
+        usage = self.kv_usage()
+        stream.decoding = True
+        if prompt_n > 0 and math.isfinite(seconds) and seconds >= 0:
+            # A prompt longer than the budget took several server steps: charge each its
+            # share (the per-token work dominates a step on a CPU).
+            budget = self.step_budget if self.step_budget > 0 else prompt_n
+            left = prompt_n
+            while left > 0:
+                piece = min(left, budget)
+                self._offer(StepSample(piece, decodes, seconds * piece / prompt_n, usage))
+                left -= piece
+        self.publish()
+
+    def decoded(self, seconds_per_token: float) -> None:
+        """A decoding request's recent seconds per token: one decode step's time."""
+        if math.isfinite(seconds_per_token) and seconds_per_token >= 0:
+            decodes = max(self.num_decoding(), 1)
+            self._offer(StepSample(0, decodes, seconds_per_token, self.kv_usage()))
+
+    # ---- the report
+
+    def active_prefill_tokens(self) -> int:
+        """Prompt tokens of the requests without a first token (waiting or prefilling)."""
+        return self.waiting_tokens + sum(s.prompt_tokens for s in self.running if not s.decoding)
+
+    def num_decoding(self) -> int:
+        return sum(1 for s in self.running if s.decoding)
+
+    def kv_usage(self) -> float:
+        """Tokens of the running requests over the KV pool (an estimate, see the module)."""
+        used = sum(s.prompt_tokens + s.num_tokens for s in self.running)
+        return min(used / self.n_ctx, 1.0)
+
+    def _offer(self, sample: StepSample) -> None:
+        """Keep a uniform sample (reservoir) of the steps since the last report."""
+        self.samples_seen += 1
+        if len(self.samples) < _STEP_SAMPLES_PER_REPORT:
+            self.samples.append(sample)
+        else:
+            slot = self._rng.randrange(self.samples_seen)
+            if slot < _STEP_SAMPLES_PER_REPORT:
+                self.samples[slot] = sample
+
+    def report(self) -> LoadReport:
+        """The current load (without taking the samples)."""
+        return LoadReport(
+            worker_id=self.worker_id or 0,
+            active_prefill_tokens=self.active_prefill_tokens(),
+            kv_usage=self.kv_usage(),
+            num_waiting=self.num_waiting,
+            num_running=len(self.running),
+            busy=self.in_flight >= self.bound,
+            steps=list(self.samples),
+            max_num_batched_tokens=self.step_budget,
+        )
+
+    def publish(self, *, force: bool = False) -> None:
+        """Publish a report if the load changed since the last one, or if ``force``."""
+        sink, worker_id = self.sink, self.worker_id
+        if sink is None or worker_id is None or not self.enabled:
+            return
+        busy = self.in_flight >= self.bound
+        key = (self.num_waiting, len(self.running), self.active_prefill_tokens(), busy)
+        if not force and key == self._last_key:
+            return
+        self._last_key = key
+        self.next_report = time.monotonic() + self.interval_s
+        report = self.report()
+        self.samples = []
+        self.samples_seen = 0
+        try:
+            sink.publish_load(report)
+        except Exception:  # a sink's failure must not stop the engine
+            log.exception("publishing a load report failed (worker %x)", worker_id)
+
+    async def beat(self) -> None:
+        """Publish at least every ``interval_s``: routers drop stale reports, and decode
+        samples wait for a report to carry them."""
+        while True:
+            delay = self.next_report - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue
+            self.next_report = time.monotonic() + self.interval_s
+            self.publish(force=True)
 
 
 # ----------------------------------------------------------------- the engine
@@ -305,6 +570,8 @@ class LlamaCppEngine(Engine):
     ``n_ctx`` is the KV pool shared by the ``n_parallel`` slots (any one request may use all
     of it); ``n_threads`` defaults to llama.cpp's choice (the physical cores); ``seed`` is
     the sampling seed of requests that do not set one. ``verbose`` lets llama.cpp log.
+    ``worker_id`` is the id on load reports until ``bind_instance`` sets the instance id;
+    reports go out every ``load_report_interval_s`` at least (see the module docstring).
     """
 
     def __init__(
@@ -317,6 +584,8 @@ class LlamaCppEngine(Engine):
         seed: int = 0,
         verbose: bool = False,
         max_waiting: int = 1024,
+        worker_id: int | None = None,
+        load_report_interval_s: float = 1.0,
     ) -> None:
         if n_ctx < 16:
             raise ValueError(f"n_ctx must be >= 16, got {n_ctx}")
@@ -334,12 +603,77 @@ class LlamaCppEngine(Engine):
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         #: Requests that may wait for a slot; more are refused as ``overloaded``.
         self.max_waiting = max_waiting
+        if not load_report_interval_s > 0:
+            raise ValueError(f"load_report_interval_s must be > 0, got {load_report_interval_s}")
+        self._load = _LoadTracker(
+            n_ctx=n_ctx,
+            bound=n_parallel + max_waiting,
+            interval_s=load_report_interval_s,
+            seed=seed,
+        )
+        self._load.worker_id = worker_id
+        #: The steady load-report task (only with a sink), on the loop that runs requests.
+        self._beat: asyncio.Task[None] | None = None
+        #: llama.cpp's ``n_batch`` as configured (set when the server is made).
+        self.n_batch = 0
         self._server: Any = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._vocab = VocabBytes(())
         self._card: ModelDeploymentCard | None = None
         #: Streams in flight, so ``stop`` can end them.
         self._live: dict[_Stream, None] = {}
+
+    # ------------------------------------------------------------ load reports
+
+    def set_event_sink(self, sink: LoadReportSink) -> None:
+        """Where load reports go from now on (the worker wires the event plane before
+        ``start``). Only ``publish_load`` is used: llama.cpp's cache emits no KV events."""
+        self._load.sink = sink
+        if self._server is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: ``generate`` starts it
+                self._ensure_beat(asyncio.get_running_loop())
+
+    def bind_instance(self, instance_id: int) -> None:
+        """The instance id the worker registered under: routers key load reports by it."""
+        self._load.worker_id = instance_id
+        self._load.publish(force=True)
+
+    @property
+    def worker_id(self) -> int | None:
+        """The id on load reports (None until bound: nothing is published)."""
+        return self._load.worker_id
+
+    def load_report(self) -> LoadReport:
+        """The engine's load now; its ``steps`` are those pending for the next report
+        (left there)."""
+        return self._load.report()
+
+    def _ensure_beat(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the steady report task on ``loop`` (the engine may serve from a later loop
+        than the one that started it, as tests do)."""
+        beat = self._beat
+        if self._load.sink is None or (
+            beat is not None and not beat.done() and beat.get_loop() is loop
+        ):
+            return
+        self._cancel_beat()
+        self._beat = loop.create_task(self._load.beat(), name="llamacpp-load-beat")
+
+    def _cancel_beat(self) -> asyncio.Task[None] | None:
+        """Cancel the report task; returns it when it is on the running loop (to await)."""
+        beat, self._beat = self._beat, None
+        if beat is None or beat.done():
+            return None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if beat.get_loop() is running:
+            beat.cancel()
+            return beat
+        with contextlib.suppress(RuntimeError):  # that loop is closed: the task is dead
+            beat.get_loop().call_soon_threadsafe(beat.cancel)
+        return None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -352,6 +686,10 @@ class LlamaCppEngine(Engine):
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.n_parallel, thread_name_prefix="llamacpp"
         )
+        self._load.step_budget = min(self.n_batch, self.n_ctx) if self.n_batch > 0 else self.n_ctx
+        self._load.enabled = True
+        self._ensure_beat(asyncio.get_running_loop())
+        self._load.publish(force=True)
         log.info(
             "llamacpp: loaded %s (n_ctx=%d, n_parallel=%d)",
             self.model_path,
@@ -362,6 +700,10 @@ class LlamaCppEngine(Engine):
     async def stop(self) -> None:
         """End every stream (with an ``ERROR`` output), wait for the native calls to return,
         then free the model."""
+        self._load.enabled = False
+        beat = self._cancel_beat()
+        if beat is not None:
+            await asyncio.gather(beat, return_exceptions=True)
         for stream in list(self._live):
             stream.aborted = True
             if not stream.finished:
@@ -400,6 +742,9 @@ class LlamaCppEngine(Engine):
         if self.n_threads is not None:
             p.cpuparams.n_threads = self.n_threads
             p.cpuparams_batch.n_threads = self.n_threads
+        # The server loop fills one batch with at most n_batch tokens (llama.cpp caps it at
+        # n_ctx): the per-step token budget of load reports.
+        self.n_batch = int(p.n_batch)
         return xllamacpp.Server(p)
 
     def _load_card(self) -> ModelDeploymentCard:
@@ -508,7 +853,9 @@ class LlamaCppEngine(Engine):
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[LLMEngineOutput | _End] = asyncio.Queue()
-        stream = _Stream(loop=loop, queue=queue, request=request, vocab=self._vocab)
+        stream = _Stream(
+            loop=loop, queue=queue, request=request, vocab=self._vocab, load=self._load
+        )
 
         def on_cancel(task: asyncio.Task[None]) -> None:
             if not task.cancelled() and not stream.finished:
@@ -519,6 +866,8 @@ class LlamaCppEngine(Engine):
                 )
 
         self._live[stream] = None
+        self._load.admitted(stream)
+        self._ensure_beat(loop)
         watcher = loop.create_task(ctx.wait_cancelled())
         watcher.add_done_callback(on_cancel)
         loop.run_in_executor(
@@ -542,7 +891,9 @@ class LlamaCppEngine(Engine):
             # Consumer gone, cancelled or done: the next chunk tells llama.cpp to stop.
             stream.aborted = True
             watcher.cancel()
-            self._live.pop(stream, None)
+            if stream in self._live:
+                del self._live[stream]
+                self._load.left(stream)
 
 
 def _release(holder: list[Any]) -> None:
