@@ -1,32 +1,67 @@
-"""Routing quality: replay one trace against 8 simulated workers under each router mode.
+"""Routing quality: replay a trace against simulated workers under each router mode.
 
-For every mode a fresh stack is started (one ``turnout frontend --router-mode MODE`` and one
-``turnout worker --engine mocker --num-workers 8`` process on a file store in a temp dir, so
-every mode starts with cold caches), the trace is replayed open-loop over HTTP, and the stack
-is stopped. Per mode: TTFT p50/p90/p99, end-to-end latency, throughput, the KV cache hit rate
-the workers report (``usage.prompt_tokens_details.cached_tokens`` summed over the prompt
-tokens), and how evenly requests spread over the workers. Beside them: the hit rate an
-oracle with one unlimited cache would reach on the same trace (the ceiling for any router).
+For every cell of a matrix (worker count x load) and every router mode a fresh stack is
+started (one ``turnout frontend --router-mode MODE`` and one ``turnout worker --engine mocker
+--num-workers N`` process on a file store in a temp dir, so every run starts with cold
+caches), the trace is replayed open-loop over HTTP (streamed ``/v1/completions`` with token-id
+prompts, ``ignore_eos``; requests of a multi-turn session carry ``x-session-id``), and the
+stack is stopped. ``--peer dynamo`` adds the same cell against Dynamo 1.6.1's frontend and
+mocker (``benchmarks/dynamo_peer.py``, its default KV router, mode ``dynamo kv``) when it is
+installed; otherwise the reason is recorded and the run goes on.
 
-Prompts go as token ids to ``POST /v1/completions`` (streamed, ``ignore_eos``), so the workers
-see exactly the trace's prefixes. Arrivals follow the trace's timestamps times
-``--time-scale``, which defaults to ``1 / --speedup-ratio``: the trace then loads the
-simulated GPUs as it would load real ones, only faster. Latencies are measured in wall time
-from each request's *scheduled* arrival (a client that falls behind shows up as latency, not
-as a lighter load); ``x speedup`` turns them into simulated GPU time (frontend overhead is
-magnified alike, so compare modes, not absolute figures).
+Per run: the cache hit share (``usage.prompt_tokens_details.cached_tokens`` over prompt
+tokens) and its ratio to the oracle's (one unlimited cache seeing every request: the ceiling
+of any router), TTFT and ITL percentiles (ITL per request = (e2e - TTFT) / (output tokens -
+1)), throughput, and the spread of work = max / mean over the N workers of the prompt tokens
+each served (by ``nvext.worker_id``; 1.0 is perfectly even).
 
-A mode the frontend rejects (``kv`` before it is built, a flag it does not have) is skipped
-with a note in the output rather than failing the whole run.
+**Load.** ``--load 0.7 0.95`` is offered prefill work relative to the cluster's prefill
+capacity, both in tokens per *simulated* second:
+
+* capacity = N workers x the mocker's prefill throughput at a full chunk, ``T / prefill_ms(T)``
+  with ``T = --max-num-batched-tokens`` (8192: 48.4k tokens/s per worker with
+  ``turnout.engines.mocker.timing.PolynomialTimingModel``);
+* offered work = the prompt tokens the oracle could *not* serve from cache (the least prefill
+  any router must do) / the trace's span (first to last arrival), after scaling.
+
+So the trace's arrivals are multiplied by ``sim_scale = uncached / (span x load x capacity)``
+(simulated seconds per trace second). A router that caches worse than the oracle does more
+prefill than that (round-robin may run past capacity at load 0.95, which is the point), and
+decode steps come on top: load is a lower bound of how busy the workers are.
+
+**Time.** The mocker runs ``--speedup-ratio`` times faster than simulated time, and the
+replay follows: wall seconds per trace second = ``sim_scale / speedup``. By default the
+speedup is chosen per cell so that requests arrive at ``--wall-rate`` per wall second (what
+two CPU cores serve without the client falling behind), clamped to [0.02, 10]; every latency
+is reported in simulated milliseconds (wall x speedup), from each request's *scheduled*
+arrival (a client that falls behind shows up as latency, not as a lighter load; frontend
+overhead is scaled alike, so compare modes, not absolute figures).
+
+**Traces.** ``--trace synthetic`` (default): 300 seeded multi-turn sessions (~900 requests,
+prompts of 2K-18K tokens) on 16 shared system prompts, with long user turns so that prefill
+dominates; a turn is sent at its (scaled) arrival time but never before the previous turn of
+its session has finished. ``--trace mooncake``: a window of the Mooncake FAST'25 conversation
+trace (``../shared/traces/mooncake_conversation.jsonl`` beside the repo), by default records
+2000..2599 (600 requests, no sessions), prompts cut to 16,384 tokens, outputs to 64; its
+512-token hash blocks become token blocks, the router and mocker use blocks of
+``--block-size`` (64). ``--num-gpu-blocks`` (8192 per worker) holds the largest request and
+what is in flight at these loads, not every prefix of the window at 8 workers.
+
+A mode the frontend rejects (a flag it does not have yet) is skipped with a note.
 
 Usage::
 
-    .venv/bin/python benchmarks/routing_quality.py                       # all modes, synthetic
-    .venv/bin/python benchmarks/routing_quality.py --modes round-robin random
-    .venv/bin/python benchmarks/routing_quality.py --trace mooncake --mooncake-file t.jsonl
+    .venv/bin/python benchmarks/routing_quality.py                    # synthetic, full matrix
+    .venv/bin/python benchmarks/routing_quality.py --trace mooncake   # Mooncake window
+    .venv/bin/python benchmarks/routing_quality.py --peer dynamo      # + Dynamo's kv router
+    .venv/bin/python benchmarks/routing_quality.py --quick            # ~1 minute smoke
+    .venv/bin/python benchmarks/routing_quality.py --workers 8 --load 0.7 \\
+        --modes round-robin "kv --router-cost blocks"
 
-Writes ``benchmarks/results/routing_quality.json`` and ``routing_quality_ttft_cdf.png``.
-Defaults take about five minutes on a 2-core machine.
+The full default matrix (workers 8 and 32 x loads 0.7 and 0.95 x 4 modes) takes about 15
+minutes per trace on a 2-core machine (the expected duration is printed at the start).
+Writes ``benchmarks/results/routing_quality_<trace>.json`` (one entry per cell) and one TTFT
+CDF per cell, ``routing_quality_<trace>_w<N>_load<L>_ttft_cdf.png``.
 """
 
 from __future__ import annotations
@@ -44,6 +79,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +92,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from benchmarks.traces import (  # noqa: E402
+    OracleResult,
     SyntheticTraceConfig,
     Trace,
     generate_sessions,
@@ -63,13 +100,52 @@ from benchmarks.traces import (  # noqa: E402
     oracle_hit_rate,
 )
 
+from turnout.engines.mocker.timing import PolynomialTimingModel, TimingModel  # noqa: E402
 from turnout.frontend.service import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_MODES = ["round-robin", "random", "kv", "kv --no-kv-events"]
+MOONCAKE_FILE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+DEFAULT_MODES = ["round-robin", "random", "kv --router-cost blocks", "kv --router-cost ttft"]
+DEFAULT_WORKERS = [8, 32]
+DEFAULT_LOADS = [0.7, 0.95]
+#: Mode label of the Dynamo peer's runs.
+DYNAMO_MODE = "dynamo kv"
 MODEL_NAME = "routing-bench"
+#: The speedup chosen per cell stays within these.
+SPEEDUP_BOUNDS = (0.02, 10.0)
+#: Defaults that depend on the trace (``None`` on the command line means "from here").
+TRACE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "synthetic": {
+        "sessions": 300,
+        "max_requests": None,
+        "num_gpu_blocks": 8192,
+        "wall_rate": 40.0,
+        "max_input_length": None,
+        "max_output_length": None,
+    },
+    "mooncake": {
+        "window_start": 2000,
+        "max_requests": 600,
+        "num_gpu_blocks": 8192,
+        "wall_rate": 15.0,
+        "max_input_length": 16384,
+        "max_output_length": 64,
+    },
+}
+#: ``--quick``: one small cell, two modes (each still overridable on the command line).
+QUICK = {
+    "workers": [4],
+    "load": [0.7],
+    "modes": ["round-robin", "kv --router-cost ttft"],
+    "sessions": 24,
+    "max_requests": 60,
+}
+#: Guesses for the printed duration: seconds to start and stop one stack, and to drain.
+STARTUP_S = {"turnout": (3.0, 0.05), "dynamo": (15.0, 0.3)}  # base + per worker
+DRAIN_S = 4.0
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
+BodyFn = Callable[[str, np.ndarray, int], bytes]
 
 
 # ------------------------------------------------------------------------------ the client
@@ -82,6 +158,11 @@ class RequestResult:
     index: int
     #: How late the client sent it after its scheduled arrival (client lag + concurrency cap).
     send_delay_s: float = 0.0
+    #: How long it waited past its arrival for the previous turn of its session to finish
+    #: (latencies then count from when that turn finished).
+    session_wait_s: float = 0.0
+    #: When it was sent, wall seconds after the replay's start.
+    sent_at_s: float | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
     prompt_tokens: int = 0
@@ -89,6 +170,18 @@ class RequestResult:
     output_tokens: int = 0
     worker_id: str | None = None
     error: str | None = None
+
+
+def worker_label(worker_id: Any) -> str | None:
+    """A hashable label from ``nvext.worker_id``: turnout sends a string, Dynamo an object
+    ``{"prefill_worker_id", "decode_worker_id", ...}`` (its decode worker is used)."""
+    if worker_id is None or isinstance(worker_id, str):
+        return worker_id
+    if isinstance(worker_id, dict):
+        wid = worker_id.get("decode_worker_id", worker_id.get("prefill_worker_id"))
+        rank = worker_id.get("decode_dp_rank", worker_id.get("prefill_dp_rank"))
+        return f"{wid}" if not rank else f"{wid}/{rank}"
+    return str(worker_id)
 
 
 def _request_body(model: str, tokens: np.ndarray, max_tokens: int) -> bytes:
@@ -106,11 +199,17 @@ def _request_body(model: str, tokens: np.ndarray, max_tokens: int) -> bytes:
 
 
 async def _send_one(
-    client: httpx.AsyncClient, body: bytes, scheduled: float, result: RequestResult
+    client: httpx.AsyncClient,
+    body: bytes,
+    scheduled: float,
+    result: RequestResult,
+    session_id: str | None = None,
 ) -> None:
     """POST one streamed completion; fill ``result`` (latencies from ``scheduled``)."""
     result.send_delay_s = time.perf_counter() - scheduled
     headers = {"content-type": "application/json"}
+    if session_id is not None:
+        headers["x-session-id"] = session_id
     async with client.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
@@ -148,7 +247,7 @@ def _on_event(event: bytes, scheduled: float, result: RequestResult) -> None:
     ):
         result.ttft_s = time.perf_counter() - scheduled
     if choices and (nvext := obj.get("nvext")):
-        result.worker_id = nvext.get("worker_id")
+        result.worker_id = worker_label(nvext.get("worker_id"))
     if usage := obj.get("usage"):
         result.prompt_tokens = usage["prompt_tokens"]
         result.output_tokens = usage["completion_tokens"]
@@ -157,13 +256,30 @@ def _on_event(event: bytes, scheduled: float, result: RequestResult) -> None:
 
 
 async def replay(
-    url: str, model: str, trace: Trace, *, time_scale: float, concurrency: int, timeout_s: float
+    url: str,
+    model: str,
+    trace: Trace,
+    *,
+    time_scale: float,
+    concurrency: int,
+    timeout_s: float,
+    body_fn: BodyFn | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time (open loop, at most ``concurrency`` at once).
 
-    Returns the results in trace order and the wall seconds from the first send to the
-    last completion.
+    Requests of a trace with sessions carry ``x-session-id``, and a turn is not sent before
+    the previous turn of its session has finished (its prompt holds that turn's answer): it
+    goes at its arrival time or then, whichever is later. Returns the results in trace order
+    and the wall seconds from the first send to the last completion.
     """
+    make_body = body_fn or _request_body
+    previous: list[int | None] = [None] * len(trace.requests)
+    if trace.has_sessions:
+        last: dict[str, int] = {}
+        for i, request in enumerate(trace.requests):
+            previous[i] = last.get(request.session_id)
+            last[request.session_id] = i
+    done = [asyncio.Event() for _ in trace.requests]
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     cap = asyncio.Semaphore(concurrency)
     results = [RequestResult(i) for i in range(len(trace.requests))]
@@ -175,13 +291,23 @@ async def replay(
         async def one(i: int) -> None:
             request = trace.requests[i]
             scheduled = start + request.arrival_s * time_scale
-            body = _request_body(model, trace.prompt_tokens(request), request.output_length)
-            await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
-            async with cap:
-                try:
-                    await _send_one(client, body, scheduled, results[i])
-                except httpx.HTTPError as exc:
-                    results[i].error = f"{type(exc).__name__}: {exc}"
+            body = make_body(model, trace.prompt_tokens(request), request.output_length)
+            session = request.session_id if trace.has_sessions else None
+            try:
+                await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
+                results[i].sent_at_s = time.perf_counter() - start
+                if (prev := previous[i]) is not None and not done[prev].is_set():
+                    await done[prev].wait()
+                    now = time.perf_counter()
+                    results[i].session_wait_s = max(0.0, now - scheduled)
+                    scheduled = max(scheduled, now)
+                    results[i].sent_at_s = now - start
+                async with cap:
+                    await _send_one(client, body, scheduled, results[i], session)
+            except httpx.HTTPError as exc:
+                results[i].error = f"{type(exc).__name__}: {exc}"
+            finally:
+                done[i].set()
 
         # Tasks are created just ahead of their arrival, so bodies are not all built at once.
         tasks: list[asyncio.Task[None]] = []
@@ -298,10 +424,107 @@ def unsupported_flags(mode_args: list[str], help_text: str) -> list[str]:
     return [a for a in mode_args if a.startswith("--") and a.split("=")[0] not in help_text]
 
 
+# ------------------------------------------------------------------------------------ load
+
+
+def prefill_capacity(
+    num_workers: int, max_num_batched_tokens: int = 8192, model: TimingModel | None = None
+) -> float:
+    """Prompt tokens per simulated second the cluster prefills when every step is a full chunk."""
+    model = model or PolynomialTimingModel()
+    per_worker = max_num_batched_tokens / (model.prefill_ms(max_num_batched_tokens) / 1000.0)
+    return num_workers * per_worker
+
+
+def load_sim_scale(uncached_tokens: int, span_s: float, capacity: float, load: float) -> float:
+    """Simulated seconds per trace second that make the offered work ``load`` x capacity.
+
+    Offered work = ``uncached_tokens / (span_s x scale)`` tokens per simulated second.
+    """
+    if load <= 0 or capacity <= 0:
+        raise ValueError(f"load and capacity must be > 0, got {load} and {capacity}")
+    if span_s <= 0 or uncached_tokens <= 0:
+        raise ValueError("the trace needs two arrival times apart and some uncached tokens")
+    return uncached_tokens / (span_s * load * capacity)
+
+
+def auto_speedup(
+    num_requests: int, sim_span_s: float, wall_rate: float, bounds: tuple[float, float]
+) -> float:
+    """The speedup at which ``num_requests`` over ``sim_span_s`` arrive at ``wall_rate``/s."""
+    if sim_span_s <= 0 or num_requests < 2:
+        return bounds[1]
+    speedup = wall_rate * sim_span_s / num_requests
+    return float(min(max(speedup, bounds[0]), bounds[1]))
+
+
+@dataclass(frozen=True, slots=True)
+class CellPlan:
+    """The time arithmetic of one (workers, load) cell."""
+
+    workers: int
+    load: float
+    capacity_tokens_per_s: float
+    offered_tokens_per_s: float
+    sim_scale: float
+    speedup: float
+    #: Wall seconds per trace second (``sim_scale / speedup``).
+    time_scale: float
+    sim_span_s: float
+    wall_span_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "load": self.load,
+            "capacity_tokens_per_s": round(self.capacity_tokens_per_s, 1),
+            "offered_tokens_per_s": round(self.offered_tokens_per_s, 1),
+            "sim_scale": self.sim_scale,
+            "speedup_ratio": self.speedup,
+            "time_scale": self.time_scale,
+            "sim_span_s": round(self.sim_span_s, 3),
+            "wall_span_s": round(self.wall_span_s, 2),
+        }
+
+
+def plan_cell(
+    trace: Trace,
+    oracle: OracleResult,
+    workers: int,
+    load: float,
+    *,
+    max_num_batched_tokens: int,
+    speedup: float | None,
+    wall_rate: float,
+) -> CellPlan:
+    capacity = prefill_capacity(workers, max_num_batched_tokens)
+    sim_scale = load_sim_scale(oracle.uncached_tokens, trace.span_s, capacity, load)
+    sim_span = trace.span_s * sim_scale
+    if speedup is None:
+        speedup = auto_speedup(len(trace.requests), sim_span, wall_rate, SPEEDUP_BOUNDS)
+    return CellPlan(
+        workers=workers,
+        load=load,
+        capacity_tokens_per_s=capacity,
+        offered_tokens_per_s=oracle.uncached_tokens / sim_span,
+        sim_scale=sim_scale,
+        speedup=speedup,
+        time_scale=sim_scale / speedup,
+        sim_span_s=sim_span,
+        wall_span_s=sim_span / speedup,
+    )
+
+
+def expected_run_s(plan: CellPlan, peer: str = "turnout") -> float:
+    base, per_worker = STARTUP_S[peer]
+    return base + per_worker * plan.workers + plan.wall_span_s + DRAIN_S
+
+
 # ------------------------------------------------------------------------------- reporting
 
 
 def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    """Percentiles and mean of ``values`` (seconds) in milliseconds."""
     if not values:
         return {}
     arr = np.asarray(values) * 1000.0
@@ -310,69 +533,134 @@ def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict
     return out
 
 
-def summarize(results: list[RequestResult], elapsed: float, speedup: float) -> dict[str, Any]:
+def itl_values(results: list[RequestResult]) -> list[float]:
+    """Per request, wall seconds between output tokens: (e2e - TTFT) / (output tokens - 1)."""
+    return [
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in results
+        if r.error is None and r.ttft_s is not None and r.e2e_s is not None and r.output_tokens > 1
+    ]
+
+
+def work_spread(results: list[RequestResult], num_workers: int) -> tuple[dict[str, int], float]:
+    """Prompt tokens served per worker, and max / mean of them over ``num_workers`` workers
+    (a worker that served nothing counts as 0; 1.0 is perfectly even)."""
+    per_worker: Counter[str] = Counter()
+    for r in results:
+        if r.error is None:
+            per_worker[r.worker_id or "?"] += r.prompt_tokens
+    total = sum(per_worker.values())
+    n = max(num_workers, len(per_worker))
+    if not total:
+        return dict(per_worker), 0.0
+    return dict(per_worker), max(per_worker.values()) / (total / n)
+
+
+def effective_load(results: list[RequestResult], plan: CellPlan) -> float | None:
+    """The load actually offered: the planned one x planned span / the span of the sends.
+
+    Lower than planned where turns waited for their sessions' previous turns (or the client
+    fell behind).
+    """
+    sent = [r.sent_at_s for r in results if r.sent_at_s is not None]
+    if len(sent) < 2 or max(sent) <= min(sent):
+        return None
+    return plan.load * plan.wall_span_s / (max(sent) - min(sent))
+
+
+def _sim(ms: dict[str, float], speedup: float) -> dict[str, float]:
+    return {k: round(v * speedup, 2) for k, v in ms.items()}
+
+
+def summarize(
+    results: list[RequestResult],
+    elapsed: float,
+    speedup: float,
+    num_workers: int,
+    plan: CellPlan | None = None,
+) -> dict[str, Any]:
+    """One run's figures; ``*_sim_ms`` are simulated milliseconds (wall x speedup)."""
     ok = [r for r in results if r.error is None and r.ttft_s is not None and r.e2e_s is not None]
     errors = [r.error for r in results if r.error is not None]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
-    per_worker = Counter(r.worker_id or "?" for r in ok)
-    counts = sorted(per_worker.values(), reverse=True)
+    output = sum(r.output_tokens for r in ok)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    itl = itl_values(ok)
+    per_worker, spread = work_spread(ok, num_workers)
+    requests_per_worker = Counter(r.worker_id or "?" for r in ok)
+    sim_elapsed = elapsed * speedup
+    load = effective_load(results, plan) if plan is not None else None
     return {
         "num_ok": len(ok),
+        "effective_load": round(load, 3) if load is not None else None,
         "num_errors": len(errors),
         "first_errors": sorted(set(errors))[:3],
+        "ttft_sim_ms": _sim(percentiles(ttft), speedup),
+        "itl_sim_ms": _sim(percentiles(itl), speedup),
+        "e2e_sim_ms": _sim(percentiles(e2e), speedup),
         "ttft_ms": percentiles(ttft),
-        "e2e_ms": percentiles(e2e),
-        "ttft_sim_ms": {k: round(v * speedup, 1) for k, v in percentiles(ttft).items()},
-        "e2e_sim_ms": {k: round(v * speedup, 1) for k, v in percentiles(e2e).items()},
         "send_delay_ms": percentiles([r.send_delay_s for r in results]),
+        "session_waits": sum(1 for r in results if r.session_wait_s > 0),
+        "session_wait_sim_ms": _sim(
+            percentiles([r.session_wait_s for r in results if r.session_wait_s > 0]), speedup
+        ),
         "wall_s": round(elapsed, 2),
-        "requests_per_s": round(len(ok) / elapsed, 2),
-        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / elapsed, 1),
+        "requests_per_s": round(len(ok) / elapsed, 2) if elapsed > 0 else 0.0,
+        "output_tokens_per_s": round(output / elapsed, 1) if elapsed > 0 else 0.0,
+        "sim_requests_per_s": round(len(ok) / sim_elapsed, 2) if sim_elapsed > 0 else 0.0,
+        "sim_output_tokens_per_s": round(output / sim_elapsed, 1) if sim_elapsed > 0 else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
+        "output_tokens": output,
         "cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-        "requests_per_worker": counts,
-        "worker_imbalance": round(counts[0] / (len(ok) / len(counts)), 3) if counts else None,
-        "ttft_s_sorted": sorted(round(t, 5) for t in ttft),
+        "prompt_tokens_per_worker": dict(sorted(per_worker.items())),
+        "requests_per_worker": sorted(requests_per_worker.values(), reverse=True),
+        "spread": round(spread, 3),
+        "ttft_sim_s_sorted": sorted(round(t * speedup, 5) for t in ttft),
     }
 
 
-def print_table(report: dict[str, Any]) -> None:
-    oracle = report["oracle"]["hit_rate"]
-    print(f"\noracle hit rate (unlimited cache, block {report['oracle']['block_size']}): "
-          f"{oracle:.1%}; wall ms (x{report['speedup_ratio']:g} = simulated GPU ms)")  # fmt: skip
-    header = (f"{'mode':<20} {'ok':>5} {'err':>4} {'TTFT p50':>9} {'TTFT p99':>9} "
-              f"{'E2E p50':>8} {'E2E p99':>8} {'req/s':>6} {'tok/s':>7} {'hit':>6} "
-              f"{'/oracle':>7} {'imbal':>6}")  # fmt: skip
+def print_cell(cell: dict[str, Any], oracle: float) -> None:
+    plan = cell["plan"]
+    print(f"\n== {plan['workers']} workers, load {plan['load']:g} (speedup "
+          f"{plan['speedup_ratio']:.3g}, sim scale {plan['sim_scale']:.4g}); oracle hit "
+          f"{oracle:.1%}; simulated ms")  # fmt: skip
+    header = (f"{'mode':<24} {'ok':>5} {'err':>4} {'hit':>6} {'/orcl':>6} {'TTFT p50':>9} "
+              f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'tok/s':>8} {'req/s':>7} "
+              f"{'spread':>6} {'load':>5}")  # fmt: skip
     print(header)
     print("-" * len(header))
-    for mode in report["modes"]:
+    for mode in cell["modes"]:
         if "skipped" in mode:
-            print(f"{mode['mode']:<20} skipped: {mode['skipped'].splitlines()[0][:90]}")
+            print(f"{mode['mode']:<24} skipped: {mode['skipped'].splitlines()[0][:90]}")
             continue
         s = mode["summary"]
         ratio = s["cache_hit_rate"] / oracle if oracle else 0.0
         print(
-            f"{mode['mode']:<20} {s['num_ok']:>5} {s['num_errors']:>4} "
-            f"{s['ttft_ms'].get('p50', 0):>9.1f} {s['ttft_ms'].get('p99', 0):>9.1f} "
-            f"{s['e2e_ms'].get('p50', 0):>8.0f} {s['e2e_ms'].get('p99', 0):>8.0f} "
-            f"{s['requests_per_s']:>6.1f} {s['output_tokens_per_s']:>7.0f} "
-            f"{s['cache_hit_rate']:>6.1%} {ratio:>7.2f} {s['worker_imbalance'] or 0:>6.2f}"
+            f"{mode['mode']:<24} {s['num_ok']:>5} {s['num_errors']:>4} "
+            f"{s['cache_hit_rate']:>6.1%} {ratio:>6.2f} "
+            f"{s['ttft_sim_ms'].get('p50', 0):>9.1f} {s['ttft_sim_ms'].get('p99', 0):>9.1f} "
+            f"{s['itl_sim_ms'].get('p50', 0):>8.2f} {s['itl_sim_ms'].get('p99', 0):>8.2f} "
+            f"{s['sim_output_tokens_per_s']:>8.0f} {s['sim_requests_per_s']:>7.1f} "
+            f"{s['spread']:>6.2f} {s['effective_load'] or 0:>5.2f}"
         )
 
 
-def plot_cdf(report: dict[str, Any], path: Path) -> None:
+def plot_path(base: Path, trace_kind: str, workers: int, load: float) -> Path:
+    return base / f"routing_quality_{trace_kind}_w{workers}_load{load:g}_ttft_cdf.png"
+
+
+def plot_cdf(cell: dict[str, Any], report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for mode in report["modes"]:
-        ttft = mode.get("summary", {}).get("ttft_s_sorted")
+    for mode in cell["modes"]:
+        ttft = mode.get("summary", {}).get("ttft_sim_s_sorted")
         if not ttft:
             continue
         x = np.asarray(ttft) * 1000.0
@@ -380,12 +668,15 @@ def plot_cdf(report: dict[str, Any], path: Path) -> None:
         hit = mode["summary"]["cache_hit_rate"]
         ax.step(x, y, where="post", label=f"{mode['mode']} (hit {hit:.0%})")
     ax.set_xscale("log")
-    ax.set_xlabel(f"TTFT, wall ms (x{report['speedup_ratio']:g} = simulated ms)")
+    ax.set_xlabel("TTFT, simulated ms")
     ax.set_ylabel("fraction of requests")
     trace = report["trace"]
+    plan = cell["plan"]
     ax.set_title(
         f"TTFT CDF: {trace['kind']} trace, {trace['summary']['num_requests']} requests, "
-        f"{report['num_workers']} mocker workers; oracle hit {report['oracle']['hit_rate']:.0%}"
+        f"{plan['workers']} workers, load {plan['load']:g}; oracle hit "
+        f"{report['oracle']['hit_rate']:.0%}",
+        fontsize=10,
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")
@@ -395,21 +686,22 @@ def plot_cdf(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-# ------------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------------ runs
 
 
 def make_trace(args: argparse.Namespace) -> Trace:
     if args.trace == "mooncake":
-        if not args.mooncake_file:
-            raise SystemExit("--trace mooncake needs --mooncake-file")
-        trace = load_mooncake(
-            args.mooncake_file,
+        path = Path(args.mooncake_file or MOONCAKE_FILE)
+        if not path.exists():
+            raise SystemExit(f"no Mooncake trace at {path}; pass --mooncake-file")
+        return load_mooncake(
+            path,
+            window_start=args.window_start,
             max_requests=args.max_requests,
             max_input_length=args.max_input_length,
             max_output_length=args.max_output_length,
             token_seed=args.seed,
         )
-        return trace
     config = SyntheticTraceConfig(
         num_sessions=args.sessions,
         num_system_prompts=args.system_prompts,
@@ -427,9 +719,26 @@ def make_trace(args: argparse.Namespace) -> Trace:
     return trace
 
 
+def trace_context_length(trace: Trace) -> int:
+    """Prompt + output tokens of the trace's largest request."""
+    return max((r.input_length + r.output_length for r in trace.requests), default=0)
+
+
+def _replay(
+    url: str, trace: Trace, plan: CellPlan, args: argparse.Namespace, body_fn: BodyFn | None
+) -> tuple[list[RequestResult], float]:
+    return asyncio.run(
+        replay(
+            url, MODEL_NAME, trace, time_scale=plan.time_scale, concurrency=args.concurrency,
+            timeout_s=args.request_timeout, body_fn=body_fn,
+        )
+    )  # fmt: skip
+
+
 def run_mode(
-    spec: str, args: argparse.Namespace, trace: Trace, help_text: str, time_scale: float
+    spec: str, args: argparse.Namespace, trace: Trace, help_text: str, plan: CellPlan
 ) -> dict[str, Any]:
+    """One turnout run of ``spec`` (``"kv --router-cost ttft"``) on a fresh stack."""
     mode_args = shlex.split(spec)
     entry: dict[str, Any] = {"mode": spec}
     missing = unsupported_flags(mode_args[1:], help_text)
@@ -438,28 +747,27 @@ def run_mode(
         return entry
     worker_args = [
         "--engine", "mocker", "--model-name", MODEL_NAME,
-        "--num-workers", str(args.workers), "--speedup-ratio", str(args.speedup_ratio),
+        "--num-workers", str(plan.workers), "--speedup-ratio", repr(plan.speedup),
         "--block-size", str(args.block_size), "--num-gpu-blocks", str(args.num_gpu_blocks),
-        "--seed", str(args.seed),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed),
+        "--context-length", str(max(8192, trace_context_length(trace))),
     ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="turnout-routing-") as tmp:
         stack = Stack(Path(tmp), ["--router-mode", *mode_args], worker_args)
         try:
             started = time.perf_counter()
-            problem = stack.start_frontend() or stack.start_workers(args.workers)
+            problem = stack.start_frontend() or stack.start_workers(plan.workers)
             if problem is not None:
                 entry["skipped"] = problem
                 return entry
             entry["startup_s"] = round(time.perf_counter() - started, 2)
-            print(f"[{spec}] {args.workers} workers up in {entry['startup_s']} s; replaying "
-                  f"{len(trace.requests)} requests", flush=True)  # fmt: skip
-            results, elapsed = asyncio.run(
-                replay(
-                    stack.url, MODEL_NAME, trace, time_scale=time_scale,
-                    concurrency=args.concurrency, timeout_s=args.request_timeout,
-                )
-            )  # fmt: skip
-            entry["summary"] = summarize(results, elapsed, args.speedup_ratio)
+            print(
+                f"[{spec}] {plan.workers} workers up in {entry['startup_s']} s; replaying "
+                f"{len(trace.requests)} requests over {plan.wall_span_s:.0f} s",
+                flush=True,
+            )
+            results, elapsed = _replay(stack.url, trace, plan, args, None)
+            entry["summary"] = summarize(results, elapsed, plan.speedup, plan.workers, plan)
             if entry["summary"]["num_ok"] == 0:
                 entry["frontend_log_tail"] = stack.log_tail("frontend", 20)
                 entry["worker_log_tail"] = stack.log_tail("worker", 20)
@@ -468,70 +776,162 @@ def run_mode(
     return entry
 
 
+def run_dynamo(args: argparse.Namespace, trace: Trace, plan: CellPlan) -> dict[str, Any]:
+    """The same cell against Dynamo's frontend (default kv router) and mocker."""
+    entry: dict[str, Any] = {"mode": DYNAMO_MODE}
+    try:
+        from benchmarks import dynamo_peer
+    except ImportError as exc:
+        entry["skipped"] = f"benchmarks/dynamo_peer.py does not import: {exc}"
+        return entry
+    why = dynamo_peer.dynamo_unavailable()
+    if why is not None:
+        entry["skipped"] = why
+        return entry
+    peer_body = getattr(dynamo_peer, "request_body", None)
+    body_fn: BodyFn | None = None
+    if peer_body is not None:
+
+        def body_fn(model: str, tokens: np.ndarray, max_tokens: int) -> bytes:
+            return peer_body(model, tokens.tolist(), max_tokens)
+
+    with tempfile.TemporaryDirectory(prefix="dynamo-routing-") as tmp:
+        stack = dynamo_peer.DynamoStack(Path(tmp))
+        try:
+            started = time.perf_counter()
+            problem = stack.start(
+                model_name=MODEL_NAME, num_workers=plan.workers, block_size=args.block_size,
+                num_gpu_blocks=args.num_gpu_blocks, speedup_ratio=plan.speedup,
+                mocker_args=["--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+            )  # fmt: skip
+            if problem is not None:
+                entry["skipped"] = problem
+                return entry
+            entry["startup_s"] = round(time.perf_counter() - started, 2)
+            print(f"[{DYNAMO_MODE}] {plan.workers} workers up in {entry['startup_s']} s; "
+                  f"replaying {len(trace.requests)} requests", flush=True)  # fmt: skip
+            results, elapsed = _replay(stack.url, trace, plan, args, body_fn)
+            entry["summary"] = summarize(results, elapsed, plan.speedup, plan.workers, plan)
+            if entry["summary"]["num_ok"] == 0:
+                entry["frontend_log_tail"] = stack.log_tail("frontend", 20)
+                entry["worker_log_tail"] = stack.log_tail("mocker", 20)
+        finally:
+            stack.stop()
+    return entry
+
+
+# ------------------------------------------------------------------------------------ main
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
         "--modes",
         nargs="+",
-        default=DEFAULT_MODES,
-        help="router modes; a mode may carry frontend flags: 'kv --no-kv-events'",
+        help=f"router modes, each with its frontend flags (default: {DEFAULT_MODES})",
     )
+    ap.add_argument(
+        "--peer",
+        choices=["dynamo"],
+        action="append",
+        default=[],
+        help="also run each cell against Dynamo 1.6.1 (mode 'dynamo kv') when installed",
+    )
+    ap.add_argument("--workers", type=int, nargs="+", help=f"default: {DEFAULT_WORKERS}")
+    ap.add_argument(
+        "--load",
+        type=float,
+        nargs="+",
+        help=f"offered prefill work / prefill capacity (default: {DEFAULT_LOADS})",
+    )
+    ap.add_argument("--quick", action="store_true", help="a ~1 minute smoke run: " + str(QUICK))
     ap.add_argument("--trace", choices=["synthetic", "mooncake"], default="synthetic")
-    ap.add_argument("--mooncake-file", help="Mooncake JSONL trace (with --trace mooncake)")
-    ap.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    ap.add_argument("--mooncake-file", type=Path, help=f"default: {MOONCAKE_FILE}")
+    ap.add_argument(
+        "--window-start",
+        type=int,
+        help="mooncake: first record of the window (default: "
+        f"{TRACE_DEFAULTS['mooncake']['window_start']})",
+    )
+    ap.add_argument(
+        "--max-requests",
+        type=int,
+        help="replay only N requests (mooncake: the window's length, default "
+        f"{TRACE_DEFAULTS['mooncake']['max_requests']})",
+    )
     ap.add_argument(
         "--max-input-length",
         type=int,
-        default=7168,
-        help="mooncake: cut longer prompts (the SmolLM2 card's context is 8192)",
+        help="mooncake: cut longer prompts (default: 16384)",
     )
-    ap.add_argument(
-        "--max-output-length",
-        type=int,
-        default=512,
-        help="mooncake: cap output lengths (prompt + output must fit the context)",
-    )
-    g = ap.add_argument_group("synthetic trace (times in simulated seconds)")
-    g.add_argument("--sessions", type=int, default=96)
+    ap.add_argument("--max-output-length", type=int, help="mooncake: cap outputs (default: 64)")
+    g = ap.add_argument_group("synthetic trace (times in trace seconds, before load scaling)")
+    g.add_argument("--sessions", type=int, help="default: 300 (--quick: 24)")
     g.add_argument("--system-prompts", type=int, default=16)
     g.add_argument("--system-prompt-tokens", type=int, nargs=2, default=[1024, 4096])
-    g.add_argument("--turns", type=int, nargs=2, default=[2, 6], help="turns per session")
-    g.add_argument("--user-tokens", type=int, nargs=2, default=[32, 384])
-    g.add_argument("--output-tokens", type=int, nargs=2, default=[16, 96])
-    g.add_argument("--session-rate", type=float, default=0.6, help="new sessions per second")
-    g.add_argument("--think-time", type=float, default=10.0, help="mean gap between turns (s)")
+    g.add_argument("--turns", type=int, nargs=2, default=[2, 4], help="turns per session")
+    g.add_argument("--user-tokens", type=int, nargs=2, default=[1024, 4096])
+    g.add_argument("--output-tokens", type=int, nargs=2, default=[8, 64])
+    g.add_argument("--session-rate", type=float, default=3.0, help="new sessions per second")
+    g.add_argument("--think-time", type=float, default=60.0, help="mean gap between turns (s)")
     g.add_argument("--seed", type=int, default=0)
     g = ap.add_argument_group("workers and replay")
-    g.add_argument("--workers", type=int, default=8)
-    g.add_argument("--speedup-ratio", type=float, default=4.0)
     g.add_argument(
-        "--time-scale",
+        "--speedup-ratio",
         type=float,
-        help="wall seconds per trace second (default: 1 / speedup ratio)",
+        help="mocker speedup (default: per cell, so that requests arrive at --wall-rate)",
+    )
+    g.add_argument(
+        "--wall-rate",
+        type=float,
+        help="requests per wall second the automatic speedup aims at (default: 40 synthetic, "
+        "15 mooncake: its prompts are longer)",
     )
     g.add_argument("--block-size", type=int, default=64)
     g.add_argument(
         "--num-gpu-blocks",
         type=int,
-        default=256,
-        help="KV blocks per worker: small, so caches fill and routing matters",
+        help="KV blocks per worker (default: 2048 synthetic, 4096 mooncake)",
     )
-    g.add_argument("--concurrency", type=int, default=64, help="most requests in flight")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--concurrency", type=int, default=1024, help="most requests in flight")
     g.add_argument("--request-timeout", type=float, default=300.0)
-    ap.add_argument("--out", type=Path, default=RESULTS / "routing_quality.json")
-    ap.add_argument("--plot", type=Path, default=RESULTS / "routing_quality_ttft_cdf.png")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", type=Path, help="default: results/routing_quality_<trace>.json")
+    ap.add_argument("--plot-dir", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    resolve_defaults(args)
+    return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.speedup_ratio <= 0:
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Fill what the command line left ``None``: ``--quick``'s values, then the trace's."""
+    if args.quick:
+        for name, value in QUICK.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    args.modes = args.modes or list(DEFAULT_MODES)
+    args.workers = args.workers or list(DEFAULT_WORKERS)
+    args.load = args.load or list(DEFAULT_LOADS)
+    for name, value in TRACE_DEFAULTS[args.trace].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.window_start is None:
+        args.window_start = 0
+    if args.speedup_ratio is not None and args.speedup_ratio <= 0:
         raise SystemExit("--speedup-ratio must be > 0 (0 would not simulate time at all)")
-    time_scale = args.time_scale if args.time_scale is not None else 1.0 / args.speedup_ratio
+    if any(x <= 0 for x in args.load):
+        raise SystemExit("--load values must be > 0")
+    if args.out is None:
+        suffix = "_quick" if args.quick else ""
+        args.out = RESULTS / f"routing_quality_{args.trace}{suffix}.json"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     trace = make_trace(args)
     summary = trace.get_summary()
     pool_tokens = args.num_gpu_blocks * args.block_size
-    biggest = max((r.input_length + r.output_length for r in trace.requests), default=0)
+    biggest = trace_context_length(trace)
     if biggest > pool_tokens:
         raise SystemExit(
             f"a request needs {biggest} tokens of KV cache, more than a worker's {pool_tokens}; "
@@ -539,37 +939,74 @@ def main(argv: list[str] | None = None) -> None:
         )
     oracle = oracle_hit_rate(trace, args.block_size)
     print(f"trace: {json.dumps(summary)}")
-    print(f"oracle hit rate: {oracle.hit_rate:.1%}; expected wall time per mode: "
-          f"{summary.get('duration_s', 0) * time_scale:.0f} s + drain", flush=True)  # fmt: skip
+    print(f"oracle hit rate {oracle.hit_rate:.1%}; uncached {oracle.uncached_tokens} of "
+          f"{oracle.prompt_tokens} prompt tokens", flush=True)  # fmt: skip
+    plans = [
+        plan_cell(
+            trace, oracle, w, load, max_num_batched_tokens=args.max_num_batched_tokens,
+            speedup=args.speedup_ratio, wall_rate=args.wall_rate,
+        )
+        for w in args.workers
+        for load in args.load
+    ]  # fmt: skip
+    expected = 0.0
+    for plan in plans:
+        runs = len(args.modes) * expected_run_s(plan)
+        if "dynamo" in args.peer:
+            runs += expected_run_s(plan, "dynamo")
+        expected += runs
+        print(f"cell {plan.workers} workers, load {plan.load:g}: capacity "
+              f"{plan.capacity_tokens_per_s / 1000:.0f}k tok/s, sim scale {plan.sim_scale:.4g} "
+              f"(trace span {trace.span_s:.0f} s -> {plan.sim_span_s:.2f} simulated s), "
+              f"speedup {plan.speedup:.3g}, time scale {plan.time_scale:.4g} "
+              f"(wall span {plan.wall_span_s:.0f} s)")  # fmt: skip
+    print(f"expected duration: ~{expected / 60:.1f} min", flush=True)
     help_text = frontend_help()
     report: dict[str, Any] = {
         "benchmark": "routing_quality",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "trace": {"kind": trace.kind, "params": trace.params, "summary": summary},
-        "num_workers": args.workers,
-        "speedup_ratio": args.speedup_ratio,
-        "time_scale": time_scale,
         "block_size": args.block_size,
         "num_gpu_blocks": args.num_gpu_blocks,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "wall_rate": args.wall_rate,
         "concurrency": args.concurrency,
+        "modes": args.modes,
+        "peers": args.peer,
         "oracle": {
             "block_size": oracle.block_size,
             "prompt_tokens": oracle.prompt_tokens,
             "cached_tokens": oracle.cached_tokens,
+            "uncached_tokens": oracle.uncached_tokens,
             "hit_rate": round(oracle.hit_rate, 4),
         },
-        "modes": [],
+        "cells": [],
     }
-    for spec in args.modes:
-        entry = run_mode(spec, args, trace, help_text, time_scale)
-        if "skipped" in entry:
-            print(f"[{spec}] skipped: {entry['skipped']}", flush=True)
-        report["modes"].append(entry)
-    print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    plot_cdf(report, args.plot)
-    print(f"wrote {args.out} and {args.plot}")
+    began = time.perf_counter()
+    for plan in plans:
+        cell: dict[str, Any] = {"plan": plan.to_dict(), "modes": []}
+        for spec in args.modes:
+            entry = run_mode(spec, args, trace, help_text, plan)
+            if "skipped" in entry:
+                print(f"[{spec}] skipped: {entry['skipped']}", flush=True)
+            cell["modes"].append(entry)
+        if "dynamo" in args.peer:
+            entry = run_dynamo(args, trace, plan)
+            if "skipped" in entry:
+                print(f"[{DYNAMO_MODE}] skipped: {entry['skipped']}", flush=True)
+            cell["modes"].append(entry)
+        print_cell(cell, oracle.hit_rate)
+        path = plot_path(args.plot_dir, trace.kind, plan.workers, plan.load)
+        if args.quick:
+            path = path.with_name(path.stem + "_quick.png")
+        plot_cdf(cell, report, path)
+        cell["plot"] = str(path)
+        report["cells"].append(cell)
+        report["elapsed_s"] = round(time.perf_counter() - began, 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))  # after every cell: partial results
+    print(f"\nwrote {args.out} and {len(plans)} plot(s) in {report['elapsed_s'] / 60:.1f} min")
+    return report
 
 
 if __name__ == "__main__":

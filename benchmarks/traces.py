@@ -17,7 +17,9 @@ deterministically wherever they are needed (the HTTP replay, the oracle).
   answer it got (of that request's output length). Sessions start as a Poisson process;
   turns follow after exponential think times.
 * ``load_mooncake(path)``: Mooncake's JSONL (``timestamp`` in ms, ``input_length``,
-  ``output_length``, ``hash_ids`` of 512-token blocks).
+  ``output_length``, ``hash_ids`` of 512-token blocks); ``window_start`` and ``max_requests``
+  choose a contiguous window of its lines. Its requests carry no session
+  (``Trace.has_sessions`` is False).
 * ``oracle_hit_rate(trace, block_size)``: the prefix-cache hit rate of one worker with an
   unlimited cache that sees every request: the ceiling any router can reach.
 
@@ -96,6 +98,16 @@ class Trace:
     token_seed: int
     #: Every parameter that made the trace (generator config with its seed, or the file).
     params: dict[str, Any] = field(default_factory=dict)
+    #: Whether ``session_id`` names a real conversation (a client would send it as a
+    #: session hint); False where every request is its own "session" (Mooncake).
+    has_sessions: bool = True
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first arrival to the last (0 for fewer than two requests)."""
+        if len(self.requests) < 2:
+            return 0.0
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s
 
     def prompt_tokens(self, request: TraceRequest) -> np.ndarray:
         """The request's prompt token ids (int32), rebuilt from its segments."""
@@ -243,6 +255,7 @@ def load_mooncake(
     path: str | Path,
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    window_start: int = 0,
     max_requests: int | None = None,
     max_input_length: int | None = None,
     max_output_length: int | None = None,
@@ -251,22 +264,32 @@ def load_mooncake(
     """Load a Mooncake JSONL trace (one request a line).
 
     Each line has ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``
-    (one id per ``block_tokens`` tokens of the prompt; equal ids are equal blocks). Arrivals
-    are taken relative to the earliest timestamp. ``max_input_length`` cuts long prompts
+    (one id per ``block_tokens`` tokens of the prompt; equal ids are equal blocks). The trace
+    is the window of ``max_requests`` records (all when None) from record ``window_start``
+    (0-based, blank lines not counted); arrivals are taken relative to the window's earliest
+    timestamp. ``max_input_length`` cuts long prompts
     (keeping their prefixes, so sharing is preserved) and ``max_output_length`` caps outputs;
     tokens the hash ids do not cover are filled with tokens unique to the request; an output
     length of 0 becomes 1. Raises ``ValueError`` naming the bad line.
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
+    if window_start < 0:
+        raise ValueError(f"window_start must be >= 0, got {window_start}")
     raw: list[tuple[float, int, int, list[int]]] = []
+    record = -1
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            record += 1
+            if record < window_start:
+                continue
             if max_requests is not None and len(raw) >= max_requests:
                 break
             raw.append(_parse_mooncake_line(line, lineno, path))
+    if window_start and not raw:
+        raise ValueError(f"{path}: window_start {window_start} is past its {record + 1} records")
     num_truncated = 0
     num_padded = 0
     requests: list[TraceRequest] = []
@@ -281,12 +304,12 @@ def load_mooncake(
         ]
         covered = len(segments) * block_tokens
         if covered < input_length:
-            segments.append(Segment(SegmentKind.PADDING, i, input_length - covered))
+            segments.append(Segment(SegmentKind.PADDING, window_start + i, input_length - covered))
             num_padded += 1
         requests.append(
             TraceRequest(
                 arrival_s=(timestamp_ms - t0) / 1000.0,
-                session_id=f"r{i}",
+                session_id=f"r{window_start + i}",
                 turn=0,
                 input_length=input_length,
                 output_length=max(1, min(output_length, max_output_length or output_length)),
@@ -297,6 +320,7 @@ def load_mooncake(
     params = {
         "file": str(path),
         "block_tokens": block_tokens,
+        "window_start": window_start,
         "max_requests": max_requests,
         "max_input_length": max_input_length,
         "max_output_length": max_output_length,
@@ -304,7 +328,13 @@ def load_mooncake(
         "num_truncated": num_truncated,
         "num_padded": num_padded,
     }
-    return Trace(kind="mooncake", requests=requests, token_seed=token_seed, params=params)
+    return Trace(
+        kind="mooncake",
+        requests=requests,
+        token_seed=token_seed,
+        params=params,
+        has_sessions=False,
+    )
 
 
 def _parse_mooncake_line(
@@ -353,6 +383,11 @@ class OracleResult:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens even the oracle must prefill: the least prefill work of any router."""
+        return self.prompt_tokens - self.cached_tokens
 
 
 def oracle_hit_rate(trace: Trace, block_size: int) -> OracleResult:

@@ -234,3 +234,36 @@ def test_oracle_on_sessions_reuses_system_prompts_and_history() -> None:
         if c.session_id == p.session_id and c.turn == p.turn + 1
     )
     assert floor <= result.cached_tokens < result.prompt_tokens
+
+
+def test_mooncake_window_is_a_contiguous_slice_of_records(tmp_path: Path) -> None:
+    records = [
+        {"timestamp": 1000 * i, "input_length": 600, "output_length": 1, "hash_ids": [i % 3]}
+        for i in range(10)
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 1 else "") for i, r in
+                            enumerate(records)))  # fmt: skip
+    whole = load_mooncake(path)
+    window = load_mooncake(path, window_start=3, max_requests=4)
+    # Records 3..6 (the blank line is not a record), arrivals from the window's first.
+    assert [r.session_id for r in window.requests] == ["r3", "r4", "r5", "r6"]
+    assert [r.arrival_s for r in window.requests] == [0.0, 1.0, 2.0, 3.0]
+    assert window.span_s == 3.0 and whole.span_s == 9.0
+    assert window.params["window_start"] == 3 and window.params["max_requests"] == 4
+    assert not window.has_sessions and generate_sessions(SMALL).has_sessions
+    # A record's tokens (its padding included) do not depend on the window it is read in.
+    for r in window.requests:
+        same = whole.requests[int(r.session_id[1:])]
+        assert np.array_equal(window.prompt_tokens(r), whole.prompt_tokens(same))
+    tail = load_mooncake(path, window_start=8, max_requests=5)
+    assert [r.session_id for r in tail.requests] == ["r8", "r9"]
+    with pytest.raises(ValueError, match="past its 10 records"):
+        load_mooncake(path, window_start=10)
+    with pytest.raises(ValueError, match="window_start"):
+        load_mooncake(path, window_start=-1)
+
+
+def test_oracle_uncached_tokens_are_what_it_could_not_serve() -> None:
+    result = oracle_hit_rate(generate_sessions(SMALL), block_size=16)
+    assert result.uncached_tokens == result.prompt_tokens - result.cached_tokens > 0
