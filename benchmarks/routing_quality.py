@@ -119,7 +119,7 @@ TRACE_DEFAULTS: dict[str, dict[str, Any]] = {
         "sessions": 300,
         "max_requests": None,
         "num_gpu_blocks": 8192,
-        "wall_rate": 40.0,
+        "wall_rate": 80.0,
         "max_input_length": None,
         "max_output_length": None,
     },
@@ -140,9 +140,12 @@ QUICK = {
     "sessions": 24,
     "max_requests": 60,
 }
-#: Guesses for the printed duration: seconds to start and stop one stack, and to drain.
-STARTUP_S = {"turnout": (3.0, 0.05), "dynamo": (15.0, 0.3)}  # base + per worker
+#: Guesses for the printed duration (measured on 2 cores): seconds to start and stop one
+#: stack (base + per worker), to drain, and how much longer than planned a replay runs
+#: (turns wait for their sessions' previous turns; round-robin falls behind).
+STARTUP_S = {"turnout": (3.0, 0.05), "dynamo": (3.0, 0.1)}
 DRAIN_S = 4.0
+STRETCH = {True: 2.8, False: 1.2}  # by Trace.has_sessions
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 BodyFn = Callable[[str, np.ndarray, int], bytes]
@@ -515,9 +518,9 @@ def plan_cell(
     )
 
 
-def expected_run_s(plan: CellPlan, peer: str = "turnout") -> float:
+def expected_run_s(plan: CellPlan, sessions: bool, peer: str = "turnout") -> float:
     base, per_worker = STARTUP_S[peer]
-    return base + per_worker * plan.workers + plan.wall_span_s + DRAIN_S
+    return base + per_worker * plan.workers + plan.wall_span_s * STRETCH[sessions] + DRAIN_S
 
 
 # ------------------------------------------------------------------------------- reporting
@@ -871,7 +874,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--system-prompt-tokens", type=int, nargs=2, default=[1024, 4096])
     g.add_argument("--turns", type=int, nargs=2, default=[2, 4], help="turns per session")
     g.add_argument("--user-tokens", type=int, nargs=2, default=[1024, 4096])
-    g.add_argument("--output-tokens", type=int, nargs=2, default=[8, 64])
+    g.add_argument("--output-tokens", type=int, nargs=2, default=[4, 32])
     g.add_argument("--session-rate", type=float, default=3.0, help="new sessions per second")
     g.add_argument("--think-time", type=float, default=60.0, help="mean gap between turns (s)")
     g.add_argument("--seed", type=int, default=0)
@@ -884,7 +887,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--wall-rate",
         type=float,
-        help="requests per wall second the automatic speedup aims at (default: 40 synthetic, "
+        help="requests per wall second the automatic speedup aims at (default: 80 synthetic, "
         "15 mooncake: its prompts are longer)",
     )
     g.add_argument("--block-size", type=int, default=64)
@@ -951,9 +954,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]  # fmt: skip
     expected = 0.0
     for plan in plans:
-        runs = len(args.modes) * expected_run_s(plan)
+        runs = len(args.modes) * expected_run_s(plan, trace.has_sessions)
         if "dynamo" in args.peer:
-            runs += expected_run_s(plan, "dynamo")
+            runs += expected_run_s(plan, trace.has_sessions, "dynamo")
         expected += runs
         print(f"cell {plan.workers} workers, load {plan.load:g}: capacity "
               f"{plan.capacity_tokens_per_s / 1000:.0f}k tok/s, sim scale {plan.sim_scale:.4g} "

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from benchmarks.traces import load_mooncake, oracle_hit_rate
+from benchmarks.traces import (
+    Segment,
+    SegmentKind,
+    Trace,
+    TraceRequest,
+    load_mooncake,
+    oracle_hit_rate,
+)
 
 from benchmarks import routing_quality as rq
 from turnout.engines.mocker.timing import PolynomialTimingModel
@@ -228,3 +237,96 @@ def test_effective_load_shrinks_when_sends_spread_past_the_plan() -> None:
     late = [rq.RequestResult(i, sent_at_s=float(t)) for i, t in enumerate((0, 4, 20))]
     assert rq.effective_load(late, plan) == pytest.approx(0.4)
     assert rq.effective_load(late[:1], plan) is None
+
+
+# ------------------------------------------------------------------------------- the client
+
+
+class FakeServer:
+    """A one-request-per-connection HTTP server streaming a two-token completion.
+
+    Records each request's arrival, headers and end; the first turn of session ``a`` is slow.
+    """
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, object]] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            headers = dict(line.split(": ", 1) for line in head.split("\r\n")[1:] if ": " in line)
+            headers = {k.lower(): v for k, v in headers.items()}
+            body = json.loads(await reader.readexactly(int(headers["content-length"])))
+            record: dict[str, object] = {"at": time.perf_counter(), "headers": headers}
+            self.seen.append(record)
+            prompt = len(body["prompt"])
+            if headers.get("x-session-id") == "a" and prompt == 64:
+                await asyncio.sleep(0.6)
+            events = [
+                {"choices": [{"index": 0, "text": "x"}], "nvext": {"worker_id": "w1"}},
+                {"choices": [{"index": 0, "text": "y", "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": prompt, "completion_tokens": 2,
+                           "prompt_tokens_details": {"cached_tokens": 32}}},
+            ]  # fmt: skip
+            payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+            payload += b"data: [DONE]\n\n"
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+                + f"content-length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            await writer.drain()
+            record["done"] = time.perf_counter()
+        finally:
+            writer.close()
+            await writer.wait_closed()
+
+
+def two_turn_trace(has_sessions: bool) -> Trace:
+    def request(at: float, session: str, turn: int, length: int) -> TraceRequest:
+        return TraceRequest(
+            arrival_s=at, session_id=session, turn=turn, input_length=length, output_length=2,
+            segments=(Segment(SegmentKind.USER_TEXT, 1, 64), Segment(SegmentKind.USER_TEXT, 2, 64)),
+        )  # fmt: skip
+
+    requests = [request(0.0, "a", 0, 64), request(0.05, "b", 0, 100), request(0.1, "a", 1, 128)]
+    return Trace("test", requests, token_seed=0, has_sessions=has_sessions)
+
+
+async def test_replay_sends_session_ids_and_keeps_turns_in_order() -> None:
+    fake = FakeServer()
+    async with fake as url:
+        results, _ = await rq.replay(
+            url, "m", two_turn_trace(True), time_scale=1.0, concurrency=8, timeout_s=10
+        )
+    assert [r.error for r in results] == [None, None, None]
+    assert [r.cached_tokens for r in results] == [32, 32, 32]
+    assert [r.worker_id for r in results] == ["w1", "w1", "w1"]
+    assert [s["headers"].get("x-session-id") for s in fake.seen] == ["a", "b", "a"]  # type: ignore[union-attr]
+    first, _, second = fake.seen
+    assert second["at"] >= first["done"]  # type: ignore[operator]
+    assert results[2].session_wait_s > 0.4 and results[1].session_wait_s == 0.0
+    # Latency counts from when the turn could go, not from its (earlier) arrival.
+    assert results[2].ttft_s is not None and results[2].ttft_s < 0.4
+
+
+async def test_replay_without_sessions_sends_no_session_id_and_does_not_wait() -> None:
+    fake = FakeServer()
+    async with fake as url:
+        results, _ = await rq.replay(
+            url, "m", two_turn_trace(False), time_scale=1.0, concurrency=8, timeout_s=10
+        )
+    assert [r.error for r in results] == [None, None, None]
+    assert all("x-session-id" not in s["headers"] for s in fake.seen)  # type: ignore[operator]
+    assert all(r.session_wait_s == 0.0 for r in results)
