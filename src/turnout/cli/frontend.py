@@ -37,6 +37,10 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                   "(0: none)")  # fmt: skip
     add_flag(p, "--router-min-initial-workers", default=0, type=int,
              help="a model answers 503 until this many of its workers are up")  # fmt: skip
+    add_flag(p, "--router-session-affinity-ttl-secs", type=float,
+             help="bind a session (x-session-id) to the instance of its first request, "
+                  "for as long as it has requests in flight and N idle seconds after "
+                  "(default: off)")  # fmt: skip
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
     add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
              help="largest accepted request body (413 above)")  # fmt: skip
@@ -122,6 +126,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         request_timeout=args.request_timeout,
         ttft_timeout=args.ttft_timeout,
         stall_timeout=args.stall_timeout,
+        router_session_affinity_ttl_s=args.router_session_affinity_ttl_secs,
     )
 
 

@@ -30,6 +30,7 @@ from turnout.router.kv.router import KvRouter
 from turnout.router.mode import RouterMode
 from turnout.router.push_router import InstanceSource, PushRouter
 from turnout.router.selectors import make_selector
+from turnout.router.session_affinity import SessionAffinityRouter, SessionTable
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane
 
@@ -205,6 +206,7 @@ class PipelineFactory:
         request_timeout: float = 0.0,
         ttft_timeout: float = 0.0,
         stall_timeout: float = 0.0,
+        session_affinity_ttl_s: float | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -239,6 +241,15 @@ class PipelineFactory:
         self.artifacts = artifacts or ArtifactFetcher()
         #: One KV router per model, shared by its chat and completions pipelines.
         self.kv_routers: dict[str, KvRouter] = {}
+        #: ``--router-session-affinity-ttl-secs`` (None: off); one binding table per model,
+        #: shared by its chat and completions pipelines (see ``router.session_affinity``).
+        if session_affinity_ttl_s is not None and not (0 < session_affinity_ttl_s < float("inf")):
+            raise ConfigError(
+                "--router-session-affinity-ttl-secs must be a finite number of seconds > 0, "
+                f"got {session_affinity_ttl_s}"
+            )
+        self.session_affinity_ttl_s = session_affinity_ttl_s
+        self.session_tables: dict[str, tuple[InstanceSource, SessionTable]] = {}
 
     def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
         mode = self.router_mode
@@ -277,7 +288,15 @@ class PipelineFactory:
         self.kv_routers[card.display_name] = router
         return router
 
+    def _session_table(self, name: str, client: InstanceSource) -> SessionTable:
+        entry = self.session_tables.get(name)
+        if entry is None or entry[0] is not client:  # new model, or back with a new client
+            assert self.session_affinity_ttl_s is not None
+            entry = self.session_tables[name] = (client, SessionTable(self.session_affinity_ttl_s))
+        return entry[1]
+
     async def release(self, name: str) -> None:
+        self.session_tables.pop(name, None)
         router = self.kv_routers.pop(name, None)
         if router is not None:
             await router.close()
@@ -313,8 +332,13 @@ class PipelineFactory:
                 card, client, encode=_msgpack_encode, decode=_output_decoder.decode
             )
         migrations = self.metrics.migrations.labels(card.display_name) if self.metrics else None
+        generate = router.generate
+        if self.session_affinity_ttl_s is not None:
+            generate = SessionAffinityRouter(
+                generate, self._session_table(card.display_name, client), client
+            ).generate
         migration = Migration(
-            router.generate,
+            generate,
             migration_limit=self.migration_limit,
             on_migration=migrations.inc if migrations is not None else None,
             request_timeout=self.request_timeout,

@@ -63,6 +63,10 @@ class FrontendConfig:
     #: worker counts as stalled and the request migrates (0: no limit).
     ttft_timeout: float = 0.0
     stall_timeout: float = 0.0
+    #: Session affinity: a session (``x-session-id``) stays on the instance that served its
+    #: first request while it has requests in flight and this many idle seconds after
+    #: (None: off; see ``router.session_affinity``).
+    router_session_affinity_ttl_s: float | None = None
 
 
 class Frontend:
@@ -119,6 +123,7 @@ class Frontend:
             request_timeout=cfg.request_timeout,
             ttft_timeout=cfg.ttft_timeout,
             stall_timeout=cfg.stall_timeout,
+            session_affinity_ttl_s=cfg.router_session_affinity_ttl_s,
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None
