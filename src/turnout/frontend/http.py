@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP service, as an RSGI application for granian.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /live``, ``GET /metrics``.
+``GET /health``, ``GET /live``, ``GET /metrics``, ``GET``/``POST /busy_threshold``
+(``busy_threshold``).
 
 A request is validated and preprocessed before any byte is sent, and the first output is
 awaited before the status line goes out, so every failure that happens before generation
@@ -37,6 +38,7 @@ from turnout.router.push_router import PIN_METADATA, check_pinned
 from turnout.runtime.context import RequestContext
 
 from .admission import AdmissionController
+from .busy_threshold import BusyThresholds
 from .http_errors import HttpError, request_decode_error, to_http_error
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics, StreamTimer
 from .model_manager import ModelManager
@@ -100,6 +102,7 @@ class HttpService:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         admission: AdmissionController | None = None,
         reject_status: int = 503,
+        busy_thresholds: BusyThresholds | None = None,
     ) -> None:
         self.manager = manager
         self.metrics = metrics
@@ -118,6 +121,11 @@ class HttpService:
             ("GET", "/live"): self._live,
             ("GET", "/metrics"): self._metrics,
         }
+        #: None: the frontend has no routers to tune (e.g. a bare service in tests).
+        self.busy_thresholds = busy_thresholds
+        if busy_thresholds is not None:
+            self._routes[("GET", "/busy_threshold")] = self._busy_threshold_get
+            self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
         self._paths = {path for _, path in self._routes}
 
     # ------------------------------------------------------------------ dispatch
@@ -195,6 +203,15 @@ class HttpService:
 
     async def _metrics(self, scope: Scope, proto: HTTPProtocol) -> None:
         proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
+
+    async def _busy_threshold_get(self, scope: Scope, proto: HTTPProtocol) -> None:
+        assert self.busy_thresholds is not None
+        proto.response_bytes(200, _JSON, _json.encode(self.busy_thresholds.get_all()))
+
+    async def _busy_threshold_post(self, scope: Scope, proto: HTTPProtocol) -> None:
+        assert self.busy_thresholds is not None
+        body = await self._read_body(scope, proto)
+        proto.response_bytes(200, _JSON, _json.encode(self.busy_thresholds.post(body)))
 
     # ------------------------------------------------------------------ generation
 

@@ -19,6 +19,7 @@ from turnout.runtime.planes import PlanesConfig, open_runtime
 
 from .admission import AdmissionController, AdmissionLimits, Clock
 from .artifacts import ArtifactFetcher, DiskArtifactCache
+from .busy_threshold import BusyThresholds
 from .http import DEFAULT_MAX_BODY_BYTES, HttpService
 from .http_errors import REJECT_STATUSES
 from .metrics import FrontendMetrics
@@ -139,6 +140,9 @@ class Frontend:
             max_body_bytes=cfg.max_body_bytes,
             admission=self.admission,
             reject_status=cfg.reject_status,
+            busy_thresholds=BusyThresholds(
+                self.manager.list_models, factory.kv_routers, cfg.router_mode
+            ),
         )
         self._server = Server(
             service,

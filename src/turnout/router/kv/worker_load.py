@@ -49,6 +49,31 @@ class WorkerLoads:
             self._busy_since.pop(key, None)
         return busy
 
+    @property
+    def busy_kv_usage_threshold(self) -> float | None:
+        return self._kv_threshold
+
+    @property
+    def busy_num_waiting_threshold(self) -> int | None:
+        return self._waiting_threshold
+
+    def set_thresholds(
+        self, *, kv_usage: float | None = None, num_waiting: int | None = None
+    ) -> None:
+        """Change the thresholds at run time (``POST /busy_threshold``); None leaves one as
+        it is. The latest reports are judged again at once, under their own timestamps, so
+        a worker over a lowered threshold is left out from the next decision on."""
+        if kv_usage is not None and not (0.0 <= kv_usage <= 1.0):
+            raise ValueError(f"kv usage threshold must be in [0, 1], got {kv_usage}")
+        if num_waiting is not None and num_waiting < 0:
+            raise ValueError(f"waiting threshold must be >= 0, got {num_waiting}")
+        if kv_usage is not None:
+            self._kv_threshold = kv_usage
+        if num_waiting is not None:
+            self._waiting_threshold = num_waiting
+        over = self._is_over_threshold
+        self._busy_since = {key: at for key, (report, at) in self._reports.items() if over(report)}
+
     def _is_over_threshold(self, report: LoadReport) -> bool:
         if report.busy:  # the worker says so itself (e.g. its waiting queue is full)
             return True
