@@ -173,7 +173,12 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     bos_token: str | None = None
     eos_token: str | None = None
     runtime_config: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    #: Set on the card of a loaded LoRA adapter (published under ``.../{instance_id:x}/{lora}``
+    #: while the instance holds it; ``display_name`` is then the adapter's name).
     lora: LoraInfo | None = None
+    #: On a base card: the LoRA adapters the instance can load on demand (loaded or not), so a
+    #: frontend can send an adapter's first request to an instance that will load it.
+    lora_adapters: list[str] = msgspec.field(default_factory=list)
     migration_limit: int = 0
 
     def artifacts(self) -> list[ArtifactRef]:

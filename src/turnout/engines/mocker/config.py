@@ -71,6 +71,11 @@ class MockerConfig:
     health_timeout_s: float = 30.0
     #: Testing aid (fault injection): the step loop raises after this many steps (0: never).
     fail_after_steps: int = 0
+    #: LoRA adapters this worker can load (name -> path or None; see ``mocker.lora``), the
+    #: simulated cold-load time of one, and how many may be resident at once (LRU eviction).
+    lora_adapters: dict[str, str | None] = field(default_factory=dict)
+    lora_load_ms: float = 0.0
+    max_loras: int = 4
 
     def validate(self, *, num_workers: int = 1, memory_bytes: int | None = None) -> None:
         """Raise ``ConfigError`` naming the first bad setting.
@@ -110,6 +115,9 @@ class MockerConfig:
             raise ConfigError(
                 f"load_report_interval_s must be > 0, got {self.load_report_interval_s!r}"
             )
+        from turnout.engines.mocker.lora import validate_lora_settings
+
+        validate_lora_settings(self.lora_adapters, self.lora_load_ms, self.max_loras)
         memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
         if memory is not None:
             need = self.bookkeeping_bytes() * num_workers

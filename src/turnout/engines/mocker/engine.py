@@ -34,6 +34,7 @@ import msgspec
 from turnout.engines.base import Engine
 from turnout.engines.mocker.config import MockerConfig
 from turnout.engines.mocker.kv_pool import KvBlockPool
+from turnout.engines.mocker.lora import LoraListener, LoraManager
 from turnout.engines.mocker.scheduler import Scheduler, StepResult
 from turnout.engines.mocker.timing import TimingModel
 from turnout.engines.mocker.tokens import TokenSampler
@@ -204,6 +205,17 @@ class MockerEngine(Engine):
         ]
         self._started = False
         self._closed = False
+        #: The LoRA adapters this worker can load (None: it serves the base model only).
+        self.loras: LoraManager | None = None
+        if config.lora_adapters:
+            speedup = config.speedup_ratio
+            self.loras = LoraManager(
+                config.lora_adapters,
+                max_loras=config.max_loras,
+                load_seconds=config.lora_load_ms / 1000 / speedup if speedup > 0 else 0.0,
+                clock=clock,
+                sleep=sleep,
+            )
 
     # ---- identity -------------------------------------------------------------------------
 
@@ -219,6 +231,15 @@ class MockerEngine(Engine):
             worker_id=self._worker_id, dp_rank=dp_rank, next_event_id=next_event_id,
             events=events,
         )  # fmt: skip
+
+    def set_lora_listener(self, listener: LoraListener) -> None:
+        """Who hears of adapters loaded and evicted (the worker publishes their cards)."""
+        if self.loras is not None:
+            self.loras.set_listener(listener)
+
+    def loaded_loras(self) -> list[str]:
+        """The LoRA adapters loaded now, sorted (each has a model card while loaded)."""
+        return self.loras.slots.loaded() if self.loras is not None else []
 
     def set_event_sink(self, sink: KvEventSink) -> None:
         """Where KV events and load reports go from now on (the worker wires the plane)."""
@@ -265,6 +286,8 @@ class MockerEngine(Engine):
     async def stop(self) -> None:
         """Stop the loops; every in-flight stream ends with an ERROR output. Final."""
         self._closed = True
+        if self.loras is not None:
+            await self.loras.close()
         tasks = [rank.task for rank in self._ranks if rank.task is not None]
         for task in tasks:
             task.cancel()
@@ -277,6 +300,30 @@ class MockerEngine(Engine):
     # ---- the Engine contract --------------------------------------------------------------
 
     async def generate(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """Run ``request``; one that names a LoRA adapter first holds it (loading it, and
+        waiting the simulated load time, on first use) until its stream ends."""
+        name = request.lora_name
+        if not name:
+            async for out in self._generate(request, ctx):
+                yield out
+            return
+        loras = self.loras
+        if loras is None or not await loras.acquire(name):
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.ERROR,
+                error=f"this worker cannot load LoRA adapter {name!r}",
+                error_kind=ErrorKind.BAD_REQUEST.value,
+            )
+            return
+        try:
+            async for out in self._generate(request, ctx):
+                yield out
+        finally:
+            loras.release(name)
+
+    async def _generate(
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
         if self._closed:
@@ -338,6 +385,7 @@ class MockerEngine(Engine):
             # longer one with a 400 before it reaches a worker.
             context_length=min(base.context_length, cfg.max_context_tokens),
             kv_cache_block_size=cfg.block_size,
+            lora_adapters=sorted(cfg.lora_adapters),
             runtime_config=RuntimeConfig(
                 total_kv_blocks=cfg.num_gpu_blocks,
                 max_num_seqs=cfg.max_num_seqs,
