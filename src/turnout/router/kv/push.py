@@ -9,7 +9,7 @@ re-issues the request through here (re-routed, re-booked under the same request 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 
@@ -41,9 +41,18 @@ def explain(selection: Selection, block_size: int) -> dict[str, object]:
 
 
 class KvPushRouter:
-    def __init__(self, router: KvRouter, *, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        router: KvRouter,
+        *,
+        max_attempts: int = 3,
+        allow: Callable[[str, Sequence[int]], list[int]] | None = None,
+    ) -> None:
+        """``allow(adapter, live_ids)``: the workers a LoRA adapter's request may go to
+        (``router.lora.LoraRegistry.allowed``); None: LoRA serving off."""
         self.router = router
         self._max_attempts = max_attempts
+        self._allow = allow
 
     async def generate(
         self, request: PreprocessedRequest, ctx: RequestContext
@@ -57,6 +66,15 @@ class KvPushRouter:
                 target, dp_rank, pinned = request.backend_instance_id, 0, request
                 booked = False
             else:
+                allowed = None
+                if self._allow is not None and request.lora_name:
+                    live = [i for i in client.instance_ids() if i not in excluded]
+                    allowed = self._allow(request.lora_name, live)
+                    if not allowed:
+                        raise NoInstanceAvailable(
+                            f"no live instance holds or can load LoRA adapter "
+                            f"{request.lora_name!r}"
+                        )
                 selection = router.route(
                     request_id,
                     request.token_ids,
@@ -64,6 +82,7 @@ class KvPushRouter:
                     cache_salt=request.cache_salt,
                     session_id=request.session_id,
                     excluded=excluded,
+                    allowed=allowed,
                 )
                 if not selection.ok or selection.worker_id is None:
                     raise NoInstanceAvailable(_why(selection, router.endpoint.path()))

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -136,12 +136,16 @@ class KvRouter:
 
     # --- the decision ------------------------------------------------------------------------
 
-    def candidates(self, excluded: Sequence[int] = ()) -> list[WorkerKey]:
+    def candidates(
+        self, excluded: Sequence[int] = (), allowed: Collection[int] | None = None
+    ) -> list[WorkerKey]:
+        """Every rank of the live workers, less ``excluded``; only ``allowed`` ones if given
+        (a LoRA adapter's holders)."""
         ranks = range(self.dp_size)
         return [
             WorkerKey(worker, rank)
             for worker in self.client.instance_ids()
-            if worker not in excluded
+            if worker not in excluded and (allowed is None or worker in allowed)
             for rank in ranks
         ]
 
@@ -155,10 +159,12 @@ class KvRouter:
         session_id: str | None = None,
         excluded: Sequence[int] = (),
         book: bool = True,
+        allowed: Collection[int] | None = None,
     ) -> Selection:
         """Choose a worker; with ``book`` (the default) the request is counted on it until
-        ``on_finished``. ``book=False`` only answers the question (``turnout router``)."""
-        candidates = self.candidates(excluded)
+        ``on_finished``. ``book=False`` only answers the question (``turnout router``).
+        ``allowed``: only these workers may be chosen (a LoRA adapter's holders)."""
+        candidates = self.candidates(excluded, allowed)
         selection = self.core.route(
             request_id,
             token_ids,
