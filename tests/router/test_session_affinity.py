@@ -13,6 +13,7 @@ from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedReq
 from turnout.router.push_router import PIN_PARAM
 from turnout.router.session_affinity import (
     AFFINITY_METADATA,
+    MAX_TTL_S,
     BindingState,
     SessionAffinityRouter,
     SessionTable,
@@ -274,5 +275,7 @@ async def test_a_broken_stream_frees_the_binding_and_migration_rebinds() -> None
 def test_table_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="TTL"):
         SessionTable(0)
+    with pytest.raises(ValueError, match="TTL"):
+        SessionTable(MAX_TTL_S + 1)
     with pytest.raises(ValueError, match="max_sessions"):
         SessionTable(1.0, max_sessions=0)

@@ -30,7 +30,7 @@ from turnout.router.kv.router import KvRouter
 from turnout.router.mode import RouterMode
 from turnout.router.push_router import InstanceSource, PushRouter
 from turnout.router.selectors import make_selector
-from turnout.router.session_affinity import SessionAffinityRouter, SessionTable
+from turnout.router.session_affinity import MAX_TTL_S, SessionAffinityRouter, SessionTable
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane
 
@@ -243,10 +243,10 @@ class PipelineFactory:
         self.kv_routers: dict[str, KvRouter] = {}
         #: ``--router-session-affinity-ttl-secs`` (None: off); one binding table per model,
         #: shared by its chat and completions pipelines (see ``router.session_affinity``).
-        if session_affinity_ttl_s is not None and not (0 < session_affinity_ttl_s < float("inf")):
+        if session_affinity_ttl_s is not None and not (0 < session_affinity_ttl_s <= MAX_TTL_S):
             raise ConfigError(
-                "--router-session-affinity-ttl-secs must be a finite number of seconds > 0, "
-                f"got {session_affinity_ttl_s}"
+                "--router-session-affinity-ttl-secs must be seconds > 0 and at most "
+                f"{MAX_TTL_S:g} (a year), got {session_affinity_ttl_s}"
             )
         self.session_affinity_ttl_s = session_affinity_ttl_s
         self.session_tables: dict[str, tuple[InstanceSource, SessionTable]] = {}

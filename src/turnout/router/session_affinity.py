@@ -20,9 +20,10 @@ Lifecycle of one binding (all transitions in ``SessionTable``)::
   failure), that cannot be reached, or whose stream broke, frees the binding: the request
   routes afresh and re-binds.
 
-Caps: at most ``max_sessions`` bindings; the least recently idle one is evicted for a new
-session; when every binding has a request in flight, a new session routes without binding
-(counted in ``num_refused``). Session ids are capped in length at the HTTP edge.
+Caps: at most ``max_sessions`` bindings (65,536 by default, as Dynamo); the least recently
+idle one is evicted for a new session; when every binding has a request in flight, a new
+session routes without binding (counted in ``num_refused``). Session ids are capped in
+length at the HTTP edge (256 characters, as Dynamo's 256 bytes).
 
 The affinity pin lives only on the copy of the request handed to the router below, never
 on the request that migration holds: migration never moves a *client's* explicit pin
@@ -40,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -58,8 +58,11 @@ log = logging.getLogger("turnout.router.session_affinity")
 EngineFn = Callable[[PreprocessedRequest, RequestContext], AsyncIterator[LLMEngineOutput]]
 Clock = Callable[[], float]
 
-#: Default cap on the number of bound sessions per model.
-DEFAULT_MAX_SESSIONS = 100_000
+#: Default cap on the number of bound sessions per model (Dynamo's
+#: ``MAX_SESSION_AFFINITY_ENTRIES``).
+DEFAULT_MAX_SESSIONS = 65_536
+#: The longest idle TTL accepted: a year (Dynamo's ``MAX_SESSION_AFFINITY_TTL_SECS``).
+MAX_TTL_S = 31_536_000.0
 #: Default bound on how long a request waits for its session's first routing decision.
 DEFAULT_BIND_WAIT_S = 30.0
 #: ``RequestContext.metadata`` key: the instance session affinity pinned the request to.
@@ -105,8 +108,10 @@ class SessionTable:
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         clock: Clock = time.monotonic,
     ) -> None:
-        if not (ttl_s > 0) or ttl_s == math.inf:
-            raise ValueError(f"session affinity TTL must be a finite number > 0, got {ttl_s}")
+        if not (0 < ttl_s <= MAX_TTL_S):
+            raise ValueError(
+                f"session affinity TTL must be seconds > 0 and <= {MAX_TTL_S:g}, got {ttl_s}"
+            )
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.ttl_s = ttl_s
