@@ -35,14 +35,18 @@ speedup is chosen per cell so that requests arrive at ``--wall-rate`` per wall s
 two CPU cores serve without the client falling behind), clamped to [0.02, 10]; every latency
 is reported in simulated milliseconds (wall x speedup), from each request's *scheduled*
 arrival (a client that falls behind shows up as latency, not as a lighter load; frontend
-overhead is scaled alike, so compare modes, not absolute figures).
+overhead is scaled alike, so compare modes, not absolute figures), or, for a turn that had
+to wait for its session's previous turn, from when that turn finished. The ``load`` column
+is the load actually offered (planned load x planned span / span of the sends): the
+Mooncake window meets the plan; on the synthetic trace sessions' turns wait for their
+previous turns (a turn's decode outlasts the scaled think time), so it reaches ~0.25-0.4.
 
 **Traces.** ``--trace synthetic`` (default): 300 seeded multi-turn sessions (~900 requests,
 prompts of 2K-18K tokens) on 16 shared system prompts, with long user turns so that prefill
 dominates; a turn is sent at its (scaled) arrival time but never before the previous turn of
 its session has finished. ``--trace mooncake``: a window of the Mooncake FAST'25 conversation
 trace (``../shared/traces/mooncake_conversation.jsonl`` beside the repo), by default records
-2000..2599 (600 requests, no sessions), prompts cut to 16,384 tokens, outputs to 64; its
+2000..2539 (540 requests, no sessions), prompts cut to 16,384 tokens, outputs to 64; its
 512-token hash blocks become token blocks, the router and mocker use blocks of
 ``--block-size`` (64). ``--num-gpu-blocks`` (8192 per worker) holds the largest request and
 what is in flight at these loads, not every prefix of the window at 8 workers.
@@ -58,8 +62,9 @@ Usage::
     .venv/bin/python benchmarks/routing_quality.py --workers 8 --load 0.7 \\
         --modes round-robin "kv --router-cost blocks"
 
-The full default matrix (workers 8 and 32 x loads 0.7 and 0.95 x 4 modes) takes about 15
-minutes per trace on a 2-core machine (the expected duration is printed at the start).
+The full default matrix (workers 8 and 32 x loads 0.7 and 0.95 x 4 modes) takes about 10
+minutes (synthetic) and 14 minutes (mooncake) on a 2-core machine; ``--peer dynamo`` adds a
+quarter (the expected duration is printed at the start).
 Writes ``benchmarks/results/routing_quality_<trace>.json`` (one entry per cell) and one TTFT
 CDF per cell, ``routing_quality_<trace>_w<N>_load<L>_ttft_cdf.png``.
 """
@@ -125,7 +130,7 @@ TRACE_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "mooncake": {
         "window_start": 2000,
-        "max_requests": 600,
+        "max_requests": 540,
         "num_gpu_blocks": 8192,
         "wall_rate": 15.0,
         "max_input_length": 16384,
