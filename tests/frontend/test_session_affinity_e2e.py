@@ -104,6 +104,9 @@ async def test_sessions_stick_over_many_turns(stack: Stack) -> None:
                 assert worker_of(await complete(http, session)) == home
         if stack.frontend.config.router_mode is RouterMode.ROUND_ROBIN:
             assert len(set(homes.values())) > 1  # sessions still spread over the workers
+        metrics = (await http.get("/metrics")).text
+        assert f'turnout_session_affinity_sessions{{model="{MODEL}"}} 4.0' in metrics
+        assert f'turnout_session_affinity_refused_total{{model="{MODEL}"}} 0.0' in metrics
 
 
 async def test_concurrent_first_requests_land_on_one_instance(stack: Stack) -> None:

@@ -18,6 +18,7 @@ from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import PlanesConfig, open_runtime
 
 from .admission import AdmissionController, AdmissionLimits, Clock
+from .affinity_metrics import SessionAffinityCollector
 from .artifacts import ArtifactFetcher, DiskArtifactCache
 from .busy_threshold import BusyThresholds
 from .http import DEFAULT_MAX_BODY_BYTES, HttpService
@@ -132,6 +133,7 @@ class Frontend:
             ),
         )
         self.metrics.watch_kv_routers(factory.kv_routers)
+        self.metrics.registry.register(SessionAffinityCollector(factory.session_tables))
         self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)
         self._tasks.append(asyncio.create_task(self.watcher.watch(), name="model-watcher"))
         service = HttpService(
