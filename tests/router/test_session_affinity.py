@@ -82,9 +82,11 @@ def make(
     return SessionAffinityRouter(fake.generate, table, fake, bind_wait_s=bind_wait_s), fake, clock
 
 
-def req(session: str | None = "s", pin: int | None = None) -> PreprocessedRequest:
+def req(
+    session: str | None = "s", pin: int | None = None, lora: str | None = None
+) -> PreprocessedRequest:
     return PreprocessedRequest(
-        model="m", token_ids=[1, 2, 3], session_id=session, backend_instance_id=pin
+        model="m", token_ids=[1, 2, 3], session_id=session, backend_instance_id=pin, lora_name=lora
     )
 
 
@@ -106,6 +108,14 @@ async def test_session_sticks_over_many_turns_while_others_spread() -> None:
     assert others == {1, 2, 3}
     # The pin was the router's, on the copy it got; the client's request carried none.
     assert all(r.backend_instance_id in (None, first) for _, r in fake.calls)
+
+
+async def test_an_adapters_requests_bind_apart_from_the_base_models() -> None:
+    router, _, _ = make([1, 2])
+    assert await run(router, req("a")) == 1
+    assert await run(router, req("a", lora="tuned")) == 2
+    assert await run(router, req("a")) == 1
+    assert await run(router, req("a", lora="tuned")) == 2
 
 
 async def test_no_session_id_is_routed_unbound() -> None:

@@ -32,6 +32,9 @@ migrates like any other (the broken stream freed the binding; the continuation r
 and re-binds the session to its new instance). A client pin that names another instance
 than the session's binding is a 400 naming ``nvext.backend_instance_id``.
 
+A session's requests for a LoRA adapter have a binding of their own (to an instance that
+holds the adapter), apart from its requests for the base model.
+
 In ``kv`` mode a bound request skips the KV decision (pinned requests are not scored), so the
 hard binding wins over the soft session preference of ``--router-session-weight``.
 """
@@ -261,6 +264,10 @@ class SessionAffinityRouter:
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
         session_id = request.session_id
+        if session_id is not None and request.lora_name is not None:
+            # An adapter's requests bind apart from the base model's: the instance a LoRA
+            # request landed on holds the adapter, the base model's may not.
+            session_id = f"{session_id}\x00{request.lora_name}"
         if session_id is None:
             stream = self._inner(request, ctx)
             try:
@@ -278,7 +285,7 @@ class SessionAffinityRouter:
                 bound_to = None if binding is None or leads else binding.instance_id
                 if bound_to is not None and explicit is not None and explicit != bound_to:
                     raise RequestError(
-                        f"session {session_id!r} is bound to instance {bound_to:x} "
+                        f"session {request.session_id!r} is bound to instance {bound_to:x} "
                         f"(session affinity); {PIN_PARAM} names instance {explicit:x}",
                         param=PIN_PARAM,
                     )
