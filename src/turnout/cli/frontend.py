@@ -41,6 +41,9 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
              help="bind a session (x-session-id) to the instance of its first request, "
                   "for as long as it has requests in flight and N idle seconds after "
                   "(default: off)")  # fmt: skip
+    add_flag(p, "--enable-lora", action="store_true",
+             help="serve LoRA adapters by name, routed to the instances that hold them "
+                  "(router modes kv, random, round-robin)")  # fmt: skip
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
     add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
              help="largest accepted request body (413 above)")  # fmt: skip
@@ -127,6 +130,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         ttft_timeout=args.ttft_timeout,
         stall_timeout=args.stall_timeout,
         router_session_affinity_ttl_s=args.router_session_affinity_ttl_secs,
+        enable_lora=args.enable_lora,
     )
 
 

@@ -76,7 +76,8 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
         "echo": ("echo_delay_ms",),
         "mocker": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                    "speedup_ratio", "seed", "dp_size", "no_prefix_caching", "no_chunked_prefill",
-                   "max_waiting", "fail_after_steps"),
+                   "max_waiting", "fail_after_steps", "lora_adapters", "lora_load_ms",
+                   "max_loras"),
     }[args.engine]  # fmt: skip
     values = {name: getattr(args, name) for name in engine_flags}
     if args.engine == "llamacpp":

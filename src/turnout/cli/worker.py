@@ -57,12 +57,24 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(g, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     add_flag(g, "--fail-after-steps", default=0, type=int,
              help="testing aid: the step loop fails after this many steps (0: never)")  # fmt: skip
+    add_flag(g, "--lora-adapters",
+             help="LoRA adapters the worker can load on first use: name[=path],... "
+                  "(each loaded one is published as a model of its own)")  # fmt: skip
+    add_flag(g, "--lora-load-ms", default=0.0, type=float,
+             help="simulated time to load an adapter (divided by --speedup-ratio)")  # fmt: skip
+    add_flag(g, "--max-loras", default=4, type=int,
+             help="most adapters loaded at once; the least recently used idle one is "
+                  "evicted")  # fmt: skip
 
 
 def mocker_config(args: argparse.Namespace) -> Any:
     from turnout.engines.mocker import MockerConfig
+    from turnout.engines.mocker.lora import parse_lora_adapters
 
     return MockerConfig(
+        lora_adapters=parse_lora_adapters(args.lora_adapters),
+        lora_load_ms=args.lora_load_ms,
+        max_loras=args.max_loras,
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

@@ -26,6 +26,7 @@ import msgspec
 
 from turnout.engines.base import Engine
 from turnout.engines.events import EventPlaneSink
+from turnout.engines.lora_cards import LoraCardPublisher
 from turnout.errors import ConfigError
 from turnout.llm.artifacts import LOCAL_ARTIFACTS, ArtifactError, ArtifactRegistry, iter_chunks
 from turnout.protocols.kv import KV_SNAPSHOT_HANDLER, KvSnapshot, KvSnapshotRequest
@@ -87,6 +88,7 @@ class Worker:
         #: The output buffers of the streams in flight (failed at once if the engine breaks).
         self._buffers: set[_OutputBuffer] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._lora_cards: LoraCardPublisher | None = None
 
     async def start(self) -> ServingInstance:
         set_sink = getattr(self.engine, "set_event_sink", None)
@@ -115,10 +117,20 @@ class Worker:
                 f"hold ({', '.join(missing)}); build cards with load_model_card"
             )
 
+        # Engines with LoRA adapters report loads and evictions; each loaded adapter gets a
+        # card of its own under the lease (see ``lora_cards``).
+        loaded_loras = getattr(self.engine, "loaded_loras", None)
+        if loaded_loras is not None and base.lora_adapters:
+            self._lora_cards = LoraCardPublisher(self.runtime.store, loaded_loras)
+            self.engine.set_lora_listener(self._lora_cards.on_lora)  # type: ignore[attr-defined]
+
         def records(instance_id: int) -> list[tuple[str, bytes]]:
             self.engine.bind_instance(instance_id)
             self.card = msgspec.structs.replace(base, instance_id=instance_id)
-            return [(mdc_key(self.endpoint, instance_id), _json.encode(self.card))]
+            out = [(mdc_key(self.endpoint, instance_id), _json.encode(self.card))]
+            if self._lora_cards is not None:
+                out += self._lora_cards.records(self.card)
+            return out
 
         # Side handlers go up before the card is published: a frontend that sees the card
         # can fetch its artifacts at once.
@@ -234,6 +246,8 @@ class Worker:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks))
+        if self._lora_cards is not None:
+            await self._lora_cards.close()
         if self.serving is not None:
             await self.serving.stop(drain_timeout)
             self.serving = None

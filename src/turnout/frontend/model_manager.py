@@ -26,6 +26,7 @@ from turnout.errors import ModelNotFound, TurnoutError
 from turnout.protocols.model import ModelDeploymentCard
 
 if TYPE_CHECKING:
+    from turnout.frontend.lora import LoraModels
     from turnout.runtime.component import EndpointClient
 
 __all__ = ["ModelAlreadyExists", "ModelManager"]
@@ -80,6 +81,9 @@ class ModelManager:
         self._entries: dict[str, ModelDeploymentCard] = {}
         self._entries_by_model: dict[str, dict[str, ModelDeploymentCard]] = {}
         self._clients: dict[str, list[EndpointClient]] = {}
+        #: ``--enable-lora``: resolves an adapter's name to its base model's pipeline
+        #: (``frontend.lora.LoraModels``) when no model of that name is registered.
+        self.lora: LoraModels | None = None
 
     # -- engines ------------------------------------------------------------------------------
 
@@ -142,6 +146,10 @@ class ModelManager:
     def _get(self, registry: _EngineRegistry, name: str) -> object:
         if name in registry:
             return registry.get(name)
+        if self.lora is not None:
+            adapter = self.lora.resolve(name, registry.get)
+            if adapter is not None:
+                return adapter
         others = [r.kind for r in self._registries if name in r]
         if others:
             raise ModelNotFound(

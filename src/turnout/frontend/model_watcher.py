@@ -77,6 +77,7 @@ from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from turnout.router.lora import LoraRegistry
     from turnout.runtime.component import DistributedRuntime, EndpointClient
 
     _Builder = Callable[[ModelDeploymentCard, EndpointClient], Awaitable[object]]
@@ -255,8 +256,11 @@ class ModelWatcher:
         *,
         namespace: str | None = None,
         updates: asyncio.Queue[ModelUpdate] | None = None,
+        lora: LoraRegistry | None = None,
     ) -> None:
         self._runtime = runtime
+        # ``--enable-lora``: adapter cards feed this registry instead of becoming models.
+        self._lora = lora
         self._manager = manager
         self._factory = pipeline_factory
         self._namespace = namespace
@@ -391,6 +395,8 @@ class ModelWatcher:
                 self._namespace,
             )
             return _Outcome.REJECTED
+        if self._lora is not None and self._lora.on_card(key, card):
+            return _Outcome.JOINED  # a loaded adapter: served on its base model's pipelines
 
         name = card.display_name
         old = self._groups_by_key.get(key)
@@ -698,6 +704,8 @@ class ModelWatcher:
     # -- DELETE ---------------------------------------------------------------------------------
 
     async def _handle_delete(self, key: str) -> None:
+        if self._lora is not None and self._lora.on_delete(key):
+            return  # an adapter was unloaded
         was_rejected = key in self._rejected_keys
         self._rejected_keys.discard(key)
         group = self._groups_by_key.pop(key, None)

@@ -27,9 +27,10 @@ from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.router import KvRouter
+from turnout.router.lora import LoraRegistry, LoraSelector
 from turnout.router.mode import RouterMode
 from turnout.router.push_router import InstanceSource, PushRouter
-from turnout.router.selectors import make_selector
+from turnout.router.selectors import InstanceSelector, make_selector
 from turnout.router.session_affinity import MAX_TTL_S, SessionAffinityRouter, SessionTable
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane
@@ -207,6 +208,7 @@ class PipelineFactory:
         ttft_timeout: float = 0.0,
         stall_timeout: float = 0.0,
         session_affinity_ttl_s: float | None = None,
+        lora: LoraRegistry | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -250,6 +252,9 @@ class PipelineFactory:
             )
         self.session_affinity_ttl_s = session_affinity_ttl_s
         self.session_tables: dict[str, tuple[InstanceSource, SessionTable]] = {}
+        #: ``--enable-lora``: adapter requests go only to instances holding (or loading) the
+        #: adapter (see ``router.lora``); None: LoRA serving off.
+        self.lora = lora
 
     def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
         mode = self.router_mode
@@ -258,10 +263,13 @@ class PipelineFactory:
             mode = RouterMode.ROUND_ROBIN
         return PushRouter(
             client,
-            make_selector(mode, seed=self.router_seed),
+            self._lora_selector(make_selector(mode, seed=self.router_seed)),
             endpoint_name=card.endpoint.path(),
             **codec,
         )
+
+    def _lora_selector(self, selector: InstanceSelector) -> InstanceSelector:
+        return selector if self.lora is None else LoraSelector(selector, self.lora)
 
     def _gate(self, client: Any) -> WorkerGate | None:
         if self.min_initial_workers <= 1:
@@ -326,7 +334,10 @@ class PipelineFactory:
                 raise ValueError(f"chat model {card.display_name!r} has no chat template")
             template = ChatTemplate(card.chat_template, card.bos_token, card.eos_token)
         if self.router_mode is RouterMode.KV:
-            router: Any = KvPushRouter(await self._kv_router(card, client))
+            router: Any = KvPushRouter(
+                await self._kv_router(card, client),
+                allow=self.lora.allowed if self.lora is not None else None,
+            )
         else:
             router = self._router(
                 card, client, encode=_msgpack_encode, decode=_output_decoder.decode

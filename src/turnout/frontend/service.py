@@ -13,7 +13,8 @@ from granian.server.embed import Server
 
 from turnout.errors import ConfigError, TurnoutError
 from turnout.router.kv.config import KvRouterConfig
-from turnout.router.mode import RouterMode
+from turnout.router.lora import LoraRegistry
+from turnout.router.mode import RouterMode, validate_router_mode_for_lora
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import PlanesConfig, open_runtime
 
@@ -23,6 +24,7 @@ from .artifacts import ArtifactFetcher, DiskArtifactCache
 from .busy_threshold import BusyThresholds
 from .http import DEFAULT_MAX_BODY_BYTES, HttpService
 from .http_errors import REJECT_STATUSES
+from .lora import LoraModels
 from .metrics import FrontendMetrics
 from .model_manager import ModelManager
 from .model_watcher import ModelWatcher
@@ -69,6 +71,8 @@ class FrontendConfig:
     #: first request while it has requests in flight and this many idle seconds after
     #: (None: off; see ``router.session_affinity``).
     router_session_affinity_ttl_s: float | None = None
+    #: Serve LoRA adapters by name, routed to the instances that hold them (``frontend.lora``).
+    enable_lora: bool = False
 
 
 class Frontend:
@@ -88,6 +92,14 @@ class Frontend:
                 f"--reject-status must be one of {', '.join(map(str, REJECT_STATUSES))}, "
                 f"got {config.reject_status}"
             )
+        # Before anything waits for workers: a mode that cannot keep adapter traffic on the
+        # adapter's holders fails here, in one line (as Dynamo does).
+        validate_router_mode_for_lora(
+            config.router_mode,
+            lora_enabled=config.enable_lora,
+            session_affinity_enabled=getattr(config, "router_session_affinity_ttl_s", None)
+            is not None,
+        )
         self.admission = AdmissionController(
             AdmissionLimits(
                 max_inflight=config.max_inflight,
@@ -99,6 +111,11 @@ class Frontend:
         )
         self.metrics = FrontendMetrics()
         self.manager = ModelManager()
+        #: Who holds and can load which LoRA adapter (None: LoRA serving off).
+        self.lora: LoraRegistry | None = None
+        if config.enable_lora:
+            self.lora = LoraRegistry()
+            self.manager.lora = LoraModels(self.lora)
         self.runtime = runtime
         self._owns_runtime = runtime is None
         self._tasks: list[asyncio.Task[None]] = []
@@ -126,6 +143,7 @@ class Frontend:
             ttft_timeout=cfg.ttft_timeout,
             stall_timeout=cfg.stall_timeout,
             session_affinity_ttl_s=cfg.router_session_affinity_ttl_s,
+            lora=self.lora,
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None
@@ -134,7 +152,9 @@ class Frontend:
         )
         self.metrics.watch_kv_routers(factory.kv_routers)
         self.metrics.registry.register(SessionAffinityCollector(factory.session_tables))
-        self.watcher = ModelWatcher(self.runtime, self.manager, factory, namespace=cfg.namespace)
+        self.watcher = ModelWatcher(
+            self.runtime, self.manager, factory, namespace=cfg.namespace, lora=self.lora
+        )
         self._tasks.append(asyncio.create_task(self.watcher.watch(), name="model-watcher"))
         service = HttpService(
             self.manager,

@@ -181,6 +181,10 @@ class ModelObject(msgspec.Struct, kw_only=True):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "turnout"
+    #: vLLM's fields: ``root`` is what the entry serves (the model, or the LoRA adapter),
+    #: ``parent`` the base model of an adapter (None for a base model).
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -193,3 +193,22 @@ async def test_an_adapter_the_worker_cannot_load_is_a_bad_request(
         assert outs[0].finish_reason is FinishReason.ERROR
         assert outs[0].error_kind == ErrorKind.BAD_REQUEST.value
         assert "nope" in (outs[0].error or "")
+
+
+async def test_closing_an_adapter_stream_aborts_it_and_releases_the_adapter(
+    stopped: list[MockerEngine],
+) -> None:
+    engine = MockerEngine(fast(lora_adapters={"a": None, "b": None}, max_loras=1))
+    stopped.append(engine)
+    stream = engine.generate(lora_req(list(range(100)), "a", 10_000), RequestContext())
+    async for out in stream:
+        if out.token_ids:
+            break
+    (sched,) = engine.get_schedulers()
+    assert sched.pool.num_used > 0
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert sched.pool.num_used == 0 and not sched.has_work()
+    # a is idle again: b may evict it at once.
+    outs = [o async for o in engine.generate(lora_req([2] * 20, "b"), RequestContext())]
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert engine.loaded_loras() == ["b"]

@@ -299,16 +299,18 @@ class MockerEngine(Engine):
 
     # ---- the Engine contract --------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
         """Run ``request``; one that names a LoRA adapter first holds it (loading it, and
         waiting the simulated load time, on first use) until its stream ends."""
-        name = request.lora_name
-        if not name:
-            async for out in self._generate(request, ctx):
-                yield out
-            return
+        if not request.lora_name:
+            return self._generate(request, ctx)
+        return self._generate_lora(request.lora_name, request, ctx)
+
+    async def _generate_lora(
+        self, name: str, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
         loras = self.loras
         if loras is None or not await loras.acquire(name):
             yield LLMEngineOutput(
@@ -317,11 +319,15 @@ class MockerEngine(Engine):
                 error_kind=ErrorKind.BAD_REQUEST.value,
             )
             return
+        stream = self._generate(request, ctx)
         try:
-            async for out in self._generate(request, ctx):
+            async for out in stream:
                 yield out
         finally:
-            loras.release(name)
+            try:
+                await stream.aclose()  # type: ignore[attr-defined]  # abort it now, not at GC
+            finally:
+                loras.release(name)
 
     async def _generate(
         self, request: PreprocessedRequest, ctx: RequestContext
