@@ -4,8 +4,11 @@ frontend with ``--enable-lora`` (real sockets, the memory store)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -202,3 +205,46 @@ def test_the_frontend_refuses_lora_with_an_unsupported_mode_at_start(
     )
     with pytest.raises(ConfigError, match=match):
         Frontend(config)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["frontend", "--enable-lora", "--router-mode", "direct"], "router mode direct"),
+        (
+            ["frontend", "--enable-lora", "--router-session-affinity-ttl-secs", "30"],
+            "session affinity is unsupported with LoRA serving and round-robin",
+        ),
+        (["worker", "--engine", "mocker", "--lora-adapters", "a/b"], "bad adapter name 'a/b'"),
+        (["worker", "--engine", "mocker", "--max-loras", "0"], "max_loras must be"),
+    ],
+)
+def test_bad_lora_settings_fail_at_start_in_one_line(
+    args: list[str], words: str, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "turnout", *args, "--store-path", str(tmp_path / "s.sqlite")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out
+    assert words in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+async def test_adapter_cards_leave_with_their_worker(gguf_path: str, stacks: list[Stack]) -> None:
+    stack = await lora_stack(gguf_path, 2)
+    stacks.append(stack)
+    registry = stack.frontend.lora
+    assert registry is not None
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        home = worker_of(await complete(http, "ad7"))
+        await until(lambda: registry.holders("ad7") == {home})
+        leaving = next(w for w in stack.workers if w.serving and w.serving.instance_id == home)
+        await leaving.stop(drain_timeout=1.0)
+        stack.workers.remove(leaving)
+        await until(lambda: not registry.holders("ad7"))
+        assert "ad7" not in await listed(http)
+        # The other worker takes the adapter over (it can load it too).
+        (other,) = instance_ids(stack)
+        await until(lambda: stack.frontend.manager.model_instances("base") == [other])
+        assert worker_of(await complete(http, "ad7")) == other
