@@ -115,7 +115,15 @@ async def test_unknown_adapter_is_404_and_the_first_request_loads_on_the_rendezv
         # No holder: every request goes to the rendezvous winner, which loads the adapter.
         winner = rendezvous_pick("ad0", ids)
         for _ in range(5):
-            assert worker_of(await complete(http, "ad0")) == winner
+            out = await complete(http, "ad0")
+            assert worker_of(out) == winner and out["model"] == "ad0"
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"model": "ad0", "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert worker_of(r.json()) == winner and r.json()["model"] == "ad0"
         await until(lambda: registry.holders("ad0") == {winner})
         models = await listed(http)
         assert models["ad0"].model_extra == {"root": "ad0", "parent": "base"}
