@@ -272,13 +272,16 @@ async def replay(
     concurrency: int,
     timeout_s: float,
     body_fn: BodyFn | None = None,
+    keepalive: bool = True,
 ) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time (open loop, at most ``concurrency`` at once).
 
     Requests of a trace with sessions carry ``x-session-id``, and a turn is not sent before
     the previous turn of its session has finished (its prompt holds that turn's answer): it
     goes at its arrival time or then, whichever is later. Returns the results in trace order
-    and the wall seconds from the first send to the last completion.
+    and the wall seconds from the first send to the last completion. ``keepalive=False``
+    opens a connection per request (Dynamo's frontend stalls ~25 ms on a connection reused
+    right after a response; see ``benchmarks/dynamo_peer.py``).
     """
     make_body = body_fn or _request_body
     previous: list[int | None] = [None] * len(trace.requests)
@@ -288,7 +291,9 @@ async def replay(
             previous[i] = last.get(request.session_id)
             last[request.session_id] = i
     done = [asyncio.Event() for _ in trace.requests]
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency if keepalive else 0
+    )
     cap = asyncio.Semaphore(concurrency)
     results = [RequestResult(i) for i in range(len(trace.requests))]
     async with httpx.AsyncClient(
@@ -733,12 +738,17 @@ def trace_context_length(trace: Trace) -> int:
 
 
 def _replay(
-    url: str, trace: Trace, plan: CellPlan, args: argparse.Namespace, body_fn: BodyFn | None
+    url: str,
+    trace: Trace,
+    plan: CellPlan,
+    args: argparse.Namespace,
+    body_fn: BodyFn | None,
+    keepalive: bool = True,
 ) -> tuple[list[RequestResult], float]:
     return asyncio.run(
         replay(
             url, MODEL_NAME, trace, time_scale=plan.time_scale, concurrency=args.concurrency,
-            timeout_s=args.request_timeout, body_fn=body_fn,
+            timeout_s=args.request_timeout, body_fn=body_fn, keepalive=keepalive,
         )
     )  # fmt: skip
 
@@ -818,7 +828,8 @@ def run_dynamo(args: argparse.Namespace, trace: Trace, plan: CellPlan) -> dict[s
             entry["startup_s"] = round(time.perf_counter() - started, 2)
             print(f"[{DYNAMO_MODE}] {plan.workers} workers up in {entry['startup_s']} s; "
                   f"replaying {len(trace.requests)} requests", flush=True)  # fmt: skip
-            results, elapsed = _replay(stack.url, trace, plan, args, body_fn)
+            # A fresh connection per request: Dynamo's frontend stalls a reused one.
+            results, elapsed = _replay(stack.url, trace, plan, args, body_fn, keepalive=False)
             entry["summary"] = summarize(results, elapsed, plan.speedup, plan.workers, plan)
             if entry["summary"]["num_ok"] == 0:
                 entry["frontend_log_tail"] = stack.log_tail("frontend", 20)

@@ -325,8 +325,9 @@ async def test_replay_without_sessions_sends_no_session_id_and_does_not_wait() -
     fake = FakeServer()
     async with fake as url:
         results, _ = await rq.replay(
-            url, "m", two_turn_trace(False), time_scale=1.0, concurrency=8, timeout_s=10
-        )
+            url, "m", two_turn_trace(False), time_scale=1.0, concurrency=8, timeout_s=10,
+            keepalive=False,
+        )  # fmt: skip
     assert [r.error for r in results] == [None, None, None]
     assert all("x-session-id" not in s["headers"] for s in fake.seen)  # type: ignore[operator]
     assert all(r.session_wait_s == 0.0 for r in results)
