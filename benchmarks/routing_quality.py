@@ -46,7 +46,7 @@ prompts of 2K-18K tokens) on 16 shared system prompts, with long user turns so t
 dominates; a turn is sent at its (scaled) arrival time but never before the previous turn of
 its session has finished. ``--trace mooncake``: a window of the Mooncake FAST'25 conversation
 trace (``../shared/traces/mooncake_conversation.jsonl`` beside the repo), by default records
-2000..2539 (540 requests, no sessions), prompts cut to 16,384 tokens, outputs to 64; its
+2000..2499 (500 requests, no sessions), prompts cut to 16,384 tokens, outputs to 64; its
 512-token hash blocks become token blocks, the router and mocker use blocks of
 ``--block-size`` (64). ``--num-gpu-blocks`` (8192 per worker) holds the largest request and
 what is in flight at these loads, not every prefix of the window at 8 workers.
@@ -63,7 +63,7 @@ Usage::
         --modes round-robin "kv --router-cost blocks"
 
 The full default matrix (workers 8 and 32 x loads 0.7 and 0.95 x 4 modes) takes about 10
-minutes (synthetic) and 14 minutes (mooncake) on a 2-core machine; ``--peer dynamo`` adds a
+minutes (synthetic) and 15 minutes (mooncake) on a 2-core machine; ``--peer dynamo`` adds a
 quarter (the expected duration is printed at the start).
 Writes ``benchmarks/results/routing_quality_<trace>.json`` (one entry per cell) and one TTFT
 CDF per cell, ``routing_quality_<trace>_w<N>_load<L>_ttft_cdf.png``.
@@ -130,7 +130,7 @@ TRACE_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "mooncake": {
         "window_start": 2000,
-        "max_requests": 540,
+        "max_requests": 500,
         "num_gpu_blocks": 8192,
         "wall_rate": 15.0,
         "max_input_length": 16384,
@@ -150,7 +150,7 @@ QUICK = {
 #: (turns wait for their sessions' previous turns; round-robin falls behind).
 STARTUP_S = {"turnout": (3.0, 0.05), "dynamo": (3.0, 0.1)}
 DRAIN_S = 4.0
-STRETCH = {True: 2.8, False: 1.2}  # by Trace.has_sessions
+STRETCH = {True: 2.8, False: 1.35}  # by Trace.has_sessions
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 BodyFn = Callable[[str, np.ndarray, int], bytes]

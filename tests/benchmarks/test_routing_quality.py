@@ -176,7 +176,7 @@ def test_defaults_depend_on_the_trace_and_quick() -> None:
     assert synthetic.sessions == 300 and synthetic.max_requests is None
     assert synthetic.out.name == "routing_quality_synthetic.json"
     mooncake = rq.parse_args(["--trace", "mooncake"])
-    assert (mooncake.window_start, mooncake.max_requests) == (2000, 540)
+    assert (mooncake.window_start, mooncake.max_requests) == (2000, 500)
     assert mooncake.max_input_length == 16384
     assert mooncake.num_gpu_blocks * mooncake.block_size >= 16384 + mooncake.max_output_length
     quick = rq.parse_args(["--quick", "--workers", "2", "--load", "0.5"])
@@ -193,7 +193,7 @@ def test_the_mooncake_default_window_fits_the_default_pool() -> None:
         pytest.skip(f"no {rq.MOONCAKE_FILE}")
     args = rq.parse_args(["--trace", "mooncake"])
     trace = rq.make_trace(args)
-    assert len(trace.requests) == 540 and not trace.has_sessions
+    assert len(trace.requests) == 500 and not trace.has_sessions
     assert trace.requests[0].session_id == "r2000"
     assert rq.trace_context_length(trace) <= args.num_gpu_blocks * args.block_size
 
