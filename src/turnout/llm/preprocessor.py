@@ -31,6 +31,7 @@ from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 from .chat_template import ChatTemplate
+from .multimodal_keys import image_urls, multimodal_cache_keys
 from .tokenizer import Tokenizer
 
 #: Prompt text longer than this (characters) is rendered and tokenized off the event loop.
@@ -127,7 +128,11 @@ class Preprocessor:
 
         token_ids = await _maybe_offload(_content_size(req.messages), render_and_encode)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._build(req, token_ids, max_tokens, max_param, "messages", logprobs)
+        pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs)
+        urls = image_urls(req.messages)
+        if urls:
+            pre.multimodal_cache_keys = multimodal_cache_keys(urls)
+        return pre
 
     # ---------------------------------------------------------------- completions
 

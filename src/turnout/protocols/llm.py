@@ -108,6 +108,10 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Seconds the whole request may take (``nvext.request_timeout``); enforced by the
     #: frontend's migration operator, across migrations. None: the frontend's default.
     request_timeout: float | None = None
+    #: blake3 hex of each image URL of the request, sorted, de-duplicated (Dynamo's
+    #: ``preprocessed_multimodal_cache_keys``); ``device-aware-weighted`` routing prefers an
+    #: instance holding all of them. None: no image.
+    multimodal_cache_keys: list[str] | None = None
 
 
 class CompletionUsage(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -103,6 +103,14 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     data_parallel_size: int = 1
     #: True when the worker publishes KV events (exact KV routing is possible).
     enable_kv_events: bool = False
+    #: What the engine runs on (``--device-type``): ``DEVICE_CPU`` or ``DEVICE_GPU``; router
+    #: mode ``device-aware-weighted`` counts any value but ``cpu`` as a GPU.
+    device_type: str = "gpu"
+
+
+#: ``RuntimeConfig.device_type`` values.
+DEVICE_CPU = "cpu"
+DEVICE_GPU = "gpu"
 
 
 #: The side handler (``ServingInstance.add_handler``) through which a worker serves the

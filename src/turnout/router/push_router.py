@@ -32,6 +32,7 @@ from turnout.errors import (
     WorkerProtocolError,
 )
 from turnout.protocols.llm import PreprocessedRequest
+from turnout.router.instance_load import InstanceLoad
 from turnout.router.selectors import InstanceSelector
 from turnout.runtime.context import RequestContext
 
@@ -88,8 +89,13 @@ class PushRouter(Generic[Req, Resp]):
         decode: Callable[[bytes], Resp],
         endpoint_name: str = "",
         max_attempts: int = 3,
+        load: InstanceLoad | None = None,
     ) -> None:
         self._client = client
+        #: Requests in flight per instance: one more from the moment a stream to an instance
+        #: is opened until it ends, however it ends (the load-based selectors read it; the
+        #: pipeline factory shares one per model).
+        self.load = load if load is not None else InstanceLoad()
         self._selector = selector
         self._encode = encode
         self._decode = decode
@@ -132,6 +138,7 @@ class PushRouter(Generic[Req, Resp]):
             instance_id = self._pick(request, excluded, ctx)
             ctx.metadata["worker_instance_id"] = instance_id
             stream = self._client.stream(instance_id, payload, ctx)
+            ticket = self.load.on_stream_started(instance_id)
             try:
                 async for raw in stream:
                     try:
@@ -157,4 +164,5 @@ class PushRouter(Generic[Req, Resp]):
                         f"were unreachable; last error: {exc}"
                     ) from exc
             finally:
+                self.load.on_stream_ended(ticket)
                 await stream.aclose()  # type: ignore[attr-defined]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import abc
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from turnout.errors import ConfigError, NotYetSupported, RequestError
 from turnout.protocols.llm import PreprocessedRequest
+from turnout.router.instance_load import InstanceLoad
 from turnout.router.mode import RouterMode
 
 
@@ -61,8 +62,34 @@ class DirectSelector(InstanceSelector):
         return request.backend_instance_id
 
 
-def make_selector(mode: RouterMode, *, seed: int | None = None) -> InstanceSelector:
-    """The selector for a simple mode; KV mode is built by the KV router, not here."""
+def make_selector(
+    mode: RouterMode,
+    *,
+    seed: int | None = None,
+    load: InstanceLoad | None = None,
+    device_types: Callable[[], Mapping[int, str]] | None = None,
+    cpu_gpu_ratio: int | None = None,
+) -> InstanceSelector:
+    """The selector for a simple mode; KV mode is built by the KV router, not here.
+
+    ``load``: the in-flight counts the load-based modes read (the push router's; a new one
+    if None); ``device_types`` and ``cpu_gpu_ratio``: ``device-aware-weighted`` only."""
+    if mode in (
+        RouterMode.POWER_OF_TWO,
+        RouterMode.LEAST_LOADED,
+        RouterMode.DEVICE_AWARE_WEIGHTED,
+    ):
+        from turnout.router import load_selectors as ls
+
+        load = load if load is not None else InstanceLoad()
+        if mode is RouterMode.POWER_OF_TWO:
+            return ls.PowerOfTwoSelector(load, seed)
+        if mode is RouterMode.LEAST_LOADED:
+            return ls.LeastLoadedSelector(load, seed)
+        ratio = ls.DEFAULT_CPU_GPU_RATIO if cpu_gpu_ratio is None else cpu_gpu_ratio
+        if ratio < 1:
+            raise ConfigError(f"--router-cpu-gpu-ratio must be an integer >= 1, got {ratio}")
+        return ls.DeviceAwareSelector(load, device_types or dict, ratio=ratio, seed=seed)
     if mode is RouterMode.ROUND_ROBIN:
         return RoundRobinSelector()
     if mode is RouterMode.RANDOM:
