@@ -29,7 +29,11 @@ def run(
         (["worker", "--engine", "mocker", "--num-gpu-blocks", "999999999999"], "bookkeeping"),
         (["worker", "--engine", "nope"], "invalid choice: 'nope'"),
         (["frontend", "--router-mode", "magic"], "unknown router mode 'magic'"),
-        (["frontend", "--router-mode", "least-loaded"], "not yet supported"),
+        (
+            ["frontend", "--router-mode", "device-aware-weighted", "--router-cpu-gpu-ratio", "0"],
+            "--router-cpu-gpu-ratio must be an integer >= 1, got 0",
+        ),
+        (["worker", "--device-type", "tpu"], "invalid choice: 'tpu'"),
         (["worker", "--endpoint", "just-one-part"], "namespace/component/endpoint"),
         (
             ["frontend", "--store", "etcd", "--store-endpoints", "http://127.0.0.1:1"],

@@ -22,8 +22,12 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--host", default="127.0.0.1", help="HTTP bind address")
     add_flag(p, "--port", default=8000, type=int, help="HTTP port")
     add_flag(p, "--router-mode", default="round-robin",
-             help="round-robin | random | direct | kv (power-of-two, least-loaded, "
-                  "device-aware-weighted: not yet supported)")  # fmt: skip
+             help="round-robin | random | power-of-two | least-loaded | "
+                  "device-aware-weighted | direct | kv")  # fmt: skip
+    add_flag(p, "--router-cpu-gpu-ratio", default=8, type=int,
+             help="device-aware-weighted: how many CPU instances one GPU instance is worth "
+                  "(Dynamo's non_cpu_to_cpu_ratio); CPU instances take a request while the CPU "
+                  "in-flight total < GPU in-flight total x CPUs / (ratio x GPUs)")  # fmt: skip
     add_flag(p, "--migration-limit", default=3, type=int,
              help="times a request may move to another worker when its worker dies")  # fmt: skip
     add_flag(p, "--request-timeout", default=0.0, type=float,
@@ -131,6 +135,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         stall_timeout=args.stall_timeout,
         router_session_affinity_ttl_s=args.router_session_affinity_ttl_secs,
         enable_lora=args.enable_lora,
+        router_cpu_gpu_ratio=args.router_cpu_gpu_ratio,
     )
 
 

@@ -68,6 +68,8 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
         "--drain-timeout", str(args.drain_timeout),
         "--log-level", args.log_level,
     ]  # fmt: skip
+    if getattr(args, "device_type", None):
+        argv += ["--device-type", args.device_type]
     if args.engine == "mocker":
         # One process simulates every worker: the mocker is built for many per process.
         argv += ["--num-workers", str(args.num_workers)]

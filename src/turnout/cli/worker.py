@@ -31,6 +31,9 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(p, "--model-name", help="served model name (default: from the model)")
     add_flag(p, "--endpoint", default=DEFAULT_ENDPOINT, help="namespace/component/endpoint")
     add_flag(p, "--context-length", type=int, help="override the model's context length")
+    add_flag(p, "--device-type", choices=["cpu", "gpu"],
+             help="device the engine runs on, announced in its card for device-aware-weighted "
+                  "routing (default: the engine's; cpu for llamacpp, gpu otherwise)")  # fmt: skip
     add_flag(p, "--drain-timeout", default=5.0, type=float,
              help="on SIGTERM, seconds in-flight requests may finish before the rest are "
                   "cut (frontends migrate them)")  # fmt: skip
@@ -151,7 +154,13 @@ async def run_worker(args: argparse.Namespace) -> None:
     async def start() -> None:
         engines = make_engines(args, args.num_workers, threads=max(1, os.cpu_count() or 2))
         for engine in engines:
-            worker = Worker(runtime, engine, endpoint, model_name=args.model_name)
+            worker = Worker(
+                runtime,
+                engine,
+                endpoint,
+                model_name=args.model_name,
+                device_type=getattr(args, "device_type", None),
+            )
             workers.append(worker)
             # A lost lease is not fatal: the instance registers again by itself.
             await worker.start()

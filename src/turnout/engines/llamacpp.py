@@ -94,7 +94,7 @@ from turnout.protocols.llm import (
     LLMEngineOutput,
     PreprocessedRequest,
 )
-from turnout.protocols.model import ModelDeploymentCard, RuntimeConfig
+from turnout.protocols.model import DEVICE_CPU, ModelDeploymentCard, RuntimeConfig
 from turnout.runtime.context import RequestContext
 
 from .base import Engine
@@ -756,6 +756,8 @@ class LlamaCppEngine(Engine):
             runtime_config=RuntimeConfig(
                 max_num_seqs=self.n_parallel,
                 total_kv_blocks=self.n_ctx // card.kv_cache_block_size,
+                # xllamacpp runs on the CPU here; ``--device-type`` overrides it.
+                device_type=DEVICE_CPU,
             ),
         )
 

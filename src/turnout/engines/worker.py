@@ -33,6 +33,8 @@ from turnout.protocols.kv import KV_SNAPSHOT_HANDLER, KvSnapshot, KvSnapshotRequ
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import (
     ARTIFACT_HANDLER,
+    DEVICE_CPU,
+    DEVICE_GPU,
     ArtifactRef,
     ArtifactRequest,
     EndpointId,
@@ -69,7 +71,12 @@ class Worker:
         migration_limit: int | None = None,
         artifacts: ArtifactRegistry = LOCAL_ARTIFACTS,
         health_interval: float = HEALTH_INTERVAL_SECONDS,
+        device_type: str | None = None,
     ) -> None:
+        if device_type not in (None, DEVICE_CPU, DEVICE_GPU):
+            raise ConfigError(f"--device-type must be cpu or gpu, got {device_type!r}")
+        #: Overrides the engine's ``runtime_config.device_type`` in the card (None: keep).
+        self.device_type = device_type
         self.runtime = runtime
         #: Where the bytes of the card's artifacts are (the process's registry; tests give
         #: each simulated worker its own).
@@ -107,6 +114,10 @@ class Worker:
             overrides["display_name"] = self.model_name
         if self.migration_limit is not None:
             overrides["migration_limit"] = self.migration_limit
+        if self.device_type is not None:
+            overrides["runtime_config"] = msgspec.structs.replace(
+                template.runtime_config, device_type=self.device_type
+            )
         base = msgspec.structs.replace(template, **overrides)
         artifacts = base.artifacts()
         missing = [ref.name for ref in artifacts if ref.sha256 not in self.artifacts]

@@ -194,6 +194,15 @@ class ModelManager:
         """The cards of every live instance (and LoRA entry) of ``name``, oldest first."""
         return list(self._entries_by_model.get(name, {}).values())
 
+    def device_types(self, name: str) -> dict[int, str]:
+        """Instance id -> the device its card announces (``runtime_config.device_type``) for
+        every instance of ``name``; read by ``device-aware-weighted`` routing."""
+        return {
+            card.instance_id: card.runtime_config.device_type
+            for card in self._entries_by_model.get(name, {}).values()
+            if card.lora is None
+        }
+
     def model_cards(self, name: str) -> Mapping[str, ModelDeploymentCard]:
         """Discovery key -> card for every entry of ``name`` (a copy; for ``/health``)."""
         return dict(self._entries_by_model.get(name, {}))

@@ -10,7 +10,7 @@ request to a worker and relays the OpenAI chunks it streams back.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from turnout.llm.preprocessor import Preprocessor
 from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+from turnout.router.instance_load import InstanceLoad
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.router import KvRouter
@@ -40,6 +41,10 @@ from .http_errors import HttpError
 from .metrics import FrontendMetrics
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
+#: Router modes that read the push router's in-flight counts.
+LOAD_MODES = frozenset(
+    {RouterMode.POWER_OF_TWO, RouterMode.LEAST_LOADED, RouterMode.DEVICE_AWARE_WEIGHTED}
+)
 _output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
 
 
@@ -209,10 +214,12 @@ class PipelineFactory:
         stall_timeout: float = 0.0,
         session_affinity_ttl_s: float | None = None,
         lora: LoraRegistry | None = None,
+        device_types: Callable[[str], Mapping[int, str]] | None = None,
+        cpu_gpu_ratio: int | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
-            make_selector(router_mode, seed=router_seed)
+            make_selector(router_mode, seed=router_seed, cpu_gpu_ratio=cpu_gpu_ratio)
         elif event_plane is None:
             raise ValueError("router mode kv needs the event plane")
         if min_initial_workers < 0:
@@ -255,18 +262,75 @@ class PipelineFactory:
         #: ``--enable-lora``: adapter requests go only to instances holding (or loading) the
         #: adapter (see ``router.lora``); None: LoRA serving off.
         self.lora = lora
+        #: Load-based modes: per model, its client, the in-flight counts its push routers
+        #: keep and the selector reading them (shared by its chat and completions pipelines,
+        #: forgetting instances that leave), and the listener that prunes them.
+        self.device_types = device_types
+        self.cpu_gpu_ratio = cpu_gpu_ratio
+        self.load_selectors: dict[
+            str, tuple[InstanceSource, InstanceLoad, InstanceSelector, Callable[[], None]]
+        ] = {}
 
     def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
         mode = self.router_mode
         if mode is RouterMode.KV:
             # Text-input models send no tokens to hash: spread them round-robin.
             mode = RouterMode.ROUND_ROBIN
+        if mode in LOAD_MODES:
+            load, selector = self._load_selector(card.display_name, client)
+            return PushRouter(
+                client,
+                self._lora_selector(selector),
+                endpoint_name=card.endpoint.path(),
+                load=load,
+                **codec,
+            )
         return PushRouter(
             client,
             self._lora_selector(make_selector(mode, seed=self.router_seed)),
             endpoint_name=card.endpoint.path(),
             **codec,
         )
+
+    def _load_selector(
+        self, name: str, client: InstanceSource
+    ) -> tuple[InstanceLoad, InstanceSelector]:
+        """The model's in-flight counts and load-based selector (new for a new client)."""
+        entry = self.load_selectors.get(name)
+        if entry is not None and entry[0] is client:
+            return entry[1], entry[2]
+        self._drop_load_selector(name)
+        load = InstanceLoad()
+        accessor = self.device_types
+        selector = make_selector(
+            self.router_mode,
+            seed=self.router_seed,
+            load=load,
+            device_types=(lambda: accessor(name)) if accessor is not None else None,
+            cpu_gpu_ratio=self.cpu_gpu_ratio,
+        )
+        mm_cache = getattr(selector, "mm_cache", None)
+        members = getattr(client, "announced_ids", client.instance_ids)
+
+        def prune() -> None:
+            live = set(members())
+            load.retain(live)
+            if mm_cache is not None:
+                mm_cache.retain(live)
+
+        add_listener = getattr(client, "add_listener", None)
+        if add_listener is not None:
+            add_listener(prune)
+        self.load_selectors[name] = (client, load, selector, prune)
+        return load, selector
+
+    def _drop_load_selector(self, name: str) -> None:
+        entry = self.load_selectors.pop(name, None)
+        if entry is None:
+            return
+        remove_listener = getattr(entry[0], "remove_listener", None)
+        if remove_listener is not None:
+            remove_listener(entry[3])
 
     def _lora_selector(self, selector: InstanceSelector) -> InstanceSelector:
         return selector if self.lora is None else LoraSelector(selector, self.lora)
@@ -305,6 +369,7 @@ class PipelineFactory:
 
     async def release(self, name: str) -> None:
         self.session_tables.pop(name, None)
+        self._drop_load_selector(name)
         router = self.kv_routers.pop(name, None)
         if router is not None:
             await router.close()

@@ -73,6 +73,9 @@ class FrontendConfig:
     router_session_affinity_ttl_s: float | None = None
     #: Serve LoRA adapters by name, routed to the instances that hold them (``frontend.lora``).
     enable_lora: bool = False
+    #: ``device-aware-weighted``: how many CPU instances one GPU instance is worth (Dynamo's
+    #: ``non_cpu_to_cpu_ratio``, default 8; see ``router.load_selectors``).
+    router_cpu_gpu_ratio: int = 8
 
 
 class Frontend:
@@ -144,6 +147,8 @@ class Frontend:
             stall_timeout=cfg.stall_timeout,
             session_affinity_ttl_s=cfg.router_session_affinity_ttl_s,
             lora=self.lora,
+            device_types=self.manager.device_types,
+            cpu_gpu_ratio=cfg.router_cpu_gpu_ratio,
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None
