@@ -14,8 +14,9 @@ from tests.frontend.stack import ENDPOINT, Stack, make_stack
 
 from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker
+from turnout.errors import ConfigError
 from turnout.llm.multimodal_keys import multimodal_cache_keys
-from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.openai import ChatCompletionRequest, ChatMessage
 from turnout.router.mode import RouterMode
 from turnout.runtime.context import RequestContext
@@ -167,10 +168,13 @@ async def test_device_aware_keeps_cpu_under_ratio_times_gpu(
 ) -> None:
     stack = await run_stack(router_mode=RouterMode.DEVICE_AWARE_WEIGHTED, router_cpu_gpu_ratio=1)
     gpu, cpus = GatedEcho(gguf_path), [GatedEcho(gguf_path) for _ in range(2)]
-    await add(stack, gpu)  # the echo engine says gpu by default
-    for e in cpus:
-        await add(stack, e, device_type="cpu")
+    gpu_id = await add(stack, gpu)  # the echo engine says gpu by default
+    cpu_ids = [await add(stack, e, device_type="cpu") for e in cpus]
     await stack.wait_for_model(MODEL, instances=3)
+    assert stack.frontend.manager.device_types(MODEL) == {
+        gpu_id: "gpu",
+        **dict.fromkeys(cpu_ids, "cpu"),
+    }
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
         for n in range(1, 13):  # one at a time, so each decision sees the ones before
             tasks = await hold(client, 1)
@@ -230,3 +234,44 @@ async def test_device_aware_prefers_the_instance_holding_the_images(
         e.gate.set()
     await asyncio.gather(*tasks)
     await until(lambda: in_flight(stack) == {})
+
+
+class DyingEcho(GatedEcho):
+    """Its engine dies under every request after the first token (the frontend migrates)."""
+
+    async def generate(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        self.received.append(request)
+        yield LLMEngineOutput(token_ids=request.token_ids[:1])
+        yield LLMEngineOutput(
+            finish_reason=FinishReason.ERROR,
+            error="engine died",
+            error_kind=ErrorKind.ENGINE_FAILED.value,
+        )
+
+
+async def test_a_migrated_request_is_counted_on_its_new_instance_only(
+    gguf_path: str, run_stack: Callable[..., Awaitable[Stack]]
+) -> None:
+    stack = await run_stack(router_mode=RouterMode.LEAST_LOADED)
+    steady, dying = GatedEcho(gguf_path), DyingEcho(gguf_path)
+    steady_id = await add(stack, steady)
+    await add(stack, dying)
+    await stack.wait_for_model(MODEL, instances=2)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+        tasks = await hold(client, 1)
+        await until(lambda: steady.active == 1)
+        # The next request goes to the idle instance, which dies under it: it moves over.
+        tasks += await hold(client, 1)
+        await until(lambda: steady.active == 2)
+        assert len(dying.received) == 1
+        assert in_flight(stack) == {steady_id: 2}
+        steady.gate.set()
+        assert await asyncio.gather(*tasks) == [200, 200]
+    await until(lambda: in_flight(stack) == {})
+
+
+def test_a_bad_device_type_fails_at_start_up(gguf_path: str) -> None:
+    with pytest.raises(ConfigError, match="--device-type must be cpu or gpu, got 'tpu'"):
+        Worker(None, EchoEngine(gguf_path), ENDPOINT, device_type="tpu")  # type: ignore[arg-type]
