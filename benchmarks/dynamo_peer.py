@@ -46,7 +46,6 @@ import functools
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -58,6 +57,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.process_groups import stop_process_groups
 
 DEFAULT_DYNAMO_PYTHON = Path("/work/dynamo-venv/bin/python")
 #: Vocabulary of the generated tokenizer: covers the benchmarks' token ids (< 50000).
@@ -320,22 +324,7 @@ class DynamoStack:
 
     def stop(self) -> None:
         """SIGINT every process group, wait, then SIGKILL what is left. Idempotent."""
-        procs = list(self.procs.values())
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGINT)
-        deadline = time.monotonic() + 10
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in procs:
-            # The group may hold children even after the leader exited.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            if proc.poll() is None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=10)
+        stop_process_groups(self.procs.values())
         self.procs.clear()
 
     def __enter__(self) -> DynamoStack:

@@ -60,7 +60,6 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +84,7 @@ from benchmarks.dynamo_peer import (  # noqa: E402
     free_port,
     request_body,
 )
+from benchmarks.process_groups import stop_process_groups  # noqa: E402
 
 from turnout.engines.mocker.config import MockerConfig  # noqa: E402
 from turnout.engines.mocker.scheduler import Scheduler  # noqa: E402
@@ -178,18 +178,7 @@ class TurnoutStack:
         return f"turnout stack not ready in {timeout:.0f} s: {self.log_tail('worker')}"
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_process_groups(self.procs)
         self.procs.clear()
 
 

@@ -73,12 +73,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -96,6 +94,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
+from benchmarks.process_groups import stop_process_groups  # noqa: E402
 from benchmarks.traces import (  # noqa: E402
     OracleResult,
     SyntheticTraceConfig,
@@ -408,18 +407,7 @@ class Stack:
 
     def stop(self) -> None:
         """SIGINT everyone, wait a little, then SIGKILL what is left (process groups)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_process_groups(self.procs)
 
 
 def frontend_help() -> str:

@@ -186,9 +186,7 @@ class HttpService:
     # ------------------------------------------------------------------ simple routes
 
     async def _models(self, scope: Scope, proto: HTTPProtocol) -> None:
-        models = [
-            ModelObject(id=name, created=0, root=name) for name in self.manager.list_models()
-        ]
+        models = [ModelObject(id=name, created=0, root=name) for name in self.manager.list_models()]
         if self.manager.lora is not None:  # loaded LoRA adapters, vLLM's way
             models += [
                 ModelObject(id=name, created=0, root=name, parent=base)

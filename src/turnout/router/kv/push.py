@@ -72,8 +72,7 @@ class KvPushRouter:
                     allowed = self._allow(request.lora_name, live)
                     if not allowed:
                         raise NoInstanceAvailable(
-                            f"no live instance holds or can load LoRA adapter "
-                            f"{request.lora_name!r}"
+                            f"no live instance holds or can load LoRA adapter {request.lora_name!r}"
                         )
                 selection = router.route(
                     request_id,
