@@ -94,6 +94,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
+from benchmarks.dynamo_peer import worker_label  # noqa: E402
 from benchmarks.process_groups import stop_process_groups  # noqa: E402
 from benchmarks.traces import (  # noqa: E402
     OracleResult,
@@ -177,18 +178,6 @@ class RequestResult:
     output_tokens: int = 0
     worker_id: str | None = None
     error: str | None = None
-
-
-def worker_label(worker_id: Any) -> str | None:
-    """A hashable label from ``nvext.worker_id``: turnout sends a string, Dynamo an object
-    ``{"prefill_worker_id", "decode_worker_id", ...}`` (its decode worker is used)."""
-    if worker_id is None or isinstance(worker_id, str):
-        return worker_id
-    if isinstance(worker_id, dict):
-        wid = worker_id.get("decode_worker_id", worker_id.get("prefill_worker_id"))
-        rank = worker_id.get("decode_dp_rank", worker_id.get("prefill_dp_rank"))
-        return f"{wid}" if not rank else f"{wid}/{rank}"
-    return str(worker_id)
 
 
 def _request_body(model: str, tokens: np.ndarray, max_tokens: int) -> bytes:

@@ -188,10 +188,18 @@ def test_defaults_depend_on_the_trace_and_quick() -> None:
     )
 
 
-def test_the_mooncake_default_window_fits_the_default_pool() -> None:
-    if not rq.MOONCAKE_FILE.exists():
-        pytest.skip(f"no {rq.MOONCAKE_FILE}")
-    args = rq.parse_args(["--trace", "mooncake"])
+def test_the_mooncake_default_window_fits_the_default_pool(tmp_path: Path) -> None:
+    """The default window (records 2000-2499) of a trace in Mooncake's format, with prompts
+    longer than the cut, fits a worker's default pool. A file of our own, so the test runs
+    wherever the shared trace is absent."""
+    trace_file = tmp_path / "mooncake.jsonl"
+    lines = [
+        json.dumps({"timestamp": i * 100, "input_length": 40_000 + i, "output_length": 500,
+                    "hash_ids": list(range(i, i + 79))})
+        for i in range(2600)
+    ]  # fmt: skip
+    trace_file.write_text("\n".join(lines) + "\n")
+    args = rq.parse_args(["--trace", "mooncake", "--mooncake-file", str(trace_file)])
     trace = rq.make_trace(args)
     assert len(trace.requests) == 500 and not trace.has_sessions
     assert trace.requests[0].session_id == "r2000"
