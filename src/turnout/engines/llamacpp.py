@@ -821,6 +821,17 @@ class LlamaCppEngine(Engine):
                 usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
             )
             return
+        if request.cache_salt:
+            # llama.cpp's slots reuse any earlier prompt's cache: it cannot keep tenants apart,
+            # so a salted request is refused rather than served without the isolation it asked.
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.ERROR,
+                error="'cache_salt' is not supported by this worker (llama.cpp cannot "
+                "partition its prompt cache)",
+                error_kind=ErrorKind.BAD_REQUEST.value,
+                usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
+            )
+            return
         if n_prompt == 0:
             yield LLMEngineOutput(
                 finish_reason=FinishReason.ERROR,
