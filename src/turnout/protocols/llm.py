@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from turnout.protocols.disagg import DisaggParams, KvHandle
+
 
 class FinishReason(enum.StrEnum):
     """Why a stream ended. ``EOS`` and ``STOP`` both become OpenAI's ``"stop"``."""
@@ -46,6 +48,9 @@ class ErrorKind(enum.StrEnum):
     ENGINE_FAILED = "engine_failed"
     BAD_REQUEST = "bad_request"
     OVERLOADED = "overloaded"
+    #: A decode worker could not get the KV of the request's handle (``protocols.disagg``):
+    #: the frontend re-runs the prefill and retries; nothing was generated.
+    KV_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -112,6 +117,8 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: ``preprocessed_multimodal_cache_keys``); ``device-aware-weighted`` routing prefers an
     #: instance holding all of them. None: no image.
     multimodal_cache_keys: list[str] | None = None
+    #: Set by the frontend's prefill router on the two stages of a disaggregated request.
+    disagg: DisaggParams | None = None
 
 
 class CompletionUsage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -137,6 +144,8 @@ class LLMEngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: CompletionUsage | None = None
     #: Engine-specific metadata (e.g. the worker id, routing notes).
     extra: dict[str, Any] | None = None
+    #: On a prefill-stage answer: where its KV waits for the decode worker.
+    kv_handle: KvHandle | None = None
 
 
 class Annotated(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -44,6 +44,19 @@ class ModelType(enum.IntFlag):
         return "|".join(m.name for m in ModelType if m in self and m.name) or "none"
 
 
+class WorkerRole(enum.StrEnum):
+    """What part of a request an instance runs (``turnout worker --role``).
+
+    ``aggregated`` runs whole requests. ``prefill`` computes prompts for decode workers and
+    publishes a ``Prefill`` card (it serves no client request itself). ``decode`` runs whole
+    requests too, and takes a prompt's KV from a prefill worker when the frontend has one.
+    """
+
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class ModelInput(enum.StrEnum):
     """What a worker's ``generate`` endpoint takes."""
 
@@ -106,6 +119,9 @@ class RuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: What the engine runs on (``--device-type``): ``DEVICE_CPU`` or ``DEVICE_GPU``; router
     #: mode ``device-aware-weighted`` counts any value but ``cpu`` as a GPU.
     device_type: str = "gpu"
+    #: How a prefill worker hands its KV to decode workers (``protocols.disagg``):
+    #: ``"pull"`` or ``"push"``; None: it cannot.
+    kv_transfer: str | None = None
 
 
 #: ``RuntimeConfig.device_type`` values.
@@ -188,6 +204,9 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: frontend can send an adapter's first request to an instance that will load it.
     lora_adapters: list[str] = msgspec.field(default_factory=list)
     migration_limit: int = 0
+    #: Which part of requests this instance runs. Prefill instances carry
+    #: ``model_type = Prefill`` and the same ``display_name`` as the model they serve.
+    worker_role: WorkerRole = WorkerRole.AGGREGATED
 
     def artifacts(self) -> list[ArtifactRef]:
         """Every artifact this card names (what its worker must serve)."""
