@@ -24,6 +24,11 @@ def add_flag(
     if value is not None:
         if kwargs.get("action") == "store_true":
             default = value.strip().lower() in ("1", "true", "yes", "on")
+        elif kwargs.get("action") is argparse.BooleanOptionalAction:
+            word = value.strip().lower()
+            if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise SystemExit(f"turnout: bad value {value!r} in ${env}: say true or false")
+            default = word in ("1", "true", "yes", "on")
         else:
             conv = kwargs.get("type", str)
             try:

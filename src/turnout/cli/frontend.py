@@ -48,6 +48,12 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--enable-lora", action="store_true",
              help="serve LoRA adapters by name, routed to the instances that hold them "
                   "(router modes kv, random, round-robin)")  # fmt: skip
+    add_flag(p, "--prefill-min-tokens", default=512, type=int,
+             help="disaggregated serving: prompts with fewer tokens not cached on their "
+                  "decode worker skip the prefill workers")  # fmt: skip
+    add_flag(p, "--decode-fallback", default=True, action=argparse.BooleanOptionalAction,
+             help="with no prefill worker, decode workers serve whole requests; "
+                  "--no-decode-fallback makes requests wait for one (then 503)")  # fmt: skip
     add_flag(p, "--namespace", help="serve only models of this namespace (default: all)")
     add_flag(p, "--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, type=int,
              help="largest accepted request body (413 above)")  # fmt: skip
@@ -136,6 +142,8 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         router_session_affinity_ttl_s=args.router_session_affinity_ttl_secs,
         enable_lora=args.enable_lora,
         router_cpu_gpu_ratio=args.router_cpu_gpu_ratio,
+        prefill_min_tokens=args.prefill_min_tokens,
+        decode_fallback=args.decode_fallback,
     )
 
 

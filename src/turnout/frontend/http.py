@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -103,8 +104,11 @@ class HttpService:
         admission: AdmissionController | None = None,
         reject_status: int = 503,
         busy_thresholds: BusyThresholds | None = None,
+        prefill: Callable[[str], dict[str, Any] | None] | None = None,
     ) -> None:
         self.manager = manager
+        #: A model's disaggregated-serving state for ``/health`` (None: none to report).
+        self._prefill_health = prefill
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         #: None: no admission limits (every request runs at once).
@@ -198,8 +202,14 @@ class HttpService:
         models = []
         for name in self.manager.list_models():
             instances = self.manager.model_instances(name)
-            models.append({"name": name, "instances": [f"{i:x}" for i in instances]})
-        healthy = bool(models) and all(m["instances"] for m in models)
+            entry: dict[str, Any] = {"name": name, "instances": [f"{i:x}" for i in instances]}
+            disagg = self._prefill_health(name) if self._prefill_health is not None else None
+            if disagg is not None:
+                entry["disaggregation"] = disagg
+            models.append(entry)
+        healthy = bool(models) and all(
+            m["instances"] and m.get("disaggregation", {}).get("ready", True) for m in models
+        )
         body = {"status": "healthy" if healthy else "unhealthy", "models": models}
         proto.response_bytes(200 if healthy else 503, _JSON, _json.encode(body))
 

@@ -27,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -121,21 +121,21 @@ class FrontendMetrics:
             "turnout_time_to_first_token_seconds",
             "Time from request arrival to the first generated token",
             ["model"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = LoopHistogram(
             "turnout_inter_token_latency_seconds",
             "Time between consecutive token deliveries of one stream",
             ["model"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.duration = LoopHistogram(
             "turnout_request_duration_seconds",
             "Time from request arrival to its last byte",
             ["model"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.input_tokens = LoopHistogram(
@@ -174,7 +174,7 @@ class FrontendMetrics:
             "Time requests waited for an admission slot (0 when admitted at once; rejected "
             "waiters included)",
             ["model"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.card_switches = Counter(

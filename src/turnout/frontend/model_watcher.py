@@ -38,6 +38,10 @@ instances of the served card are candidates. An instance announced in discovery 
 was refused (artifacts that could not be fetched, invalid card) or is on standby gets no
 request of this model.
 
+Cards of prefill instances (``ModelType.Prefill``, disaggregated serving) are not models:
+they go to ``frontend.prefill_watch``, which activates the model's prefill router with its
+first prefill instance and deactivates it with the last.
+
 Events are handled one at a time, in store order. A bad event (invalid card, unsupported
 pair, failing factory) is logged and skipped; the watcher never stops for one.
 
@@ -64,6 +68,7 @@ import msgspec
 
 from turnout.errors import ModelNotFound
 from turnout.frontend.model_manager import ModelManager
+from turnout.frontend.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.llm.artifacts import ArtifactError
 from turnout.protocols.model import (
     MDC_ROOT,
@@ -277,6 +282,13 @@ class ModelWatcher:
         self._seq = 0
         # Updates of switches made outside the event handler (see ``_on_instances_changed``).
         self._pending_sends: set[asyncio.Task[None]] = set()
+        # Prefill instances' cards activate their model's prefill router (disaggregated
+        # serving), with a factory that builds prefill pools.
+        slots = getattr(pipeline_factory, "prefill_slots", None)
+        build = getattr(pipeline_factory, "build_prefill_pool", None)
+        self.prefill: PrefillWatch | None = None
+        if slots is not None and build is not None:
+            self.prefill = PrefillWatch(runtime, slots, build, AcceptedInstances)
 
     @property
     def manager(self) -> ModelManager:
@@ -345,6 +357,8 @@ class ModelWatcher:
         views = {id(g.view): g.view for m in self._models.values() for g in m.groups()}
         for view in views.values():
             view.client.remove_listener(view.listener)
+        if self.prefill is not None:
+            await self.prefill.close()
         await self._manager.close()
         for view in views.values():  # standby views (closing twice is harmless)
             await _close_client(view)
@@ -397,6 +411,9 @@ class ModelWatcher:
             return _Outcome.REJECTED
         if self._lora is not None and self._lora.on_card(key, card):
             return _Outcome.JOINED  # a loaded adapter: served on its base model's pipelines
+        if is_prefill_card(card) and self.prefill is not None:
+            accepted = await self.prefill.on_put(key, card)
+            return _Outcome.JOINED if accepted else _Outcome.REJECTED
 
         name = card.display_name
         old = self._groups_by_key.get(key)
@@ -706,6 +723,8 @@ class ModelWatcher:
     async def _handle_delete(self, key: str) -> None:
         if self._lora is not None and self._lora.on_delete(key):
             return  # an adapter was unloaded
+        if self.prefill is not None and await self.prefill.on_delete(key):
+            return  # a prefill instance left
         was_rejected = key in self._rejected_keys
         self._rejected_keys.discard(key)
         group = self._groups_by_key.pop(key, None)

@@ -2,7 +2,10 @@
 
 Tokens-input models get the full pipeline::
 
-    preprocessor -> backend (detokenize, stop) -> migration -> router -> worker
+    preprocessor -> backend (detokenize, stop) -> migration -> prefill router -> router -> worker
+
+The prefill router (``router.prefill_router``) stays out of the way until the model's first
+prefill worker appears (disaggregated serving).
 
 Text-input models do their own pre/post-processing; the frontend only routes the OpenAI
 request to a worker and relays the OpenAI chunks it streams back.
@@ -30,6 +33,7 @@ from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.router import KvRouter
 from turnout.router.lora import LoraRegistry, LoraSelector
 from turnout.router.mode import RouterMode
+from turnout.router.prefill_router import PrefillPool, PrefillRouter, PrefillSlots
 from turnout.router.push_router import InstanceSource, PushRouter
 from turnout.router.selectors import InstanceSelector, make_selector
 from turnout.router.session_affinity import MAX_TTL_S, SessionAffinityRouter, SessionTable
@@ -37,6 +41,7 @@ from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane
 
 from .artifacts import ArtifactFetcher
+from .disagg_metrics import DisaggMetrics
 from .http_errors import HttpError
 from .metrics import FrontendMetrics
 
@@ -216,6 +221,9 @@ class PipelineFactory:
         lora: LoraRegistry | None = None,
         device_types: Callable[[str], Mapping[int, str]] | None = None,
         cpu_gpu_ratio: int | None = None,
+        prefill_min_tokens: int = 512,
+        decode_fallback: bool = True,
+        disagg_metrics: DisaggMetrics | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -270,6 +278,14 @@ class PipelineFactory:
         self.load_selectors: dict[
             str, tuple[InstanceSource, InstanceLoad, InstanceSelector, Callable[[], None]]
         ] = {}
+        #: Disaggregated serving: each model's prefill side, activated by the model watcher
+        #: (``frontend.prefill_watch``) while it has prefill instances.
+        if prefill_min_tokens < 0:
+            raise ConfigError(f"--prefill-min-tokens must be >= 0, got {prefill_min_tokens}")
+        self.prefill_slots = PrefillSlots()
+        self.prefill_min_tokens = prefill_min_tokens
+        self.decode_fallback = decode_fallback
+        self.disagg_metrics = disagg_metrics
 
     def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
         mode = self.router_mode
@@ -367,6 +383,41 @@ class PipelineFactory:
             entry = self.session_tables[name] = (client, SessionTable(self.session_affinity_ttl_s))
         return entry[1]
 
+    async def build_prefill_pool(
+        self, card: ModelDeploymentCard, client: InstanceSource
+    ) -> PrefillPool:
+        """The router among a model's prefill workers (its prefill card, its endpoint):
+        KV-aware in KV mode (the prompt goes where most of it is cached, weighed against
+        load), else the configured mode's selector."""
+        if self.router_mode is RouterMode.KV:
+            assert self.event_plane is not None
+            config = msgspec.structs.replace(self.kv_config, block_size=card.kv_cache_block_size)
+            kv_router = KvRouter(
+                config,
+                client,  # type: ignore[arg-type]
+                self.event_plane,
+                card.endpoint,
+                dp_size=card.runtime_config.data_parallel_size,
+                share_active=self.kv_share_active,
+            )
+            await kv_router.start()
+            generate = KvPushRouter(kv_router).generate
+            return PrefillPool(card.endpoint, client, generate, card.checksum(), kv_router)
+        mode = self.router_mode
+        load = InstanceLoad() if mode in LOAD_MODES else None
+        selector = make_selector(
+            mode, seed=self.router_seed, load=load, cpu_gpu_ratio=self.cpu_gpu_ratio
+        )
+        router = PushRouter(
+            client,
+            selector,
+            endpoint_name=card.endpoint.path(),
+            load=load,
+            encode=_msgpack_encode,
+            decode=_output_decoder.decode,
+        )
+        return PrefillPool(card.endpoint, client, router.generate, card.checksum())
+
     async def release(self, name: str) -> None:
         self.session_tables.pop(name, None)
         self._drop_load_selector(name)
@@ -375,6 +426,8 @@ class PipelineFactory:
             await router.close()
 
     async def close(self) -> None:
+        for pool in self.prefill_slots.deactivate_all():
+            await pool.close()
         for router in self.kv_routers.values():
             await router.close()
         self.kv_routers.clear()
@@ -413,6 +466,7 @@ class PipelineFactory:
             generate = SessionAffinityRouter(
                 generate, self._session_table(card.display_name, client), client
             ).generate
+        generate = self._prefill_router(card, generate, router).generate
         migration = Migration(
             generate,
             migration_limit=self.migration_limit,
@@ -431,6 +485,27 @@ class PipelineFactory:
             client=client,
             is_chat=is_chat,
             gate=self._gate(client),
+        )
+
+    def _prefill_router(self, card: ModelDeploymentCard, decode: Any, router: Any) -> PrefillRouter:
+        # The decode worker is chosen before the prefill (push target, conditional prefill)
+        # where the KV router decides alone; with session affinity the session's binding
+        # decides, at dispatch.
+        decode_kv = router if isinstance(router, KvPushRouter) else None
+        if self.session_affinity_ttl_s is not None:
+            decode_kv = None
+        metrics = self.disagg_metrics
+        return PrefillRouter(
+            self.prefill_slots.slot(card.display_name),
+            decode,
+            checksum=card.checksum(),
+            role=card.worker_role,
+            decode_endpoint=card.endpoint,
+            block_size=card.kv_cache_block_size,
+            min_tokens=self.prefill_min_tokens,
+            fallback=self.decode_fallback,
+            decode_kv=decode_kv,
+            observer=metrics.observer(card.display_name) if metrics is not None else None,
         )
 
     async def build_chat(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:

@@ -22,6 +22,7 @@ from .admission import AdmissionController, AdmissionLimits, Clock
 from .affinity_metrics import SessionAffinityCollector
 from .artifacts import ArtifactFetcher, DiskArtifactCache
 from .busy_threshold import BusyThresholds
+from .disagg_metrics import DisaggMetrics
 from .http import DEFAULT_MAX_BODY_BYTES, HttpService
 from .http_errors import REJECT_STATUSES
 from .lora import LoraModels
@@ -76,6 +77,12 @@ class FrontendConfig:
     #: ``device-aware-weighted``: how many CPU instances one GPU instance is worth (Dynamo's
     #: ``non_cpu_to_cpu_ratio``, default 8; see ``router.load_selectors``).
     router_cpu_gpu_ratio: int = 8
+    #: Disaggregated serving: prompts with fewer tokens not cached on their decode worker
+    #: skip the prefill stage (``router.prefill_router``).
+    prefill_min_tokens: int = 512
+    #: With no prefill worker, decode workers serve whole requests; when off, requests of a
+    #: decode-role model wait (bounded) for a prefill worker, then fail with 503.
+    decode_fallback: bool = True
 
 
 class Frontend:
@@ -149,6 +156,9 @@ class Frontend:
             lora=self.lora,
             device_types=self.manager.device_types,
             cpu_gpu_ratio=cfg.router_cpu_gpu_ratio,
+            prefill_min_tokens=cfg.prefill_min_tokens,
+            decode_fallback=cfg.decode_fallback,
+            disagg_metrics=DisaggMetrics(self.metrics.registry),
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None
@@ -170,6 +180,7 @@ class Frontend:
             busy_thresholds=BusyThresholds(
                 self.manager.list_models, factory.kv_routers, cfg.router_mode
             ),
+            prefill=self._prefill_health,
         )
         self._server = Server(
             service,
@@ -188,6 +199,22 @@ class Frontend:
         self._tasks.append(asyncio.create_task(self._server.serve(), name="http"))
         await self._wait_listening()
         log.info("frontend listening on %s", self.url)
+
+    def _prefill_health(self, name: str) -> dict[str, object] | None:
+        """``/health``'s disaggregation view of a model: its workers' role, its prefill
+        instances, whether requests can run (None: an aggregated model, nothing to say)."""
+        watch = self.watcher.prefill if self.watcher is not None else None
+        prefill = watch.instances(name) if watch is not None else None
+        roles = {card.worker_role.value for card in self.manager.entries_for_model(name)}
+        if prefill is None and roles <= {"aggregated"}:
+            return None
+        ready = bool(prefill) or self.config.decode_fallback
+        return {
+            "roles": sorted(roles),
+            "prefill_instances": [f"{i:x}" for i in prefill or []],
+            "disaggregated": bool(prefill),
+            "ready": ready,
+        }
 
     async def _wait_listening(self, timeout: float = 15.0) -> None:
         loop = asyncio.get_running_loop()

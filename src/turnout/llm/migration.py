@@ -37,8 +37,6 @@ import math
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-import msgspec
-
 from turnout.errors import EngineBadRequest, EngineOverloaded, RequestTimedOut, StreamBroken
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.runtime.context import RequestContext
@@ -177,7 +175,7 @@ class Migration:
                 return
             except StreamBroken as exc:
                 migrations = self._migrate(exc, request, ctx, migrations, generated)
-                attempt = continue_request(request, generated)
+                attempt = request.continued(generated)
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
 
@@ -248,7 +246,7 @@ class Migration:
                         yield output
                 except StreamBroken as exc:
                     migrations = self._migrate(exc, request, ctx, migrations, generated)
-                    attempt = continue_request(request, generated)
+                    attempt = request.continued(generated)
                 finally:
                     await stream.aclose()  # type: ignore[attr-defined]
         finally:
@@ -356,21 +354,3 @@ async def deadline_stream(
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-def continue_request(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
-    """The request that continues ``request`` after ``generated`` tokens."""
-    stop = request.stop_conditions
-    done = len(generated)
-    new_stop = msgspec.structs.replace(
-        stop,
-        max_tokens=None if stop.max_tokens is None else max(stop.max_tokens - done, 1),
-        min_tokens=None if stop.min_tokens is None else max(stop.min_tokens - done, 0),
-    )
-    original = request.original_prompt_len
-    return msgspec.structs.replace(
-        request,
-        token_ids=[*request.token_ids, *generated],
-        stop_conditions=new_stop,
-        original_prompt_len=len(request.token_ids) if original is None else original,
-    )

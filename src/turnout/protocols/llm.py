@@ -120,6 +120,24 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Set by the frontend's prefill router on the two stages of a disaggregated request.
     disagg: DisaggParams | None = None
 
+    def continued(self, generated: list[int]) -> PreprocessedRequest:
+        """The request that goes on after ``generated`` tokens (on another worker, after a
+        migration or a prefill stage): they join the prompt, the token limits shrink."""
+        stop = self.stop_conditions
+        done = len(generated)
+        new_stop = msgspec.structs.replace(
+            stop,
+            max_tokens=None if stop.max_tokens is None else max(stop.max_tokens - done, 1),
+            min_tokens=None if stop.min_tokens is None else max(stop.min_tokens - done, 0),
+        )
+        original = self.original_prompt_len
+        return msgspec.structs.replace(
+            self,
+            token_ids=[*self.token_ids, *generated],
+            stop_conditions=new_stop,
+            original_prompt_len=len(self.token_ids) if original is None else original,
+        )
+
 
 class CompletionUsage(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0

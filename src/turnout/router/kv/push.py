@@ -54,39 +54,58 @@ class KvPushRouter:
         self._max_attempts = max_attempts
         self._allow = allow
 
+    def select(
+        self, request: PreprocessedRequest, ctx: RequestContext, excluded: Sequence[int] = ()
+    ) -> Selection:
+        """Choose (and book) the worker for ``request`` without sending it: the caller passes
+        the result to ``generate`` (the prefill router decides with it whether the prompt
+        needs a prefill stage, and where a prefill worker pushes its KV). A booked selection
+        that is never passed on must be released with ``router.on_finished(request_id)``.
+        Raises ``NoInstanceAvailable`` when no worker may take it."""
+        router = self.router
+        allowed = None
+        if self._allow is not None and request.lora_name:
+            live = [i for i in router.client.instance_ids() if i not in excluded]
+            allowed = self._allow(request.lora_name, live)
+            if not allowed:
+                raise NoInstanceAvailable(
+                    f"no live instance holds or can load LoRA adapter {request.lora_name!r}"
+                )
+        selection = router.route(
+            ctx.request_id,
+            request.token_ids,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+            session_id=request.session_id,
+            excluded=excluded,
+            allowed=allowed,
+        )
+        if not selection.ok or selection.worker_id is None:
+            raise NoInstanceAvailable(_why(selection, router.endpoint.path()))
+        return selection
+
     async def generate(
-        self, request: PreprocessedRequest, ctx: RequestContext
+        self,
+        request: PreprocessedRequest,
+        ctx: RequestContext,
+        selection: Selection | None = None,
     ) -> AsyncIterator[LLMEngineOutput]:
+        """Route (or take ``selection``, booked by ``select``), send, stream, keep the books."""
         router = self.router
         client = router.client
         request_id = ctx.request_id
         excluded: list[int] = []
         while True:
-            if request.backend_instance_id is not None:
+            if request.backend_instance_id is not None and selection is None:
                 target, dp_rank, pinned = request.backend_instance_id, 0, request
                 booked = False
             else:
-                allowed = None
-                if self._allow is not None and request.lora_name:
-                    live = [i for i in client.instance_ids() if i not in excluded]
-                    allowed = self._allow(request.lora_name, live)
-                    if not allowed:
-                        raise NoInstanceAvailable(
-                            f"no live instance holds or can load LoRA adapter {request.lora_name!r}"
-                        )
-                selection = router.route(
-                    request_id,
-                    request.token_ids,
-                    lora_name=request.lora_name,
-                    cache_salt=request.cache_salt,
-                    session_id=request.session_id,
-                    excluded=excluded,
-                    allowed=allowed,
-                )
-                if not selection.ok or selection.worker_id is None:
-                    raise NoInstanceAvailable(_why(selection, router.endpoint.path()))
+                if selection is None:
+                    selection = self.select(request, ctx, excluded)
+                assert selection.worker_id is not None
                 target, dp_rank = selection.worker_id, selection.dp_rank or 0
                 ctx.metadata["routing"] = explain(selection, router.config.block_size)
+                selection = None
                 extra = dict(request.extra_args or {})
                 extra["dp_rank"] = dp_rank
                 pinned = msgspec.structs.replace(
