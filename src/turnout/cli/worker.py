@@ -14,13 +14,17 @@ from turnout.errors import ConfigError, TurnoutError
 from turnout.protocols.model import EndpointId
 from turnout.runtime.planes import open_runtime
 
-from .flags import add_flag, add_runtime_flags, planes_config
+from .flags import add_flag, add_runtime_flags, env_name, planes_config
 from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
 
 ENGINES = ("echo", "llamacpp", "mocker")
 DEFAULT_ENDPOINT = "turnout/backend/generate"
+#: Where prefill workers serve by default: their own component, so decode workers' routers
+#: and the prefill pool's router never mix their events.
+DEFAULT_PREFILL_ENDPOINT = "turnout/prefill/generate"
+ROLES = ("aggregated", "prefill", "decode")
 
 
 def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None:
@@ -70,6 +74,36 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
                   "evicted")  # fmt: skip
 
 
+def add_disagg_flags(p: argparse.ArgumentParser) -> None:
+    """``turnout worker`` only: a role is per worker process (``serve`` runs aggregated)."""
+    g = p.add_argument_group("disaggregated serving (mocker engine)")
+    add_flag(g, "--role", default="aggregated", choices=ROLES,
+             help="part of requests these workers run: aggregated (whole requests), prefill "
+                  "(prompts, for decode workers; default --endpoint "
+                  f"{DEFAULT_PREFILL_ENDPOINT}), decode (whole requests, taking a prompt's KV "
+                  "from a prefill worker when the frontend has one)")  # fmt: skip
+    add_flag(g, "--kv-transfer", default="pull", choices=["pull", "push"],
+             help="prefill workers: how the KV reaches the decode worker (pull: the decode "
+                  "worker fetches it; push: the prefill worker sends it right after the first "
+                  "token)")  # fmt: skip
+    add_flag(
+        g,
+        "--kv-bytes-per-token",
+        default=131072,
+        type=int,
+        help="KV bytes per token of the simulated model (default: Llama-3-8B fp16)",
+    )
+    add_flag(g, "--kv-transfer-bandwidth", default=25.0, type=float,
+             help="GB/s of the simulated link between workers: a transfer takes prompt tokens "
+                  "x bytes per token / bandwidth (divided by --speedup-ratio)")  # fmt: skip
+    add_flag(g, "--kv-handle-ttl", default=30.0, type=float,
+             help="prefill workers: seconds a prompt's KV waits for its decode worker before "
+                  "its blocks are freed")  # fmt: skip
+    add_flag(g, "--kv-transfer-timeout", default=30.0, type=float,
+             help="decode workers: seconds to wait for a prompt's KV; then the request fails "
+                  "back to the frontend, which prefills it again")  # fmt: skip
+
+
 def mocker_config(args: argparse.Namespace) -> Any:
     from turnout.engines.mocker import MockerConfig
     from turnout.engines.mocker.lora import parse_lora_adapters
@@ -89,6 +123,12 @@ def mocker_config(args: argparse.Namespace) -> Any:
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_waiting=args.max_waiting,
         fail_after_steps=args.fail_after_steps,
+        role=getattr(args, "role", "aggregated"),
+        kv_transfer=getattr(args, "kv_transfer", "pull"),
+        kv_bytes_per_token=getattr(args, "kv_bytes_per_token", 131072),
+        kv_transfer_bandwidth_gbps=getattr(args, "kv_transfer_bandwidth", 25.0),
+        kv_handle_ttl_s=getattr(args, "kv_handle_ttl", 30.0),
+        kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout", 30.0),
     )
 
 
@@ -98,6 +138,17 @@ def make_engines(
     """``count`` engines of ``args.engine`` for one process."""
     if count < 1:
         raise ConfigError(f"--num-workers must be at least 1, got {count}")
+    role = getattr(args, "role", "aggregated")
+    if role != "aggregated" and args.engine != "mocker":
+        raise ConfigError(
+            f"--role {role}: only the mocker engine runs disaggregated roles so far "
+            f"(the {args.engine} engine cannot hand its KV to another worker)"
+        )
+    if getattr(args, "kv_transfer", "pull") != "pull" and role != "prefill":
+        raise ConfigError(
+            f"--kv-transfer {args.kv_transfer} is a prefill worker's setting; this one runs "
+            f"--role {role}"
+        )
     if args.engine == "echo":
         from turnout.engines.echo import EchoEngine
 
@@ -137,6 +188,9 @@ def make_engines(
 def register(sub: Any) -> None:
     p = sub.add_parser("worker", help="run workers (an engine behind a generate endpoint)")
     add_worker_flags(p, engine_default="echo")
+    add_disagg_flags(p)
+    # Resolved by role in run_worker (unless set here or in the environment).
+    p.set_defaults(endpoint=os.environ.get(env_name("--endpoint")))
     add_flag(p, "--num-workers", default=1, type=int,
              help="workers in this process, each its own instance (echo, mocker)")  # fmt: skip
     add_runtime_flags(p)
@@ -144,6 +198,8 @@ def register(sub: Any) -> None:
 
 
 async def run_worker(args: argparse.Namespace) -> None:
+    if args.endpoint is None:
+        args.endpoint = DEFAULT_PREFILL_ENDPOINT if args.role == "prefill" else DEFAULT_ENDPOINT
     try:
         endpoint = EndpointId.parse(args.endpoint)
     except ValueError as exc:

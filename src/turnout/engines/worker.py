@@ -4,6 +4,9 @@ The worker publishes, under the instance's lease, its ``Instance`` record (writt
 runtime) and its model deployment card at ``v1/mdc/{endpoint}/{instance_id:x}``, so the
 frontend's model watcher sees the model appear and, when the lease ends, disappear.
 
+Engines that take part in disaggregated serving (``serve_kv_transfer``) also serve the
+``kv_transfer`` side handler, and get a ``RequestPlaneKvTransport`` to reach other workers.
+
 The card names its artifacts (the tokenizer) by content only; the worker serves their bytes
 through the ``artifact`` side handler, in chunks, to any frontend that asks by sha256.
 
@@ -26,9 +29,11 @@ import msgspec
 
 from turnout.engines.base import Engine
 from turnout.engines.events import EventPlaneSink
+from turnout.engines.kv_transfer import RequestPlaneKvTransport
 from turnout.engines.lora_cards import LoraCardPublisher
 from turnout.errors import ConfigError
 from turnout.llm.artifacts import LOCAL_ARTIFACTS, ArtifactError, ArtifactRegistry, iter_chunks
+from turnout.protocols.disagg import KV_TRANSFER_HANDLER, KvTransferReply, KvTransferRequest
 from turnout.protocols.kv import KV_SNAPSHOT_HANDLER, KvSnapshot, KvSnapshotRequest
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import (
@@ -53,6 +58,7 @@ _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder()
 _snapshot_request_decoder = msgspec.msgpack.Decoder(KvSnapshotRequest)
 _artifact_request_decoder = msgspec.msgpack.Decoder(ArtifactRequest)
+_kv_transfer_decoder = msgspec.msgpack.Decoder(KvTransferRequest)
 
 #: Seconds between two ``Engine.health()`` probes.
 HEALTH_INTERVAL_SECONDS = 5.0
@@ -96,6 +102,7 @@ class Worker:
         self._buffers: set[_OutputBuffer] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._lora_cards: LoraCardPublisher | None = None
+        self._kv_transport: RequestPlaneKvTransport | None = None
 
     async def start(self) -> ServingInstance:
         set_sink = getattr(self.engine, "set_event_sink", None)
@@ -149,6 +156,11 @@ class Worker:
         snapshot = getattr(self.engine, "kv_snapshot", None)
         if snapshot is not None:
             handlers[KV_SNAPSHOT_HANDLER] = self._snapshot_handler(snapshot)
+        serve_kv_transfer = getattr(self.engine, "serve_kv_transfer", None)
+        if serve_kv_transfer is not None:
+            self._kv_transport = RequestPlaneKvTransport(self.runtime)
+            self.engine.bind_kv_transport(self._kv_transport, self.endpoint)  # type: ignore[attr-defined]
+            handlers[KV_TRANSFER_HANDLER] = self._kv_transfer_handler(serve_kv_transfer)
         self.serving = await self.runtime.endpoint(self.endpoint).serve(
             self._handle, records=records, handlers=handlers
         )
@@ -251,6 +263,15 @@ class Worker:
 
         return handle
 
+    @staticmethod
+    def _kv_transfer_handler(
+        serve: Callable[[KvTransferRequest], Coroutine[Any, Any, KvTransferReply]],
+    ) -> Handler:
+        async def handle(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+            yield _encode(await serve(_kv_transfer_decoder.decode(payload)))
+
+        return handle
+
     async def stop(self, drain_timeout: float = 5.0) -> None:
         """Leave discovery, drain in-flight streams, stop the engine and its publisher."""
         for task in list(self._tasks):
@@ -263,6 +284,9 @@ class Worker:
             await self.serving.stop(drain_timeout)
             self.serving = None
         await self.engine.stop()
+        if self._kv_transport is not None:
+            await self._kv_transport.close()
+            self._kv_transport = None
         if self._publisher is not None:
             await self._publisher.close()
             self._publisher = None

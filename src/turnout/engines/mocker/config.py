@@ -18,6 +18,10 @@ from turnout.errors import ConfigError
 BOOKKEEPING_BYTES_PER_BLOCK = 400
 #: The share of physical memory the block bookkeeping of all workers may claim.
 MAX_MEMORY_SHARE = 0.5
+#: ``MockerConfig.role`` and ``kv_transfer`` values (``protocols.model.WorkerRole`` and
+#: ``protocols.disagg.KvTransferMode``).
+ROLES = ("aggregated", "prefill", "decode")
+KV_TRANSFER_MODES = ("pull", "push")
 #: Larger blocks than this are surely a typo (vLLM's largest is 256; Dynamo's mocker allows more).
 MAX_BLOCK_SIZE = 65536
 
@@ -76,6 +80,20 @@ class MockerConfig:
     lora_adapters: dict[str, str | None] = field(default_factory=dict)
     lora_load_ms: float = 0.0
     max_loras: int = 4
+    #: Disaggregated serving (``protocols.disagg``): the part of requests this worker runs
+    #: (``aggregated``, ``prefill``, ``decode``) and, on a prefill worker, how its KV reaches
+    #: the decode side (``pull`` or ``push``).
+    role: str = "aggregated"
+    kv_transfer: str = "pull"
+    #: KV bytes per token of the simulated model (Llama-3-8B in fp16: 32 layers x 8 KV heads
+    #: x 128 dims x 2 (K and V) x 2 bytes) and the link's bandwidth in GB/s (a 200 Gb/s RDMA
+    #: NIC): a transfer takes tokens x bytes / bandwidth (divided by the speedup).
+    kv_bytes_per_token: int = 131072
+    kv_transfer_bandwidth_gbps: float = 25.0
+    #: Wall seconds a prefill worker keeps a handle's blocks for its decode worker at most.
+    kv_handle_ttl_s: float = 30.0
+    #: Wall seconds a decode worker waits for a handle's KV (pull reply or push) at most.
+    kv_transfer_timeout_s: float = 30.0
 
     def validate(self, *, num_workers: int = 1, memory_bytes: int | None = None) -> None:
         """Raise ``ConfigError`` naming the first bad setting.
@@ -115,6 +133,18 @@ class MockerConfig:
             raise ConfigError(
                 f"load_report_interval_s must be > 0, got {self.load_report_interval_s!r}"
             )
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kv_transfer not in KV_TRANSFER_MODES:
+            raise ConfigError(
+                f"kv_transfer must be one of {', '.join(KV_TRANSFER_MODES)}, "
+                f"got {self.kv_transfer!r}"
+            )
+        _positive_int("kv_bytes_per_token", self.kv_bytes_per_token)
+        for name in ("kv_transfer_bandwidth_gbps", "kv_handle_ttl_s", "kv_transfer_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
         from turnout.engines.mocker.lora import validate_lora_settings
 
         validate_lora_settings(self.lora_adapters, self.lora_load_ms, self.max_loras)
@@ -132,6 +162,12 @@ class MockerConfig:
     def bookkeeping_bytes(self) -> int:
         """Upper estimate of one worker's block bookkeeping when its pools are full."""
         return self.num_gpu_blocks * self.dp_size * BOOKKEEPING_BYTES_PER_BLOCK
+
+    def transfer_seconds(self, num_bytes: int) -> float:
+        """Wall seconds moving ``num_bytes`` of KV takes (0 at speedup 0)."""
+        if self.speedup_ratio <= 0:
+            return 0.0
+        return num_bytes / (self.kv_transfer_bandwidth_gbps * 1e9) / self.speedup_ratio
 
     @property
     def max_context_tokens(self) -> int:

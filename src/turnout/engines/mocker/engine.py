@@ -13,6 +13,10 @@ Tokens of a step are delivered at the *end* of its simulated duration, as a GPU'
 Each request has a small stream (a deque and a waiter future: cheaper than an
 ``asyncio.Queue`` per token). A cancelled ``ctx`` is noticed after the current step, and a
 closed generator aborts its request at once; either way the request's blocks go back.
+
+Disaggregated serving (``engines.mocker.disagg``): a prefill-stage request's blocks are
+parked under a ``KvHandle`` attached to its last output; a decode-stage request first obtains
+its handle's KV (pull, or wait for the push), then runs with those tokens already computed.
 """
 
 from __future__ import annotations
@@ -32,15 +36,24 @@ from typing import Protocol
 import msgspec
 
 from turnout.engines.base import Engine
+from turnout.engines.kv_transfer import KvTransport
 from turnout.engines.mocker.config import MockerConfig
+from turnout.engines.mocker.disagg import KvArrivals, KvHandles
 from turnout.engines.mocker.kv_pool import KvBlockPool
 from turnout.engines.mocker.lora import LoraListener, LoraManager
 from turnout.engines.mocker.scheduler import Scheduler, StepResult
 from turnout.engines.mocker.timing import TimingModel
 from turnout.engines.mocker.tokens import TokenSampler
+from turnout.protocols.disagg import KvTransferOp, KvTransferReply, KvTransferRequest, PrefillParams
 from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport, StepSample
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
-from turnout.protocols.model import EndpointId, ModelDeploymentCard, RuntimeConfig
+from turnout.protocols.model import (
+    EndpointId,
+    ModelDeploymentCard,
+    ModelType,
+    RuntimeConfig,
+    WorkerRole,
+)
 from turnout.runtime.context import RequestContext
 
 log = logging.getLogger(__name__)
@@ -50,6 +63,8 @@ Sleep = Callable[[float], Awaitable[None]]
 
 #: How far (wall seconds) a loop may run behind its schedule before it stops catching up.
 _MAX_LAG_S = 0.05
+#: Seconds between two sweeps for expired KV handles (while any are parked), at most.
+_HANDLE_SWEEP_S = 1.0
 #: Step timings sent with one load report at most (a uniform sample of the steps since the
 #: previous one): reports go out on every change, so this bounds a report, not the data.
 _STEP_SAMPLES_PER_REPORT = 32
@@ -79,12 +94,20 @@ class NullEventSink:
 class _Stream:
     """One request's outputs, from the engine loop to its ``generate`` consumer."""
 
-    __slots__ = ("ctx", "items", "waiter")
+    __slots__ = ("ctx", "items", "num_prompt_tokens", "prefill", "waiter")
 
-    def __init__(self, ctx: RequestContext) -> None:
+    def __init__(
+        self,
+        ctx: RequestContext,
+        prefill: PrefillParams | None = None,
+        num_prompt_tokens: int = 0,
+    ) -> None:
         self.ctx = ctx
         self.items: deque[LLMEngineOutput] = deque()
         self.waiter: asyncio.Future[None] | None = None
+        #: A prefill-stage request: where its KV goes (its blocks are parked when it ends).
+        self.prefill = prefill
+        self.num_prompt_tokens = num_prompt_tokens
 
     def push(self, out: LLMEngineOutput) -> None:
         self.items.append(out)
@@ -205,6 +228,10 @@ class MockerEngine(Engine):
         ]
         self._started = False
         self._closed = False
+        self._endpoint: EndpointId | None = None
+        self._handles = KvHandles(config, self._release_parked, clock=clock, sleep=sleep)
+        self._arrivals = KvArrivals(config, clock=clock)
+        self._sweeper: asyncio.Task[None] | None = None
         #: The LoRA adapters this worker can load (None: it serves the base model only).
         self.loras: LoraManager | None = None
         if config.lora_adapters:
@@ -240,6 +267,32 @@ class MockerEngine(Engine):
     def loaded_loras(self) -> list[str]:
         """The LoRA adapters loaded now, sorted (each has a model card while loaded)."""
         return self.loras.slots.loaded() if self.loras is not None else []
+
+    def bind_kv_transport(self, transport: KvTransport, endpoint: EndpointId) -> None:
+        """How this worker reaches others to move KV, and the endpoint its handles name
+        (the worker wires both before requests flow)."""
+        self._handles.transport = transport
+        self._arrivals.transport = transport
+        self._endpoint = endpoint
+
+    @property
+    def kv_handles(self) -> KvHandles:
+        """The KV handles parked on this worker (prefill side)."""
+        return self._handles
+
+    @property
+    def kv_arrivals(self) -> KvArrivals:
+        """KV obtained from prefill workers (decode side)."""
+        return self._arrivals
+
+    async def serve_kv_transfer(self, request: KvTransferRequest) -> KvTransferReply:
+        """The ``KV_TRANSFER_HANDLER``: a pull or release of a handle parked here, or a push
+        of one arriving here."""
+        if request.op is KvTransferOp.PUSH:
+            if request.handle is None:
+                return KvTransferReply(ok=False, error="a push must carry its handle")
+            return self._arrivals.deliver(request.handle)
+        return await self._handles.serve(request)
 
     def set_event_sink(self, sink: KvEventSink) -> None:
         """Where KV events and load reports go from now on (the worker wires the plane)."""
@@ -288,6 +341,11 @@ class MockerEngine(Engine):
         self._closed = True
         if self.loras is not None:
             await self.loras.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.wait([self._sweeper])
+            self._sweeper = None
+        await self._handles.close()
         tasks = [rank.task for rank in self._ranks if rank.task is not None]
         for task in tasks:
             task.cancel()
@@ -344,14 +402,38 @@ class MockerEngine(Engine):
             return
         if not self._started:
             await self.start()
+        disagg = request.disagg
+        prefill = disagg.prefill if disagg is not None else None
+        handle = disagg.handle if disagg is not None else None
+        transfer_s: float | None = None
+        if handle is not None:
+            # Decode stage: the prompt's KV comes from the prefill worker, not the model.
+            start = self._clock()
+            reason = await self._arrivals.obtain(handle, self._worker_id)
+            if reason is not None:
+                yield LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=reason,
+                    error_kind=ErrorKind.KV_TRANSFER_FAILED.value,
+                )
+                return
+            transfer_s = self._clock() - start
+            if ctx.is_cancelled:
+                yield LLMEngineOutput(finish_reason=FinishReason.CANCELLED)
+                return
         rank = self._pick_rank(request)
         # Internal ids: a migrated request may come back with the same ctx.request_id.
         rid = f"{ctx.request_id}#{next(self._ids)}"
-        refused = rank.scheduler.add_request(rid, request)
+        refused = rank.scheduler.add_request(
+            rid,
+            request,
+            hold_kv=prefill is not None,
+            imported_tokens=handle.num_tokens if handle is not None else 0,
+        )
         if refused is not None:
             yield refused
             return
-        stream = _Stream(ctx)
+        stream = _Stream(ctx, prefill, len(request.token_ids))
         rank.streams[rid] = stream
         rank.wake.set()
         loop = asyncio.get_running_loop()
@@ -365,10 +447,20 @@ class MockerEngine(Engine):
                 out = stream.items.popleft()
                 if out.finish_reason is not None:
                     finished = True
+                if transfer_s is not None and (out.token_ids or finished):
+                    extra = dict(out.extra or {})
+                    extra["kv_transfer_s"] = transfer_s
+                    out = msgspec.structs.replace(out, extra=extra)
+                    transfer_s = None
                 yield out
                 if finished:
                     return
         finally:
+            if not finished:
+                # A handle its consumer never saw: nobody will claim its blocks.
+                for out in stream.items:
+                    if out.kv_handle is not None:
+                        self._handles.drop(out.kv_handle.handle_id)
             if (
                 rank.streams.pop(rid, None) is not None
                 and not finished
@@ -384,9 +476,14 @@ class MockerEngine(Engine):
         base = _load_base_card(
             str(self._model_path) if self._model_path else None, self._context_length
         )
+        role = WorkerRole(cfg.role)
         return msgspec.structs.replace(
             base,
             display_name=self._served_model_name or base.display_name,
+            # A prefill worker serves no client request: its card says so, and which model
+            # it prefills for (the same display name).
+            model_type=ModelType.Prefill if role is WorkerRole.PREFILL else base.model_type,
+            worker_role=role,
             # A prompt must fit in the pool: saying so in the card lets the frontend refuse a
             # longer one with a 400 before it reaches a worker.
             context_length=min(base.context_length, cfg.max_context_tokens),
@@ -398,6 +495,7 @@ class MockerEngine(Engine):
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 data_parallel_size=cfg.dp_size,
                 enable_kv_events=cfg.enable_prefix_caching,
+                kv_transfer=cfg.kv_transfer if role is WorkerRole.PREFILL else None,
             ),
         )
 
@@ -516,10 +614,48 @@ class MockerEngine(Engine):
 
     def _deliver(self, rank: _Rank, result: StepResult) -> None:
         streams = rank.streams
+        parked = rank.scheduler.is_parked
         for rid, out in result.outputs:
             stream = streams.get(rid)
+            if out.finish_reason is not None and parked(rid):
+                out = self._park(rank, rid, stream, out)
             if stream is not None:
                 stream.push(out)
+
+    def _park(
+        self, rank: _Rank, rid: str, stream: _Stream | None, out: LLMEngineOutput
+    ) -> LLMEngineOutput:
+        """A prefill stage ended: name its parked blocks with a handle on its last output
+        (or free them at once when nobody is there to take the handle)."""
+        prefill = stream.prefill if stream is not None else None
+        if stream is None or prefill is None or stream.ctx.is_cancelled or self._endpoint is None:
+            self._release_parked(rank.dp_rank, rid)
+            return out
+        handle = self._handles.park(
+            dp_rank=rank.dp_rank,
+            request_id=rid,
+            num_tokens=stream.num_prompt_tokens,
+            endpoint=self._endpoint,
+            instance_id=self._worker_id,
+            push_to=prefill.push_to,
+            push_endpoint=prefill.push_endpoint,
+        )
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_handles())
+        return msgspec.structs.replace(out, kv_handle=handle)
+
+    def _release_parked(self, dp_rank: int, rid: str) -> None:
+        rank = self._ranks[dp_rank]
+        if rank.scheduler.release_parked(rid):
+            self._publish_events(rank)
+            self._maybe_publish_load(rank, force=False)
+
+    async def _sweep_handles(self) -> None:
+        """Free handles whose TTL passed, while any are parked."""
+        interval = min(_HANDLE_SWEEP_S, self._config.kv_handle_ttl_s)
+        while len(self._handles):
+            await self._sleep(interval)
+            self._handles.expire()
 
     def _reap_cancelled(self, rank: _Rank) -> None:
         cancelled = [rid for rid, s in rank.streams.items() if s.ctx.is_cancelled]

@@ -71,6 +71,12 @@ class MockRequest:
     num_preemptions: int = 0
     #: Simulated time of the first output token (the end of the step that produced it).
     first_token_time: float | None = None
+    #: Disaggregated serving, prefill stage: when the request ends at its token limit, its
+    #: blocks stay held (parked) for a decode worker instead of going back to the pool.
+    hold_kv: bool = False
+    #: Disaggregated serving, decode stage: leading tokens whose KV came from a prefill worker
+    #: (stored at first admission instead of computed; 0 once admitted).
+    imported_tokens: int = 0
     finish_reason: FinishReason | None = None
 
     @property

@@ -20,6 +20,12 @@ One step:
    full blocks are committed under their hashes (KV events), tokens are sampled, stop rules
    applied, finished requests freed.
 
+Disaggregated serving adds two twists: a prefill-stage request (``hold_kv``) that ends at its
+token limit *parks* its blocks under its id instead of freeing them, until
+``release_parked`` (the decode side has them, or nobody will take them); a decode-stage
+request (``imported_tokens``) stores the KV it received at admission, as blocks of its own,
+and computes only the rest.
+
 Expected failures are values: a request that can never fit is refused at ``add_request``
 with an ERROR output; a request that outgrows the whole pool ends with ``LENGTH``.
 """
@@ -101,6 +107,8 @@ class Scheduler:
         self._waiting: deque[MockRequest] = deque()
         self._running: list[MockRequest] = []
         self._requests: dict[str, MockRequest] = {}
+        #: Prefill-stage requests' blocks kept for a decode worker: id -> (hashes, private).
+        self._parked: dict[str, tuple[list[int], int]] = {}
         # Sum of pending_prefill_tokens over unfinished requests, moved at each change.
         self._pending_prefill = 0
         #: Preemptions since start (a counter for tests and metrics).
@@ -108,8 +116,19 @@ class Scheduler:
 
     # ---- intake ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, request: PreprocessedRequest) -> LLMEngineOutput | None:
-        """Queue a request. Returns the final ERROR output instead when it can never run."""
+    def add_request(
+        self,
+        request_id: str,
+        request: PreprocessedRequest,
+        *,
+        hold_kv: bool = False,
+        imported_tokens: int = 0,
+    ) -> LLMEngineOutput | None:
+        """Queue a request. Returns the final ERROR output instead when it can never run.
+
+        ``hold_kv``: park the blocks when the request ends at its token limit (a prefill
+        stage). ``imported_tokens``: leading tokens whose KV arrived from elsewhere.
+        """
         if request_id in self._requests:
             return _error(f"request id {request_id!r} is already in this engine", 0)
         prompt = request.token_ids
@@ -155,6 +174,8 @@ class Scheduler:
             lora_name=request.lora_name,
             cache_salt=request.cache_salt,
             token_seed=token_seed(self._config.seed, prompt, request.original_prompt_len),
+            hold_kv=hold_kv,
+            imported_tokens=min(max(imported_tokens, 0), n),
         )
         if self._caching:
             local, seq = compute_block_hashes(
@@ -166,6 +187,22 @@ class Scheduler:
         self._waiting.append(req)
         self._pending_prefill += n
         return None
+
+    def release_parked(self, request_id: str) -> int:
+        """Free the blocks a prefill-stage request parked; how many (0: none parked)."""
+        parked = self._parked.pop(request_id, None)
+        if parked is None:
+            return 0
+        hashes, private = parked
+        self.pool.free(hashes, private)
+        return len(hashes) + private
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self._parked
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (client gone): free its blocks. False when it is not here."""
@@ -296,7 +333,9 @@ class Scheduler:
             # Always compute at least the last token: the model must run to sample.
             hit = self.pool.num_cached_prefix(req.seq_hashes[: (total - 1) // bs])
         cached = hit * bs
-        remaining = total - cached
+        # KV received from a prefill worker counts as computed (the last token still runs).
+        start = max(cached, min(req.imported_tokens, total - 1))
+        remaining = total - start
         n = min(remaining, budget)
         if not self._chunked and n < remaining:
             if not batch_empty:
@@ -304,14 +343,18 @@ class Scheduler:
             n = remaining  # alone in the step it may exceed the budget rather than starve
         if hit:
             self.pool.acquire_cached(req.seq_hashes[:hit])
-        need = -(-(cached + n) // bs) - hit
+        need = -(-(start + n) // bs) - hit
         if not self.pool.allocate(need):
             if hit:
                 self.pool.free(req.seq_hashes[:hit])
             return 0
         req.held_hashes = req.seq_hashes[:hit]
         req.num_private = need
-        self._set_computed(req, cached)
+        self._set_computed(req, start)
+        if self._caching and start // bs > hit:
+            self._commit_full_blocks(req)  # the received blocks: stored, as computed ones are
+        # Once only: after a preemption the request recomputes, as vLLM's would.
+        req.imported_tokens = 0
         if req.cached_tokens is None:
             req.cached_tokens = min(cached, req.prompt_len)
         return n
@@ -374,7 +417,10 @@ class Scheduler:
             return LLMEngineOutput(token_ids=[token])
         req.finish_reason = reason
         self._running.remove(req)
-        self._finish(req)
+        if req.hold_kv and reason is FinishReason.LENGTH:
+            self._park(req)
+        else:
+            self._finish(req)
         return LLMEngineOutput(
             token_ids=[token],
             finish_reason=reason,
@@ -412,6 +458,13 @@ class Scheduler:
         (seq,) = compute_sequence_hashes([local], parent)
         req.local_hashes.append(local)
         req.seq_hashes.append(seq)
+
+    def _park(self, req: MockRequest) -> None:
+        """Keep a finished prefill-stage request's blocks for its decode worker."""
+        self._parked[req.request_id] = (req.held_hashes, req.num_private)
+        req.held_hashes = []
+        req.num_private = 0
+        self._finish(req)
 
     def _finish(self, req: MockRequest) -> None:
         """Free a request that left both queues."""
