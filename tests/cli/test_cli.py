@@ -34,6 +34,12 @@ def run(
             "--router-cpu-gpu-ratio must be an integer >= 1, got 0",
         ),
         (["worker", "--device-type", "tpu"], "invalid choice: 'tpu'"),
+        (["worker", "--role", "prefill"], "only the mocker engine runs disaggregated roles"),
+        (
+            ["worker", "--engine", "mocker", "--role", "decode", "--kv-transfer", "push"],
+            "--kv-transfer push is a prefill worker's setting",
+        ),
+        (["worker", "--engine", "mocker", "--kv-transfer-bandwidth", "0"], "bandwidth_gbps"),
         (["worker", "--endpoint", "just-one-part"], "namespace/component/endpoint"),
         (
             ["frontend", "--store", "etcd", "--store-endpoints", "http://127.0.0.1:1"],

@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from turnout.errors import EngineBadRequest, EngineOverloaded, RequestTimedOut, StreamBroken
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import DEADLINE_METADATA, RequestContext
 
 log = logging.getLogger("turnout.migration")
 
@@ -188,7 +188,7 @@ class Migration:
         time = loop.time
         watch = _Watchdog(loop, task)
         if timeout:
-            watch.deadline = time() + timeout
+            watch.deadline = ctx.metadata[DEADLINE_METADATA] = time() + timeout
         ttft, stall = self._ttft, self._stall
         generated: list[int] = []
         attempt = request

@@ -74,7 +74,7 @@ from turnout.protocols.model import EndpointId, WorkerRole
 from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.router import KvRouter
 from turnout.router.kv.selector import Selection
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import DEADLINE_METADATA, RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -273,11 +273,18 @@ class PrefillRouter:
         self, request: PreprocessedRequest, ctx: RequestContext, pool: PrefillPool | None
     ) -> AsyncIterator[LLMEngineOutput]:
         if pool is None:
-            pool = await self.slot.wait_active(self._wait_s)
+            wait = self._wait_s
+            deadline = ctx.metadata.get(DEADLINE_METADATA)
+            if isinstance(deadline, float):
+                # Give up a little before the request's deadline: a 503 that names the
+                # missing role says more than a timeout.
+                left = deadline - asyncio.get_running_loop().time()
+                wait = max(0.0, min(wait, left * 0.9))
+            pool = await self.slot.wait_active(wait)
             if pool is None:
                 raise NoInstanceAvailable(
                     f"model {self.slot.name!r} has decode workers but no prefill worker "
-                    f"(role prefill) after {self._wait_s:g}s, and --no-decode-fallback is set"
+                    f"(role prefill) after {wait:g}s, and --no-decode-fallback is set"
                 )
         selection: Selection | None = None
         handle: KvHandle | None = None
@@ -343,7 +350,11 @@ class PrefillRouter:
                 if again.final is not None and again.final.finish_reason is _ERROR:
                     yield again.final
                     return
+                # Its first token is dropped (the client has one already); its worker and
+                # handle are the ones the decode stage now uses.
                 handle = again.handle
+                prefilled.record = again.record
+                prefilled.cached_tokens = again.cached_tokens
         finally:
             if selection is not None and self._decode_kv is not None:
                 self._decode_kv.router.on_finished(ctx.request_id)

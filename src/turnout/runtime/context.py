@@ -6,6 +6,11 @@ import asyncio
 import uuid
 from typing import Any
 
+#: ``RequestContext.metadata`` key: the request's deadline on the event loop's clock (set by
+#: migration while one applies), so that stages which wait (the prefill router) can give up
+#: before it with a clearer error than a timeout.
+DEADLINE_METADATA = "deadline"
+
 
 class RequestContext:
     """Identity and cancellation of one request.

@@ -5,7 +5,8 @@ Prefill side: a prefill-stage request that ends at its token limit parks its blo
 scheduler (``Scheduler.release_parked`` frees them); ``KvHandles.park`` names them with a
 ``KvHandle``. The handle's blocks go back to the pool exactly once, on the first of:
 
-* a pull served (``serve``: the transfer time passes, then the blocks are freed),
+* a pull served or abandoned (``serve``: the transfer time passes, then the blocks are
+  freed; handles are single-use),
 * a push acknowledged by the decode instance (or failed: the decode side then retries),
 * a release (the frontend says nobody will take them),
 * the TTL (``expire``, run by the engine's sweeper: a decode worker that never came).
@@ -23,6 +24,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from turnout.engines.kv_transfer import KvTransport
 from turnout.engines.mocker.config import MockerConfig
@@ -76,6 +78,9 @@ class KvHandles:
         self._sleep = sleep
         self._parked: dict[str, _Parked] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: The handler tasks serving pulls now (cut when the engine stops, as a dead
+        #: worker's link would be).
+        self._pulls: set[asyncio.Task[Any]] = set()
         self.transport: KvTransport | None = None
         #: Bytes this worker sent (pulls served, pushes acknowledged), for tests and logs.
         self.bytes_sent = 0
@@ -85,6 +90,11 @@ class KvHandles:
 
     def __contains__(self, handle_id: str) -> bool:
         return handle_id in self._parked
+
+    @property
+    def num_transferring(self) -> int:
+        """Handles whose blocks are on the link now."""
+        return sum(1 for entry in self._parked.values() if entry.busy)
 
     def park(
         self,
@@ -132,7 +142,7 @@ class KvHandles:
                 ok=False, error=f"unknown or expired KV handle {request.handle_id}"
             )
         if request.op is KvTransferOp.RELEASE:
-            if not entry.busy:
+            if not entry.busy:  # else the transfer under way frees them when it ends
                 self._free(entry)
             return KvTransferReply(ok=True)
         if entry.busy:
@@ -140,12 +150,18 @@ class KvHandles:
                 ok=False, error=f"KV handle {request.handle_id} is being transferred already"
             )
         entry.busy = True
+        transfer = asyncio.current_task()
+        if transfer is not None:
+            self._pulls.add(transfer)
         try:
             await self._sleep(self._config.transfer_seconds(entry.handle.num_bytes))
-        except BaseException:
-            entry.busy = False  # the puller left: the blocks wait for a retry, release or TTL
-            raise
-        self._free(entry)
+        finally:
+            self._pulls.discard(transfer)  # type: ignore[arg-type]
+            # Across, or the puller left mid-way: handles are single-use (a decode worker
+            # that gave up fails back to the frontend, which prefills again), so either way
+            # the blocks go back now.
+            entry.busy = False
+            self._free(entry)
         self.bytes_sent += entry.handle.num_bytes
         return KvTransferReply(ok=True, num_bytes=entry.handle.num_bytes)
 
@@ -189,8 +205,8 @@ class KvHandles:
             self._release(entry.dp_rank, entry.request_id)
 
     async def close(self) -> None:
-        """Stop pushes in flight and free every handle."""
-        for task in list(self._tasks):
+        """Cut transfers in flight and free every handle."""
+        for task in [*self._tasks, *self._pulls]:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks))
