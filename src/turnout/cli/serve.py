@@ -49,17 +49,40 @@ def register(sub: Any) -> None:
         type=int,
         help="workers to start (processes; the mocker simulates all in one)",
     )
+    add_flag(
+        p,
+        "--num-prefill-workers",
+        default=0,
+        type=int,
+        help="mocker: also start this many prefill workers (one more process); the "
+        "--num-workers then run as decode workers (disaggregated serving)",
+    )
     add_runtime_flags(p, planes=False)
     p.set_defaults(store="file", request_plane="tcp", event_plane="zmq")
     p.set_defaults(run=run)
 
 
-def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list[str]:
-    """The ``turnout worker`` command line of one child, from serve's own flags."""
+def prefill_endpoint(endpoint: str) -> str:
+    """Where a tree's prefill workers serve: the ``prefill`` component of its namespace."""
+    namespace = endpoint.split("/", 1)[0]
+    return f"{namespace}/prefill/generate"
+
+
+def worker_argv(
+    args: argparse.Namespace,
+    store_path: str,
+    threads: int,
+    *,
+    role: str = "aggregated",
+    count: int | None = None,
+) -> list[str]:
+    """The ``turnout worker`` command line of one child, from serve's own flags (``count``
+    mocker workers in it, default ``--num-workers``)."""
+    endpoint = prefill_endpoint(args.endpoint) if role == "prefill" else args.endpoint
     argv = [
         sys.executable, "-m", "turnout", "worker",
         "--engine", args.engine,
-        "--endpoint", args.endpoint,
+        "--endpoint", endpoint,
         "--store", "file",
         "--store-path", store_path,
         "--request-plane", "tcp",
@@ -72,7 +95,9 @@ def worker_argv(args: argparse.Namespace, store_path: str, threads: int) -> list
         argv += ["--device-type", args.device_type]
     if args.engine == "mocker":
         # One process simulates every worker: the mocker is built for many per process.
-        argv += ["--num-workers", str(args.num_workers)]
+        argv += ["--num-workers", str(args.num_workers if count is None else count)]
+    if role != "aggregated":
+        argv += ["--role", role]
     engine_flags = {
         "llamacpp": ("n_ctx", "n_parallel", "threads", "max_waiting"),
         "echo": ("echo_delay_ms",),
@@ -248,6 +273,16 @@ class ServeTree:
     def __init__(self, args: argparse.Namespace) -> None:
         if args.num_workers < 0:
             raise TurnoutError("--num-workers must be 0 or more")
+        prefill = getattr(args, "num_prefill_workers", 0)
+        if prefill < 0:
+            raise TurnoutError("--num-prefill-workers must be 0 or more")
+        if prefill and args.engine != "mocker":
+            raise TurnoutError(
+                f"--num-prefill-workers: only the mocker engine runs disaggregated roles so far, "
+                f"not {args.engine}"
+            )
+        if prefill and args.num_workers < 1:
+            raise TurnoutError("--num-prefill-workers needs decode workers (--num-workers >= 1)")
         self.args = args
         # One store per tree (named by its HTTP port), not one per user: two trees on one
         # machine would otherwise serve each other's workers.
@@ -266,12 +301,14 @@ class ServeTree:
 
     async def start(self) -> None:
         threads = max(1, (os.cpu_count() or 2) // max(1, self.args.num_workers))
-        argv = worker_argv(self.args, self.store_path, threads)
+        prefill = getattr(self.args, "num_prefill_workers", 0)
+        role = "decode" if prefill else "aggregated"
+        argv = worker_argv(self.args, self.store_path, threads, role=role)
         for i in range(num_worker_processes(self.args)):
-            supervisor = WorkerSupervisor(argv, f"worker {i}")
-            await supervisor.start()
-            self.supervisors.append(supervisor)
-            self._watchers.append(asyncio.create_task(self._watch(supervisor)))
+            await self._supervise(argv, f"worker {i}")
+        if prefill:
+            argv = worker_argv(self.args, self.store_path, threads, role="prefill", count=prefill)
+            await self._supervise(argv, "prefill workers")
         await self.frontend.start()
         log.info(
             "serving on %s with %d %s worker(s); Ctrl-C stops everything",
@@ -279,6 +316,12 @@ class ServeTree:
             self.args.num_workers,
             self.args.engine,
         )
+
+    async def _supervise(self, argv: list[str], name: str) -> None:
+        supervisor = WorkerSupervisor(argv, name)
+        await supervisor.start()
+        self.supervisors.append(supervisor)
+        self._watchers.append(asyncio.create_task(self._watch(supervisor)))
 
     async def _watch(self, supervisor: WorkerSupervisor) -> None:
         await supervisor.run()

@@ -1,0 +1,106 @@
+"""``turnout serve --num-prefill-workers``: real processes (frontend, a decode worker process
+and a prefill worker process) on the file store, tcp request plane and zmq event plane."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from tests.integration.procs import wait_until
+
+from turnout.cli.main import build_parser
+from turnout.cli.serve import ServeTree, prefill_endpoint, worker_argv
+from turnout.errors import TurnoutError
+from turnout.frontend.service import free_port
+
+
+def disaggregation(url: str) -> dict[str, Any]:
+    body = httpx.get(url + "/health", timeout=5).json()
+    model = next((m for m in body["models"] if m["name"] == "mock"), None)
+    return (model or {}).get("disaggregation") or {}
+
+
+def test_serve_runs_prefill_and_decode_workers(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnout", "serve", "--port", str(port), "--engine", "mocker",
+             "--num-workers", "1", "--num-prefill-workers", "1", "--model-name", "mock",
+             "--speedup-ratio", "0", "--num-gpu-blocks", "512", "--block-size", "16",
+             "--prefill-min-tokens", "64", "--lease-ttl", "2",
+             "--store-path", str(tmp_path / "store.sqlite")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def logs() -> str:
+        return log_path.read_text(errors="replace")[-4000:]
+
+    try:
+        wait_until(lambda: len(disaggregation(url).get("prefill_instances", [])) == 1, 60,
+                   "the prefill worker", logs)  # fmt: skip
+        assert disaggregation(url)["roles"] == ["decode"]
+        body = {"model": "mock", "prompt": list(range(1000, 1300)), "max_tokens": 6,
+                "nvext": {"extra_fields": ["routing"]}}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", timeout=30, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["usage"]["completion_tokens"] == 6
+        routing = out["nvext"]["routing"]
+        assert routing["disaggregated"] is True, routing
+        assert routing["kv_transfer"]["mode"] == "pull"
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for child in children:  # workers run in their own sessions
+            if child.is_running():
+                child.kill()
+
+
+def serve_args(*extra: str) -> Any:
+    return build_parser().parse_args(["serve", "--engine", "mocker", *extra])
+
+
+def test_prefill_workers_get_their_own_process_and_endpoint() -> None:
+    args = serve_args("--num-workers", "3", "--num-prefill-workers", "2")
+    decode = worker_argv(args, "/s", 1, role="decode")
+    prefill = worker_argv(args, "/s", 1, role="prefill", count=2)
+    assert decode[decode.index("--role") + 1] == "decode"
+    assert decode[decode.index("--num-workers") + 1] == "3"
+    assert prefill[prefill.index("--role") + 1] == "prefill"
+    assert prefill[prefill.index("--num-workers") + 1] == "2"
+    assert prefill[prefill.index("--endpoint") + 1] == prefill_endpoint(args.endpoint)
+    assert prefill_endpoint("ns/backend/generate") == "ns/prefill/generate"
+    plain = worker_argv(serve_args(), "/s", 1)
+    assert "--role" not in plain
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--num-prefill-workers", "-1"], "--num-prefill-workers must be 0 or more"),
+        (["--num-prefill-workers", "1", "--num-workers", "0"], "needs decode workers"),
+    ],
+)
+def test_bad_prefill_settings_are_refused(extra: list[str], words: str) -> None:
+    with pytest.raises(TurnoutError, match=words):
+        ServeTree(serve_args(*extra))
+
+
+def test_prefill_workers_need_the_mocker() -> None:
+    args = build_parser().parse_args(["serve", "--engine", "echo", "--num-prefill-workers", "1"])
+    with pytest.raises(TurnoutError, match="only the mocker engine"):
+        ServeTree(args)
