@@ -3,17 +3,12 @@ and a prefill worker process) on the file store, tcp request plane and zmq event
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
-from tests.integration.procs import wait_until
+from tests.integration.procs import start_serve, stop_serve, wait_until
 
 from turnout.cli.main import build_parser
 from turnout.cli.serve import ServeTree, prefill_endpoint, worker_argv
@@ -27,22 +22,18 @@ def disaggregation(url: str) -> dict[str, Any]:
     return (model or {}).get("disaggregation") or {}
 
 
+@pytest.mark.slow
 def test_serve_runs_prefill_and_decode_workers(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "turnout", "serve", "--port", str(port), "--engine", "mocker",
-             "--num-workers", "1", "--num-prefill-workers", "1", "--model-name", "mock",
-             "--speedup-ratio", "0", "--num-gpu-blocks", "512", "--block-size", "16",
-             "--prefill-min-tokens", "64", "--lease-ttl", "2",
-             "--store-path", str(tmp_path / "store.sqlite")],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    proc = start_serve(
+        tmp_path, port, "--engine", "mocker", "--num-workers", "1", "--num-prefill-workers", "1",
+        "--model-name", "mock", "--speedup-ratio", "0", "--num-gpu-blocks", "512",
+        "--block-size", "16", "--prefill-min-tokens", "64", "--lease-ttl", "2",
+    )  # fmt: skip
 
     def logs() -> str:
-        return log_path.read_text(errors="replace")[-4000:]
+        return (tmp_path / "serve.log").read_text(errors="replace")[-4000:]
 
     try:
         wait_until(lambda: len(disaggregation(url).get("prefill_instances", [])) == 1, 60,
@@ -58,16 +49,7 @@ def test_serve_runs_prefill_and_decode_workers(tmp_path: Path) -> None:
         assert routing["disaggregated"] is True, routing
         assert routing["kv_transfer"]["mode"] == "pull"
     finally:
-        children = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for child in children:  # workers run in their own sessions
-            if child.is_running():
-                child.kill()
+        stop_serve(proc)
 
 
 def serve_args(*extra: str) -> Any:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from tests.integration.procs import health, wait_until
+from tests.integration.procs import health, start_serve, stop_serve, wait_until
 
 from turnout.cli.serve import WorkerSupervisor, describe_exit
 from turnout.frontend.service import free_port
@@ -120,14 +120,9 @@ def test_exit_descriptions() -> None:
 def test_serve_restarts_a_killed_worker(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    proc = start_serve(tmp_path, port, "--engine", "echo", "--num-workers", "1",
+                       "--model-name", "echo", "--lease-ttl", "2")  # fmt: skip
     log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "turnout", "serve", "--port", str(port), "--engine", "echo",
-             "--num-workers", "1", "--model-name", "echo", "--lease-ttl", "2",
-             "--store-path", str(tmp_path / "store.sqlite")],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
 
     def logs() -> str:
         return log_path.read_text(errors="replace")[-4000:]
@@ -143,16 +138,7 @@ def test_serve_restarts_a_killed_worker(tmp_path: Path) -> None:
         r = httpx.post(url + "/v1/completions", timeout=30, json=body)
         assert r.status_code == 200, r.text
     finally:
-        children = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for child in children:  # workers run in their own sessions
-            if child.is_running():
-                child.kill()
+        stop_serve(proc)
 
 
 @pytest.mark.slow

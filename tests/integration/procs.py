@@ -74,6 +74,34 @@ class ProcessSet:
             proc.wait(timeout=10)
 
 
+def start_serve(tmp: Path, port: int, *args: str) -> subprocess.Popen[bytes]:
+    """``turnout serve`` on ``port`` with a file store in ``tmp``; its output goes to
+    ``tmp/serve.log``. Stop it with ``stop_serve``."""
+    with open(tmp / "serve.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "turnout", "serve", "--port", str(port), *args,
+             "--store-path", str(tmp / "store.sqlite")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def stop_serve(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the serve tree, SIGKILL it if it lingers, then kill any worker left (workers
+    run in sessions of their own)."""
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for child in children:
+        if child.is_running():
+            child.kill()
+
+
 def wait_until(
     predicate: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str] | None = None
 ) -> None:

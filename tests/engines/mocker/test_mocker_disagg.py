@@ -176,15 +176,19 @@ async def test_release_frees_and_a_released_handle_fails_cleanly(
     assert used(decode) == 0
 
 
-async def test_handles_expire_after_their_ttl(engines: list[MockerEngine]) -> None:
+def on_fake_clock(engines: list[MockerEngine], ttl_s: float) -> tuple[FakeClock, MockerEngine]:
+    """A prefill engine whose clock moves only when it sleeps."""
     clock = FakeClock()
-    transport = LocalTransport()
-    prefill = transport.add(
-        MockerEngine(fast(role="prefill", kv_handle_ttl_s=5.0), clock=clock, sleep=clock.sleep),
-        0x1,
-        PREFILL_EP,
+    config = fast(role="prefill", kv_handle_ttl_s=ttl_s)
+    prefill = LocalTransport().add(
+        MockerEngine(config, clock=clock, sleep=clock.sleep), 0x1, PREFILL_EP
     )
     engines.append(prefill)
+    return clock, prefill
+
+
+async def test_handles_expire_after_their_ttl(engines: list[MockerEngine]) -> None:
+    clock, prefill = on_fake_clock(engines, ttl_s=5.0)
     (first,) = await run(prefill, prefill_stage())
     assert first.kv_handle is not None and used(prefill) == 13
     assert prefill.kv_handles.expire(now=clock() + 4.9) == 0
@@ -193,14 +197,7 @@ async def test_handles_expire_after_their_ttl(engines: list[MockerEngine]) -> No
 
 
 async def test_the_sweeper_expires_unclaimed_handles(engines: list[MockerEngine]) -> None:
-    clock = FakeClock()
-    transport = LocalTransport()
-    prefill = transport.add(
-        MockerEngine(fast(role="prefill", kv_handle_ttl_s=3.0), clock=clock, sleep=clock.sleep),
-        0x1,
-        PREFILL_EP,
-    )
-    engines.append(prefill)
+    _, prefill = on_fake_clock(engines, ttl_s=3.0)
     await run(prefill, prefill_stage())
     for _ in range(50):  # the sweeper's sleeps advance the fake clock
         if not len(prefill.kv_handles):

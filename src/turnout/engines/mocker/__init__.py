@@ -12,14 +12,9 @@ with many workers in one process.
 """
 
 from turnout.engines.mocker.config import MockerConfig
-from turnout.engines.mocker.engine import (
-    KvEventSink,
-    MockerEngine,
-    MockerStats,
-    NullEventSink,
-    make_mocker_engines,
-)
+from turnout.engines.mocker.engine import MockerEngine, make_mocker_engines
 from turnout.engines.mocker.kv_pool import KvBlockPool
+from turnout.engines.mocker.rank import KvEventSink, MockerStats, NullEventSink
 from turnout.engines.mocker.request import MockRequest, RequestState
 from turnout.engines.mocker.scheduler import Scheduler, SchedulerLoad, StepResult
 from turnout.engines.mocker.timing import PolynomialTimingModel, TimingModel

@@ -22,12 +22,13 @@ import asyncio
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from turnout.engines.kv_transfer import KvTransport
 from turnout.engines.mocker.config import MockerConfig
+from turnout.engines.mocker.timing import Clock, Sleep
 from turnout.protocols.disagg import (
     KvHandle,
     KvTransferMode,
@@ -39,8 +40,6 @@ from turnout.protocols.model import EndpointId
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
-Sleep = Callable[[float], Awaitable[None]]
 #: Frees the blocks a rank's scheduler parked for a request id.
 ReleaseFn = Callable[[int, str], None]
 

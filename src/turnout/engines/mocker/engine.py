@@ -27,11 +27,8 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
 
 import msgspec
 
@@ -41,11 +38,18 @@ from turnout.engines.mocker.config import MockerConfig
 from turnout.engines.mocker.disagg import KvArrivals, KvHandles
 from turnout.engines.mocker.kv_pool import KvBlockPool
 from turnout.engines.mocker.lora import LoraListener, LoraManager
+from turnout.engines.mocker.rank import (
+    KvEventSink,
+    MockerStats,
+    NullEventSink,
+    Rank,
+    Stream,
+)
 from turnout.engines.mocker.scheduler import Scheduler, StepResult
-from turnout.engines.mocker.timing import TimingModel
+from turnout.engines.mocker.timing import Clock, Sleep, TimingModel
 from turnout.engines.mocker.tokens import TokenSampler
-from turnout.protocols.disagg import KvTransferOp, KvTransferReply, KvTransferRequest, PrefillParams
-from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport, StepSample
+from turnout.protocols.disagg import KvTransferOp, KvTransferReply, KvTransferRequest
+from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import (
     EndpointId,
@@ -58,125 +62,11 @@ from turnout.runtime.context import RequestContext
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
-Sleep = Callable[[float], Awaitable[None]]
 
 #: How far (wall seconds) a loop may run behind its schedule before it stops catching up.
 _MAX_LAG_S = 0.05
 #: Seconds between two sweeps for expired KV handles (while any are parked), at most.
 _HANDLE_SWEEP_S = 1.0
-#: Step timings sent with one load report at most (a uniform sample of the steps since the
-#: previous one): reports go out on every change, so this bounds a report, not the data.
-_STEP_SAMPLES_PER_REPORT = 32
-
-
-class KvEventSink(Protocol):
-    """Where a worker's KV events and load reports go (the event plane, or a test recorder).
-
-    Called synchronously from the engine loop, in order; must not block.
-    """
-
-    def publish_kv(self, batch: KvEventBatch) -> None: ...
-
-    def publish_load(self, report: LoadReport) -> None: ...
-
-
-class NullEventSink:
-    """Drops everything: the default when nobody listens."""
-
-    def publish_kv(self, batch: KvEventBatch) -> None:
-        pass
-
-    def publish_load(self, report: LoadReport) -> None:
-        pass
-
-
-class _Stream:
-    """One request's outputs, from the engine loop to its ``generate`` consumer."""
-
-    __slots__ = ("ctx", "items", "num_prompt_tokens", "prefill", "waiter")
-
-    def __init__(
-        self,
-        ctx: RequestContext,
-        prefill: PrefillParams | None = None,
-        num_prompt_tokens: int = 0,
-    ) -> None:
-        self.ctx = ctx
-        self.items: deque[LLMEngineOutput] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        #: A prefill-stage request: where its KV goes (its blocks are parked when it ends).
-        self.prefill = prefill
-        self.num_prompt_tokens = num_prompt_tokens
-
-    def push(self, out: LLMEngineOutput) -> None:
-        self.items.append(out)
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-@dataclass(slots=True)
-class MockerStats:
-    """Counters of one rank's loop, for benchmarks: is the simulation keeping up?"""
-
-    #: Steps run, and their summed simulated GPU time (before the speedup).
-    num_steps: int = 0
-    simulated_s: float = 0.0
-    #: Wall seconds the loop fell behind real time and wrote off (0 when it keeps up).
-    late_s: float = 0.0
-
-    def add(self, other: MockerStats) -> MockerStats:
-        return MockerStats(
-            self.num_steps + other.num_steps,
-            self.simulated_s + other.simulated_s,
-            self.late_s + other.late_s,
-        )
-
-
-class _Rank:
-    """One data-parallel rank: a scheduler, its streams and its loop's state."""
-
-    __slots__ = (
-        "dp_rank",
-        "last_beat",
-        "last_load_key",
-        "next_report",
-        "scheduler",
-        "stats",
-        "step_samples",
-        "steps_since_report",
-        "streams",
-        "task",
-        "wake",
-    )
-
-    def __init__(self, scheduler: Scheduler, dp_rank: int) -> None:
-        self.scheduler = scheduler
-        self.dp_rank = dp_rank
-        self.streams: dict[str, _Stream] = {}
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-        self.last_load_key: tuple[int, ...] | None = None
-        self.next_report = 0.0
-        self.stats = MockerStats()
-        #: When the loop last went round (the health probe's heartbeat).
-        self.last_beat = 0.0
-        #: A uniform sample (reservoir) of the steps since the last load report.
-        self.step_samples: list[StepSample] = []
-        self.steps_since_report = 0
-
-    def sample_step(self, result: StepResult, speedup: float, rng: random.Random) -> None:
-        """Offer a finished step to the reservoir sent with the next load report."""
-        seconds = result.duration_s / speedup if speedup > 0 else 0.0
-        sample = StepSample(result.num_prefill_tokens, result.num_decodes, seconds, result.kv_usage)
-        self.steps_since_report += 1
-        if len(self.step_samples) < _STEP_SAMPLES_PER_REPORT:
-            self.step_samples.append(sample)
-        else:
-            slot = rng.randrange(self.steps_since_report)
-            if slot < _STEP_SAMPLES_PER_REPORT:
-                self.step_samples[slot] = sample
 
 
 class MockerEngine(Engine):
@@ -210,7 +100,7 @@ class MockerEngine(Engine):
         self._ids = itertools.count()
         self._sample_rng = random.Random(config.seed ^ worker_id)
         self._ranks = [
-            _Rank(
+            Rank(
                 Scheduler(
                     config,
                     pool=KvBlockPool(
@@ -433,7 +323,7 @@ class MockerEngine(Engine):
         if refused is not None:
             yield refused
             return
-        stream = _Stream(ctx, prefill, len(request.token_ids))
+        stream = Stream(ctx, prefill, len(request.token_ids))
         rank.streams[rid] = stream
         rank.wake.set()
         loop = asyncio.get_running_loop()
@@ -501,7 +391,7 @@ class MockerEngine(Engine):
 
     # ---- the loop -------------------------------------------------------------------------
 
-    def _pick_rank(self, request: PreprocessedRequest) -> _Rank:
+    def _pick_rank(self, request: PreprocessedRequest) -> Rank:
         ranks = self._ranks
         if len(ranks) == 1:
             return ranks[0]
@@ -510,7 +400,7 @@ class MockerEngine(Engine):
             return ranks[wanted]
         return min(ranks, key=lambda r: r.scheduler.num_waiting + r.scheduler.num_running)
 
-    async def _run(self, rank: _Rank) -> None:
+    async def _run(self, rank: Rank) -> None:
         """The rank's loop; a bug inside it ends every stream with ERROR, never a hang."""
         try:
             await self._loop(rank)
@@ -546,7 +436,7 @@ class MockerEngine(Engine):
                 )
         return None
 
-    async def _loop(self, rank: _Rank) -> None:
+    async def _loop(self, rank: Rank) -> None:
         scheduler = rank.scheduler
         speedup = self._config.speedup_ratio
         clock = self._clock
@@ -599,7 +489,7 @@ class MockerEngine(Engine):
             if speedup == 0:
                 deadline = clock()
 
-    def _fail_streams(self, rank: _Rank, message: str) -> None:
+    def _fail_streams(self, rank: Rank, message: str) -> None:
         """End every stream of ``rank`` with an ERROR output and drop its requests."""
         for rid, stream in list(rank.streams.items()):
             rank.scheduler.abort(rid)
@@ -612,7 +502,7 @@ class MockerEngine(Engine):
             )
         rank.streams.clear()
 
-    def _deliver(self, rank: _Rank, result: StepResult) -> None:
+    def _deliver(self, rank: Rank, result: StepResult) -> None:
         streams = rank.streams
         parked = rank.scheduler.is_parked
         for rid, out in result.outputs:
@@ -623,7 +513,7 @@ class MockerEngine(Engine):
                 stream.push(out)
 
     def _park(
-        self, rank: _Rank, rid: str, stream: _Stream | None, out: LLMEngineOutput
+        self, rank: Rank, rid: str, stream: Stream | None, out: LLMEngineOutput
     ) -> LLMEngineOutput:
         """A prefill stage ended: name its parked blocks with a handle on its last output
         (or free them at once when nobody is there to take the handle)."""
@@ -657,7 +547,7 @@ class MockerEngine(Engine):
             await self._sleep(interval)
             self._handles.expire()
 
-    def _reap_cancelled(self, rank: _Rank) -> None:
+    def _reap_cancelled(self, rank: Rank) -> None:
         cancelled = [rid for rid, s in rank.streams.items() if s.ctx.is_cancelled]
         for rid in cancelled:
             stream = rank.streams.pop(rid)
@@ -666,7 +556,7 @@ class MockerEngine(Engine):
         if cancelled:
             self._publish_events(rank)
 
-    def _publish_events(self, rank: _Rank) -> None:
+    def _publish_events(self, rank: Rank) -> None:
         events = rank.scheduler.pool.take_events()
         if events:
             try:
@@ -674,7 +564,7 @@ class MockerEngine(Engine):
             except Exception:  # a sink's failure must not stop the engine
                 log.exception("publishing KV events failed (worker %s)", self._worker_id)
 
-    def _maybe_publish_load(self, rank: _Rank, *, force: bool) -> None:
+    def _maybe_publish_load(self, rank: Rank, *, force: bool) -> None:
         """Publish a load report when it changed, or when ``force`` (the steady beat)."""
         load = rank.scheduler.get_load()
         key = (

@@ -28,8 +28,14 @@ Swap the model by passing any object with these two methods (``TimingModel``) to
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+#: Wall time as the engine sees it, and its way to wait: injectable, so tests run on a fake
+#: clock whose sleeps return at once.
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
 
 
 class TimingModel(Protocol):
