@@ -33,7 +33,7 @@ from turnout.router.prefill_router import (
     PrefillSlot,
     Stage,
 )
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import DEADLINE_METADATA, RequestContext
 
 PREFILL_EP = EndpointId(namespace="t", component="prefill", name="generate")
 DECODE_EP = EndpointId(namespace="t", component="backend", name="generate")
@@ -389,6 +389,34 @@ async def test_without_fallback_the_wait_ends_in_a_clear_error() -> None:
     with pytest.raises(NoInstanceAvailable, match=r"no prefill worker.*--no-decode-fallback"):
         await collect(router.generate(request(), RequestContext()))
     assert workers.decode_requests == []
+
+
+async def test_without_fallback_the_wait_ends_before_the_request_deadline() -> None:
+    workers = Workers()
+    router, *_ = make(workers, active=False, fallback=False, wait_s=3600)
+    ctx = RequestContext()
+    ctx.metadata[DEADLINE_METADATA] = asyncio.get_running_loop().time() + 0.05
+    with pytest.raises(NoInstanceAvailable, match=r"no prefill worker"):
+        await asyncio.wait_for(collect(router.generate(request(), ctx)), 10)
+
+
+async def test_a_rerun_prefill_is_the_one_in_the_routing_record() -> None:
+    workers = Workers()
+    failed = LLMEngineOutput(
+        finish_reason=FinishReason.ERROR,
+        error="prefill worker gone",
+        error_kind=ErrorKind.KV_TRANSFER_FAILED.value,
+    )
+    workers.decode_scripts = [[failed]]
+    router, *_ = make(workers)
+    ctx = RequestContext()
+    await collect(router.generate(request(200, max_tokens=3), ctx))
+    record = ctx.metadata["routing"]
+    assert record["disaggregated"] is True
+    # The second prefill (worker 0xa2) gave the handle the decode stage used.
+    assert record["prefill"]["worker_id"] == "a2"
+    assert record["prefill"]["routing"] == {"prefill_call": 2}
+    assert record["kv_transfer"]["from_worker_id"] == "a2"
 
 
 async def test_deactivation_sends_requests_back_to_decode() -> None:
