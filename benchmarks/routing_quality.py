@@ -178,6 +178,9 @@ class RequestResult:
     output_tokens: int = 0
     worker_id: str | None = None
     error: str | None = None
+    #: Wall seconds (from ``scheduled``) at which each chunk carrying text arrived: the gaps
+    #: between them are the inter-token latencies a user sees, stalls included.
+    chunk_times: list[float] = field(default_factory=list)
 
 
 def _request_body(model: str, tokens: np.ndarray, max_tokens: int) -> bytes:
@@ -236,6 +239,8 @@ def _on_event(event: bytes, scheduled: float, result: RequestResult) -> None:
     choices = obj.get("choices") or []
     # The first token is the first non-empty text; a stream whose only token decoded to
     # nothing (a partial UTF-8 sequence) gets its TTFT at the finish chunk.
+    if choices and choices[0].get("text"):
+        result.chunk_times.append(time.perf_counter() - scheduled)
     if (
         choices
         and result.ttft_s is None
@@ -513,7 +518,7 @@ def expected_run_s(plan: CellPlan, sessions: bool, peer: str = "turnout") -> flo
 # ------------------------------------------------------------------------------- reporting
 
 
-def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+def percentiles(values: list[float], qs: tuple[float, ...] = (50, 90, 99)) -> dict[str, float]:
     """Percentiles and mean of ``values`` (seconds) in milliseconds."""
     if not values:
         return {}
@@ -530,6 +535,16 @@ def itl_values(results: list[RequestResult]) -> list[float]:
         for r in results
         if r.error is None and r.ttft_s is not None and r.e2e_s is not None and r.output_tokens > 1
     ]
+
+
+def chunk_gaps(results: list[RequestResult]) -> list[float]:
+    """Wall seconds between consecutive text chunks of each successful request, pooled: the
+    distribution whose tail shows a decode stalled behind another request's prefill."""
+    gaps: list[float] = []
+    for r in results:
+        if r.error is None and len(r.chunk_times) > 1:
+            gaps.extend(np.diff(r.chunk_times).tolist())
+    return gaps
 
 
 def work_spread(results: list[RequestResult], num_workers: int) -> tuple[dict[str, int], float]:
@@ -589,6 +604,7 @@ def summarize(
         "first_errors": sorted(set(errors))[:3],
         "ttft_sim_ms": _sim(percentiles(ttft), speedup),
         "itl_sim_ms": _sim(percentiles(itl), speedup),
+        "token_gap_sim_ms": _sim(percentiles(chunk_gaps(ok), (50, 99, 99.9)), speedup),
         "e2e_sim_ms": _sim(percentiles(e2e), speedup),
         "ttft_ms": percentiles(ttft),
         "send_delay_ms": percentiles([r.send_delay_s for r in results]),
