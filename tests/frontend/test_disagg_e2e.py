@@ -158,6 +158,9 @@ async def test_long_prompt_runs_in_two_stages(stacks: MakeStack, mode: str) -> N
     text = await metrics(stack)
     assert metric(text, "turnout_disagg_requests_total", model="mock", stage="prefill") == 1
     assert metric(text, "turnout_disagg_requests_total", model="mock", stage="decode") == 1
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        listed = (await http.get("/v1/models")).json()["data"]
+    assert [m["id"] for m in listed] == ["mock"]  # the prefill card is no model of its own
     assert metric(text, "turnout_disagg_transfer_bytes_total", model="mock") == transfer["bytes"]
 
 
