@@ -28,8 +28,8 @@ at L x W / P of their capacity (``1:3`` at load 0.3 with 4 workers: 1.2, past sa
 
 Usage::
 
-    .venv/bin/python benchmarks/disagg.py            # both traces, agg / 1:1 / 1:3 (~8 min)
-    .venv/bin/python benchmarks/disagg.py --quick    # a ~2 minute smoke run
+    .venv/bin/python benchmarks/disagg.py            # both traces, agg / 1:1 / 1:3 (~4 min)
+    .venv/bin/python benchmarks/disagg.py --quick    # a ~1 minute smoke run
     .venv/bin/python benchmarks/disagg.py --traces long --setups agg 1:1 --load 0.2 0.4
 
 Writes ``benchmarks/results/disagg.json`` and ``disagg.png`` (``_quick`` with ``--quick``).
@@ -120,11 +120,12 @@ def long_prompt_trace(requests: int, isl: int, osl: int, seed: int) -> Trace:
 
 
 def disagg_counters(metrics_text: str) -> dict[str, dict[str, float]]:
-    """``turnout_disagg_*`` samples by name, keyed by their stage or reason label."""
+    """``turnout_disagg_*`` samples by name, keyed by their stage or reason label (histogram
+    buckets and sums, and the client library's ``_created`` timestamps, left out)."""
     out: dict[str, dict[str, float]] = {}
     for line in metrics_text.splitlines():
         match = _SAMPLE.match(line)
-        if match is None or match.group(1).endswith(("_bucket", "_sum")):
+        if match is None or match.group(1).endswith(("_bucket", "_sum", "_created")):
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
         key = labels.get("stage") or labels.get("reason") or "total"

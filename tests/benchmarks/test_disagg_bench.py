@@ -42,6 +42,7 @@ def test_disagg_counters_read_the_frontend_metrics() -> None:
         'turnout_disagg_requests_total{model="m",stage="decode"} 7.0',
         'turnout_disagg_local_total{model="m",reason="short_prompt"} 3.0',
         'turnout_disagg_stage_seconds_bucket{model="m",stage="prefill",le="0.1"} 2.0',
+        'turnout_disagg_requests_created{model="m",stage="prefill"} 1796342897.87',
         'turnout_disagg_transfer_bytes_total{model="m"} 1024.0',
     ])  # fmt: skip
     counters = disagg.disagg_counters(text)
@@ -49,6 +50,7 @@ def test_disagg_counters_read_the_frontend_metrics() -> None:
     assert counters["turnout_disagg_local_total"] == {"short_prompt": 3.0}
     assert counters["turnout_disagg_transfer_bytes_total"] == {"total": 1024.0}
     assert "turnout_disagg_stage_seconds_bucket" not in counters
+    assert "turnout_disagg_requests_created" not in counters
     entry = {"summary": {"num_ok": 10}, "disagg": counters}
     assert disagg.disagg_share(entry) == pytest.approx(0.7)
 
