@@ -281,10 +281,13 @@ class FakeServer:
             prompt = len(body["prompt"])
             if headers.get("x-session-id") == "a" and prompt == 64:
                 await asyncio.sleep(0.6)
+            head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
             events = [
-                {"choices": [{"index": 0, "text": "x"}], "nvext": {"worker_id": "w1"}},
-                {"choices": [{"index": 0, "text": "y", "finish_reason": "length"}],
+                {**head, "choices": [{"index": 0, "text": "x", "finish_reason": None}],
+                 "nvext": {"worker_id": "w1"}},
+                {**head, "choices": [{"index": 0, "text": "y", "finish_reason": "length"}],
                  "usage": {"prompt_tokens": prompt, "completion_tokens": 2,
+                           "total_tokens": prompt + 2,
                            "prompt_tokens_details": {"cached_tokens": 32}}},
             ]  # fmt: skip
             payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)

@@ -204,7 +204,7 @@ async def test_body_over_limit_is_413(stack: Stack) -> None:
         big = json.dumps({"model": "echo", "prompt": "x" * 100_000}).encode()
         r = await http.post("/v1/completions", content=big)
         assert r.status_code == 413
-        assert r.json()["error"]["type"] == "request_too_large"
+        assert r.json()["error"]["code"] == "request_too_large"
         r = await http.get("/v1/completions")
         assert r.status_code == 405
 

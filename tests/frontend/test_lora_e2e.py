@@ -110,7 +110,7 @@ async def test_unknown_adapter_is_404_and_the_first_request_loads_on_the_rendezv
     assert registry is not None
     async with httpx.AsyncClient(base_url=stack.url) as http:
         err = (await complete(http, "no-such-adapter", status=404))["error"]
-        assert err["type"] == "model_not_found" and err["param"] == "model"
+        assert err["code"] == "model_not_found" and err["param"] == "model"
         assert "ad0" not in await listed(http)
         # No holder: every request goes to the rendezvous winner, which loads the adapter.
         winner = rendezvous_pick("ad0", ids)

@@ -59,7 +59,7 @@ def test_workers_join_and_leave_with_their_lease(procs: ProcessSet) -> None:
     )
     r = httpx.post(procs.url + "/v1/completions", json={"model": "echo", "prompt": "x"})
     assert r.status_code == 404
-    assert r.json()["error"]["type"] == "model_not_found"
+    assert r.json()["error"]["code"] == "model_not_found"
 
 
 def test_worker_dead_before_answering_is_503(tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def test_worker_dead_before_answering_is_503(tmp_path: Path) -> None:
         )
         assert r.status_code == 503, r.text
         assert r.headers["retry-after"]
-        assert r.json()["error"]["type"] == "service_unavailable"
+        assert r.json()["error"]["code"] == "service_unavailable"
         assert httpx.get(procs.url + "/live").status_code == 200
     finally:
         procs.close()

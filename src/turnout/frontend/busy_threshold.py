@@ -95,14 +95,14 @@ class BusyThresholds:
         name = request.model
         if name not in self._list_models():
             raise HttpError(
-                404, f"model {name!r} is not served", type="model_not_found", param="model"
+                404, f"model {name!r} is not served", param="model", code="model_not_found"
             )
         if request.active_prefill_tokens_threshold is not None:
             raise HttpError(
                 400,
                 f"{DYNAMO_PREFILL_FIELD} is not supported: turnout's busy thresholds are the "
                 "KV usage (kv_usage) and the number of waiting requests (num_waiting)",
-                type="not_supported",
+                code="unsupported_parameter",
                 param=DYNAMO_PREFILL_FIELD,
             )
         kv_usage = request.kv_usage
@@ -130,7 +130,7 @@ class BusyThresholds:
                     f"model {name!r} is routed {self._mode_of(name)}: busy thresholds apply to "
                     "kv routing only (--router-mode kv, Tokens-input models), so this one "
                     "would be ignored",
-                    type="not_supported",
+                    code="unsupported_parameter",
                     param=field,
                 )
             loads.set_thresholds(kv_usage=kv_usage, num_waiting=num_waiting)

@@ -40,7 +40,7 @@ from turnout.runtime.context import RequestContext
 
 from .admission import AdmissionController
 from .busy_threshold import BusyThresholds
-from .http_errors import HttpError, request_decode_error, to_http_error
+from .http_errors import HttpError, request_decode_error, to_http_error, worker_error
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics, StreamTimer
 from .model_manager import ModelManager
 from .pipeline import Generation, TextPipeline, TokensPipeline
@@ -141,9 +141,11 @@ class HttpService:
         handler = self._routes.get((scope.method, path))
         if handler is None:
             if path in self._paths:
-                err = HttpError(405, f"method {scope.method} not allowed on {path}")
+                err = HttpError(
+                    405, f"method {scope.method} not allowed on {path}", code="method_not_allowed"
+                )
             else:
-                err = HttpError(404, f"no route for {scope.method} {path}", type="not_found")
+                err = HttpError(404, f"no route for {scope.method} {path}", code="unknown_url")
             self._send_error(proto, err)
             return
         try:
@@ -169,7 +171,7 @@ class HttpService:
                 413,
                 f"request body of {declared} bytes exceeds the limit of "
                 f"{self.max_body_bytes} bytes",
-                type="request_too_large",
+                code="request_too_large",
             )
         if declared is not None:
             return await proto()
@@ -182,7 +184,7 @@ class HttpService:
                 raise HttpError(
                     413,
                     f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                    type="request_too_large",
+                    code="request_too_large",
                 )
             parts.append(part)
         return b"".join(parts)
@@ -338,7 +340,7 @@ class HttpService:
                 first.finish_reason is FinishReason.ERROR
                 and generation.decoder.num_output_tokens == 0
             ):
-                raise HttpError(500, f"worker error: {first.error}", type="internal_error")
+                raise worker_error(first.error or "")
             if request.stream:
                 await self._stream_tokens(proto, request, generation, first, timer, ctx)
             else:
@@ -399,9 +401,7 @@ class HttpService:
                 return
         reason = delta.finish_reason or FinishReason.STOP
         if reason is FinishReason.ERROR:
-            await send(
-                sse(HttpError(500, f"worker error: {delta.error}", type="internal_error").body())
-            )
+            await send(sse(worker_error(delta.error or "").body()))
             await send(SSE_DONE)
             return
         await send(writer.finish(reason.to_openai(), self._nvext(request, ctx)))
@@ -443,7 +443,7 @@ class HttpService:
                 break
         reason = delta.finish_reason or FinishReason.STOP
         if reason is FinishReason.ERROR:
-            raise HttpError(500, f"worker error: {delta.error}", type="internal_error")
+            raise worker_error(delta.error or "")
         decoder = generation.decoder
         usage = make_usage(
             len(generation.request.token_ids), decoder.num_output_tokens, decoder.cached_tokens

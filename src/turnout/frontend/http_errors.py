@@ -5,6 +5,11 @@ Status codes: 400 bad request, 404 unknown model or pinned instance, 405 wrong m
 ``Retry-After``), 429/503/529 (``--reject-status``, with ``Retry-After``) the frontend's
 admission limits, 500 only for a bug.
 
+Bodies follow OpenAI's: ``type`` says whose side failed (``invalid_request_error`` for the
+client's, ``server_error`` for ours or a worker's), ``code`` is a string naming the case
+(``model_not_found``, ``context_length_exceeded``, ``service_unavailable``, ...) or null, never
+the HTTP status (that is the status line's job).
+
 Overload body: ``type`` ``overloaded_error`` and ``code`` ``server_overloaded``.
 ``overloaded_error`` is the type Anthropic's API sends with its 529 "Overloaded" (the status
 Dynamo also answers); OpenAI's own overload answers (503 "The server is overloaded") carry the
@@ -20,6 +25,7 @@ import re
 import msgspec
 
 from turnout.errors import (
+    ContextLengthExceeded,
     FrontendOverloaded,
     InstanceNotFound,
     ModelNotFound,
@@ -42,6 +48,11 @@ REJECT_STATUSES = (429, 503, 529)
 RETRY_AFTER_S = 1
 _RETRY_AFTER = [("retry-after", str(RETRY_AFTER_S))]
 
+#: OpenAI's error types (``type``).
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+OVERLOADED = "overloaded_error"
+
 #: msgspec's error suffix naming the offending field: ``... - at `$.nvext.priority```.
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
@@ -54,9 +65,9 @@ class HttpError(Exception):
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",
+        type: str = INVALID_REQUEST,
         param: str | None = None,
-        code: int | str | None = None,
+        code: str | None = None,
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
         super().__init__(message)
@@ -64,7 +75,7 @@ class HttpError(Exception):
         self.message = message
         self.type = type
         self.param = param
-        self.code = code if code is not None else status
+        self.code = code
         self.headers = headers or []
 
     def body(self) -> bytes:
@@ -91,7 +102,7 @@ def overloaded_error(exc: FrontendOverloaded, status: int = 503) -> HttpError:
     return HttpError(
         status,
         str(exc),
-        type="overloaded_error",
+        type=OVERLOADED,
         code="server_overloaded",
         headers=_RETRY_AFTER,
     )
@@ -105,34 +116,53 @@ def to_http_error(exc: BaseException, *, reject_status: int = 503) -> HttpError:
     output that did not decode, so a 502, like ``WorkerProtocolError``."""
     if isinstance(exc, HttpError):
         return exc
+    if isinstance(exc, ContextLengthExceeded):
+        return HttpError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, RequestError):
         return HttpError(400, str(exc), param=exc.param)
     if isinstance(exc, ModelNotFound):
-        return HttpError(404, str(exc), type="model_not_found", param="model")
+        return HttpError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, InstanceNotFound):
-        return HttpError(404, str(exc), type="instance_not_found", param=exc.param)
+        return HttpError(404, str(exc), param=exc.param, code="instance_not_found")
     if isinstance(exc, FrontendOverloaded):
         return overloaded_error(exc, reject_status)
     if isinstance(exc, NotYetSupported):
-        return HttpError(400, str(exc), type="not_supported")
+        return HttpError(400, str(exc), code="unsupported_parameter")
     if isinstance(exc, NoInstanceAvailable):
-        return HttpError(503, str(exc), type="service_unavailable", headers=_RETRY_AFTER)
+        return unavailable(str(exc))
     if isinstance(exc, WorkerProtocolError | msgspec.DecodeError):
         log.warning("worker protocol error: %s", exc)
         return HttpError(
             502,
             f"a worker sent a malformed response: {exc}",
-            type="bad_gateway",
+            type=SERVER_ERROR,
             code="worker_protocol_error",
         )
     if isinstance(exc, RemoteError):
-        return HttpError(500, f"worker error: {exc}", type="internal_error")
+        return worker_error(str(exc))
     if isinstance(exc, RequestPlaneError):
-        return HttpError(
-            503,
-            f"worker unavailable: {exc}",
-            type="service_unavailable",
-            headers=_RETRY_AFTER,
-        )
+        return unavailable(f"worker unavailable: {exc}")
     log.exception("unexpected error", exc_info=exc)
-    return HttpError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")
+    return HttpError(
+        500,
+        f"internal error: {type(exc).__name__}: {exc}",
+        type=SERVER_ERROR,
+        code="internal_error",
+    )
+
+
+def unavailable(message: str) -> HttpError:
+    """A 503 for a request no worker can take now (with ``Retry-After``)."""
+    return HttpError(
+        503, message, type=SERVER_ERROR, code="service_unavailable", headers=_RETRY_AFTER
+    )
+
+
+def worker_error(message: str) -> HttpError:
+    """A 500 for a request its worker failed (the worker said why)."""
+    return HttpError(500, f"worker error: {message}", type=SERVER_ERROR, code="worker_error")
+
+
+def timed_out(message: str) -> HttpError:
+    """A 504 for a request past its deadline."""
+    return HttpError(504, message, type=SERVER_ERROR, code="request_timeout")

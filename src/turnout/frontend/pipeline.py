@@ -42,7 +42,7 @@ from turnout.runtime.event_plane import EventPlane
 
 from .artifacts import ArtifactFetcher
 from .disagg_metrics import DisaggMetrics
-from .http_errors import HttpError
+from .http_errors import timed_out
 from .metrics import FrontendMetrics
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
@@ -153,7 +153,7 @@ class TokensPipeline:
             yield decoder.end(FinishReason.ERROR, "worker stream ended without a finish reason")
         except RequestTimedOut as exc:
             # 504 before streaming starts; an SSE error event (with this body) after.
-            raise HttpError(504, str(exc), type="timeout", code="request_timeout") from exc
+            raise timed_out(str(exc)) from exc
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
 
@@ -190,7 +190,7 @@ async def _timed_relay(
         async for chunk in stream:
             yield chunk
     except RequestTimedOut as exc:
-        raise HttpError(504, str(exc), type="timeout", code="request_timeout") from exc
+        raise timed_out(str(exc)) from exc
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
 

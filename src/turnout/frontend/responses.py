@@ -49,13 +49,13 @@ def new_response_id(is_chat: bool) -> str:
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> Usage:
+    """Usage as OpenAI reports it: ``prompt_tokens_details`` always an object (0 cached when
+    the engine does not say), streamed or not."""
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=(
-            PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
-        ),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens or 0),
     )
 
 

@@ -124,9 +124,14 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: dict[str, Any] | None = None
 
 
-class ChatCompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+# The ``object`` of a response is its struct's tag: always encoded (``omit_defaults`` would
+# drop a field that equals its default), first in the body.
+
+
+class ChatCompletionResponse(
+    msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="object", tag="chat.completion"
+):
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
@@ -147,9 +152,14 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     logprobs: dict[str, Any] | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ChatCompletionChunk(
+    msgspec.Struct,
+    kw_only=True,
+    omit_defaults=True,
+    tag_field="object",
+    tag="chat.completion.chunk",
+):
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
@@ -164,11 +174,12 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: dict[str, Any] | None = None
 
 
-class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+class CompletionResponse(
+    msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="object", tag="text_completion"
+):
     """Both the whole completion and one streamed chunk (OpenAI uses one shape for both)."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
@@ -196,7 +207,8 @@ class ErrorDetail(msgspec.Struct, kw_only=True):
     message: str
     type: str
     param: str | None
-    code: int | str | None
+    #: A string naming the case (``model_not_found``), or None; never the HTTP status.
+    code: str | None
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True):

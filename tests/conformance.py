@@ -1,0 +1,183 @@
+"""Every OpenAI-shaped body the test suite receives, checked against the official ``openai``
+client's own types, strictly (pydantic strict mode: exact types, every required field).
+
+``tests/conftest.py`` wraps ``Client.send`` and ``AsyncClient.send`` of ``httpx`` and of
+``httpx2`` (the fork the ``openai`` client is built on) for every test: responses from
+``/v1/`` routes are checked as they are read, whole bodies at once and streamed ones event
+by event, and the test fails at teardown with every violation seen. A test that means to
+receive a malformed body says so with ``@pytest.mark.no_conformance``.
+
+One leniency, OpenAI's own: a legacy completions stream sends ``finish_reason: null`` until
+its last chunk, while ``openai.types.Completion`` (shared by the whole body and the chunks)
+types it non-null; such chunks are checked with the null read as "not finished yet".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator, Iterator
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pydantic
+from openai.types import Completion, ErrorObject, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MODELS = "/v1/models"
+
+
+class Conformance:
+    """The violations seen during one test."""
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+
+    def watch(self, response: Any, http: ModuleType = httpx) -> None:
+        """Check ``response`` (of the ``http`` module: ``httpx`` or ``httpx2``) as it is
+        read, if it comes from a ``/v1/`` route."""
+        path = response.request.url.path
+        if not path.startswith("/v1/") or response.headers.get("content-encoding"):
+            return
+        response.stream = _checked_stream_type(http)(
+            response.stream, self, path, response.status_code, sse=_is_stream(response)
+        )
+
+    def check_body(self, path: str, status: int, body: bytes) -> None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            self._fail(path, f"a {status} body that is not JSON: {body[:120]!r}")
+            return
+        if status >= 400:
+            self._check_error(path, data)
+            return
+        if path == CHAT:
+            self._validate(path, ChatCompletion, data)
+        elif path == COMPLETIONS:
+            self._validate(path, Completion, data)
+        elif path == MODELS:
+            if not isinstance(data, dict) or data.get("object") != "list":
+                self._fail(path, f"a model list without object 'list': {str(data)[:200]}")
+                return
+            for model in data.get("data") or []:
+                self._validate(path, Model, model)
+        elif path.startswith(MODELS + "/"):
+            self._validate(path, Model, data)
+
+    def check_event(self, path: str, payload: bytes) -> None:
+        """One SSE ``data:`` payload of a stream from ``path``."""
+        if payload == b"[DONE]":
+            return
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            self._fail(path, f"an SSE event that is not JSON: {payload[:120]!r}")
+            return
+        if isinstance(data, dict) and "error" in data:
+            self._check_error(path, data)
+        elif path == CHAT:
+            self._validate(path, ChatCompletionChunk, data)
+        elif path == COMPLETIONS:
+            self._validate(path, Completion, _unfinished_as_stop(data))
+
+    def _check_error(self, path: str, data: Any) -> None:
+        error = data.get("error") if isinstance(data, dict) else None
+        if not isinstance(error, dict):
+            self._fail(path, f"an error body without an 'error' object: {str(data)[:200]}")
+            return
+        self._validate(path, ErrorObject, error)
+
+    def _validate(self, path: str, model: type[pydantic.BaseModel], data: Any) -> None:
+        try:
+            model.model_validate(data, strict=True)
+        except pydantic.ValidationError as exc:
+            self._fail(path, f"not a valid {model.__name__}: {exc}\n  body: {str(data)[:300]}")
+
+    def _fail(self, path: str, message: str) -> None:
+        self.violations.append(f"{path}: {message}")
+
+
+def _is_stream(response: Any) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _unfinished_as_stop(data: Any) -> Any:
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        return data
+    choices = [
+        {**c, "finish_reason": "stop"}
+        if isinstance(c, dict) and c.get("finish_reason") is None
+        else c
+        for c in data["choices"]
+    ]
+    return {**data, "choices": choices}
+
+
+class _SseParser:
+    """Splits bytes into SSE events and hands each ``data:`` payload on."""
+
+    def __init__(self, conformance: Conformance, path: str) -> None:
+        self._conformance = conformance
+        self._path = path
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk.replace(b"\r\n", b"\n")
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self._conformance.check_event(self._path, line[5:].strip())
+
+
+@functools.cache
+def _checked_stream_type(http: ModuleType) -> type:
+    """``_CheckedStream`` as a byte stream of ``http`` (its responses insist on their own)."""
+    return type("CheckedStream", (_CheckedStream, http.AsyncByteStream, http.SyncByteStream), {})
+
+
+class _CheckedStream:
+    """A response stream checked as the reader receives it: event by event (SSE), or whole
+    once read to the end."""
+
+    def __init__(
+        self, inner: Any, conformance: Conformance, path: str, status: int, *, sse: bool
+    ) -> None:
+        self._inner = inner
+        self._conformance = conformance
+        self._path = path
+        self._status = status
+        self._parser = _SseParser(conformance, path) if sse else None
+        self._body: list[bytes] = []
+
+    def _feed(self, chunk: bytes) -> None:
+        if self._parser is not None:
+            self._parser.feed(chunk)
+        else:
+            self._body.append(chunk)
+
+    def _done(self) -> None:
+        if self._parser is None:
+            self._conformance.check_body(self._path, self._status, b"".join(self._body))
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._feed(chunk)
+            yield chunk
+        self._done()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            self._feed(chunk)
+            yield chunk
+        self._done()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()

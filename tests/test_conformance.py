@@ -1,0 +1,63 @@
+"""The suite's conformance check itself: it must catch what the openai client's types reject,
+or every test that relies on it could pass with broken bodies."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from tests.conformance import Conformance
+
+CHUNK = {"id": "c1", "object": "text_completion", "created": 1, "model": "m",
+         "choices": [{"index": 0, "text": "a", "finish_reason": None}]}  # fmt: skip
+WHOLE = {**CHUNK, "choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}
+
+
+def serve(status: int, body: bytes, content_type: str) -> httpx.Client:
+    def handler(request: httpx.Request) -> httpx.Response:
+        # A stream, as from a socket (a response built with content= is read already).
+        return httpx.Response(
+            status, stream=httpx.ByteStream(body), headers={"content-type": content_type}
+        )
+
+    return httpx.Client(transport=httpx.MockTransport(handler), base_url="http://t")
+
+
+def fetch(conformance: Conformance, status: int, body: bytes, content_type: str) -> None:
+    with serve(status, body, content_type) as client:
+        request = client.build_request("POST", "/v1/completions")
+        response = client.send(request, stream=True)
+        conformance.watch(response)
+        response.read()
+
+
+@pytest.mark.no_conformance
+def test_a_body_without_its_object_is_caught() -> None:
+    conformance = Conformance()
+    body = {k: v for k, v in WHOLE.items() if k != "object"}
+    fetch(conformance, 200, json.dumps(body).encode(), "application/json")
+    assert len(conformance.violations) == 1
+    assert "object" in conformance.violations[0]
+
+
+@pytest.mark.no_conformance
+def test_valid_bodies_and_streams_pass() -> None:
+    conformance = Conformance()
+    fetch(conformance, 200, json.dumps(WHOLE).encode(), "application/json")
+    stream = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in (CHUNK, WHOLE))
+    fetch(conformance, 200, stream + b"data: [DONE]\n\n", "text/event-stream")
+    error = {"error": {"message": "no", "type": "invalid_request_error", "param": None,
+                       "code": "model_not_found"}}  # fmt: skip
+    fetch(conformance, 404, json.dumps(error).encode(), "application/json")
+    assert conformance.violations == []
+
+
+@pytest.mark.no_conformance
+def test_a_bad_stream_event_and_a_numeric_error_code_are_caught() -> None:
+    conformance = Conformance()
+    bad = {**CHUNK, "created": "yesterday"}
+    fetch(conformance, 200, f"data: {json.dumps(bad)}\n\n".encode(), "text/event-stream")
+    error = {"error": {"message": "no", "type": "x", "param": None, "code": 404}}
+    fetch(conformance, 404, json.dumps(error).encode(), "application/json")
+    assert len(conformance.violations) == 2, conformance.violations
