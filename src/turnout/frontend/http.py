@@ -43,6 +43,7 @@ from .busy_threshold import BusyThresholds
 from .http_errors import HttpError, request_decode_error, to_http_error, worker_error
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics, StreamTimer
 from .model_manager import ModelManager
+from .openapi import build_openapi
 from .pipeline import Generation, TextPipeline, TokensPipeline
 from .responses import (
     SSE_DONE,
@@ -124,6 +125,7 @@ class HttpService:
             ("GET", "/health"): self._health,
             ("GET", "/live"): self._live,
             ("GET", "/metrics"): self._metrics,
+            ("GET", "/openapi.json"): self._openapi,
         }
         #: None: the frontend has no routers to tune (e.g. a bare service in tests).
         self.busy_thresholds = busy_thresholds
@@ -131,6 +133,14 @@ class HttpService:
             self._routes[("GET", "/busy_threshold")] = self._busy_threshold_get
             self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
         self._paths = {path for _, path in self._routes}
+        self._openapi_body = _json.encode(
+            build_openapi(busy_thresholds=busy_thresholds is not None)
+        )
+
+    @property
+    def routes(self) -> set[tuple[str, str]]:
+        """(method, path) of every route served."""
+        return set(self._routes)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -217,6 +227,9 @@ class HttpService:
 
     async def _live(self, scope: Scope, proto: HTTPProtocol) -> None:
         proto.response_bytes(200, _JSON, b'{"status":"live"}')
+
+    async def _openapi(self, scope: Scope, proto: HTTPProtocol) -> None:
+        proto.response_bytes(200, _JSON, self._openapi_body)
 
     async def _metrics(self, scope: Scope, proto: HTTPProtocol) -> None:
         proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())

@@ -131,6 +131,8 @@ class Frontend:
         self._tasks: list[asyncio.Task[None]] = []
         self._server: Server | None = None
         self.watcher: ModelWatcher | None = None
+        #: The HTTP routes (set by ``start``).
+        self.http: HttpService | None = None
         self.factory: PipelineFactory | None = None
 
     @property
@@ -182,6 +184,7 @@ class Frontend:
             ),
             prefill=self._prefill_health,
         )
+        self.http = service
         self._server = Server(
             service,
             address=cfg.host,

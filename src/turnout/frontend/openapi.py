@@ -1,0 +1,159 @@
+"""The frontend's OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+Request bodies are the JSON schemas of the very msgspec structs the frontend decodes, so the
+document cannot drift from what is accepted; responses list every status a route can answer
+(what API testers such as schemathesis hold the frontend to), with OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from turnout import __version__
+from turnout.protocols.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+
+from .busy_threshold import BusyThresholdRequest
+
+_REF = "#/components/schemas/{name}"
+#: Statuses every generation route may answer besides 200 (see ``http_errors``).
+_GENERATION_ERRORS = {
+    "400": "invalid request (the message and ``param`` say which field)",
+    "404": "unknown model, or pinned instance",
+    "413": "request body too large",
+    "429": "admission limit (``--reject-status 429``)",
+    "500": "the worker failed the request",
+    "502": "a worker's answer did not decode",
+    "503": "no instance can take the request now, or an admission limit",
+    "504": "the request's deadline passed",
+    "529": "admission limit (``--reject-status 529``)",
+}
+
+
+def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
+    """The document; ``busy_thresholds``: whether the ``/busy_threshold`` routes exist."""
+    _, schemas = msgspec.json.schema_components(
+        [
+            ChatCompletionRequest,
+            CompletionRequest,
+            ChatCompletionResponse,
+            CompletionResponse,
+            ModelList,
+            ErrorResponse,
+            BusyThresholdRequest,
+        ],
+        ref_template=_REF,
+    )
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {
+            "post": _generation(
+                "Chat completion", "ChatCompletionRequest", "ChatCompletionResponse"
+            )
+        },
+        "/v1/completions": {
+            "post": _generation("Completion", "CompletionRequest", "CompletionResponse")
+        },
+        "/v1/models": {
+            "get": {
+                "summary": "The served models",
+                "responses": {"200": _json_response("the models", _ref("ModelList"))},
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "Each model and its live instances",
+                "responses": {
+                    "200": _json_response("every model has live instances", {"type": "object"}),
+                    "503": _json_response("a model has none, or no model", {"type": "object"}),
+                },
+            }
+        },
+        "/live": {
+            "get": {
+                "summary": "The process is up",
+                "responses": {"200": _json_response("live", {"type": "object"})},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {
+                        "description": "text exposition format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "responses": {"200": _json_response("OpenAPI 3.1", {"type": "object"})},
+            }
+        },
+    }
+    if busy_thresholds:
+        errors = {
+            "400": _error("invalid thresholds, or a model not routed by kv"),
+            "404": _error("unknown model"),
+            "413": _error("request body too large"),
+        }
+        paths["/busy_threshold"] = {
+            "get": {
+                "summary": "Every model's busy thresholds",
+                "responses": {"200": _json_response("thresholds", {"type": "object"})},
+            },
+            "post": {
+                "summary": "Read or change one model's busy thresholds",
+                "requestBody": _json_body("BusyThresholdRequest"),
+                "responses": {
+                    "200": _json_response("the model's thresholds", {"type": "object"}),
+                    **errors,
+                },
+            },
+        }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "turnout", "version": __version__},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(name=name)}
+
+
+def _json_response(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json_response(description, _ref("ErrorResponse"))
+
+
+def _json_body(name: str) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
+    ok = _json_response(f"{summary} (not streamed)", _ref(response))
+    ok["content"]["text/event-stream"] = {
+        "schema": {"type": "string", "description": "SSE chunks, then data: [DONE]"}
+    }
+    return {
+        "summary": f"{summary}, streamed (SSE) or not",
+        "requestBody": _json_body(request),
+        "responses": {
+            "200": ok,
+            **{status: _error(why) for status, why in _GENERATION_ERRORS.items()},
+        },
+    }

@@ -1,0 +1,90 @@
+"""``GET /openapi.json``: it describes every route the frontend serves, and schemathesis,
+generating requests from it (valid and not), finds no 5xx and no undocumented status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.frontend.stack import Stack, echo_engine, make_stack
+from tests.helpers import assert_no_leaked_tasks
+
+from turnout.frontend.openapi import build_openapi
+
+SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
+
+
+@pytest.fixture
+async def stack(gguf_path: str) -> AsyncIterator[Stack]:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    await stack.add_worker(echo_engine(gguf_path), model_name="echo")
+    await stack.wait_for_model("echo")
+    yield stack
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+async def test_the_document_names_every_route(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        document = (await http.get("/openapi.json")).json()
+    assert document["openapi"].startswith("3.1")
+    assert stack.frontend.http is not None
+    served = {(method.lower(), path) for method, path in stack.frontend.http.routes}
+    documented = {(m, p) for p, ops in document["paths"].items() for m in ops}
+    assert documented == served
+    # Request bodies are the schemas of the structs the frontend decodes.
+    assert "messages" in document["components"]["schemas"]["ChatCompletionRequest"]["required"]
+
+
+def test_busy_threshold_routes_only_where_they_exist() -> None:
+    assert "/busy_threshold" in build_openapi(busy_thresholds=True)["paths"]
+    assert "/busy_threshold" not in build_openapi(busy_thresholds=False)["paths"]
+
+
+@pytest.mark.slow
+@pytest.mark.no_conformance  # schemathesis's requests are its own; it checks their answers
+@pytest.mark.skipif(SCHEMATHESIS is None, reason="schemathesis is not installed (test extra)")
+@pytest.mark.timeout(600)
+async def test_schemathesis_finds_no_server_error_or_undocumented_status(
+    stack: Stack, tmp_path: Path
+) -> None:
+    assert SCHEMATHESIS is not None
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        document = (await http.get("/openapi.json")).json()
+    # Realistic data: requests name the served model, so they reach the pipeline
+    # (preprocessing, routing, the worker) instead of stopping at the 404 (tested elsewhere).
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        document["components"]["schemas"][name]["properties"]["model"] = {"const": "echo"}
+    schema = tmp_path / "openapi.json"
+    schema.write_text(json.dumps(document))
+    process = await asyncio.create_subprocess_exec(
+        SCHEMATHESIS, "run", str(schema), "--url", stack.url,
+        "--checks", "not_a_server_error,status_code_conformance,content_type_conformance",
+        "--max-examples", "60", "--seed", "1", "--request-timeout", "30",
+        "--exclude-path", "/metrics", "--no-color",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        cwd=tmp_path, env={**os.environ, "SCHEMATHESIS_HOOKS": ""},
+    )  # fmt: skip
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=540)
+    text = output.decode(errors="replace")
+    assert process.returncode == 0, text[-6000:]
+    # And it reached the pipeline: generated requests for the served model were answered by
+    # both generation routes.
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        metrics = (await http.get("/metrics")).text
+    served = re.findall(r'turnout_requests_total\{([^}]*model="echo"[^}]*)\} (\S+)', metrics)
+    answered = {
+        re.sub(r'.*endpoint="(\w+)".*', r"\1", labels)
+        for labels, count in served
+        if 'status="200"' in labels and float(count) > 0
+    }
+    assert answered == {"chat_completions", "completions"}, served
