@@ -240,13 +240,18 @@ async def test_client_disconnect_cancels_worker(gguf_path: str) -> None:
     await assert_no_leaked_tasks(before)
 
 
-async def test_unknown_fields_are_ignored_and_extras_accepted(stack: Stack) -> None:
+async def test_extras_are_accepted_and_unknown_fields_refused(stack: Stack) -> None:
+    body = {"model": "echo", "prompt": "a b c", "max_tokens": 2, "top_k": 5, "min_p": 0.1,
+            "repetition_penalty": 1.1, "ignore_eos": True,
+            "nvext": {"ignore_eos": True, "annotations": ["x"]}}  # fmt: skip
     async with httpx.AsyncClient(base_url=stack.url) as http:
-        r = await http.post(
-            "/v1/completions",
-            json={"model": "echo", "prompt": "a b c", "max_tokens": 2, "some_future_field": [1],
-                  "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True,
-                  "nvext": {"ignore_eos": True, "annotations": ["x"], "unknown": 1}},
-        )  # fmt: skip
+        r = await http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 2
+        # A field turnout does not know would be accepted and ignored: refused, named.
+        r = await http.post("/v1/completions", json={**body, "some_future_field": [1]})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "some_future_field"
+        r = await http.post("/v1/completions", json={**body, "nvext": {"unknown": 1}})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "nvext.unknown"

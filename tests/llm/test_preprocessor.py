@@ -15,7 +15,7 @@ from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.model_card import load_model_card
 from turnout.llm.preprocessor import Preprocessor
 from turnout.llm.tokenizer import Tokenizer
-from turnout.protocols.model import EndpointId, ModelDeploymentCard
+from turnout.protocols.model import EndpointId, ModelCapabilities, ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 
 EP = EndpointId(namespace="ns", component="c", name="generate")
@@ -24,7 +24,10 @@ CTX = 256
 
 @pytest.fixture(scope="module")
 def card(gguf_path: Path) -> ModelDeploymentCard:
-    return load_model_card(gguf_path, endpoint=EP, context_length=CTX, display_name="smol")
+    card = load_model_card(gguf_path, endpoint=EP, context_length=CTX, display_name="smol")
+    # An engine that can do what these tests ask (the refusals are tested with a bare card).
+    caps = ModelCapabilities(logprobs=True, max_top_logprobs=5, min_tokens=True)
+    return msgspec.structs.replace(card, capabilities=caps)
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +242,62 @@ async def test_long_prompts_leave_the_event_loop(
     assert tok.threads[0] == tok.threads[2] == loop_thread
     assert tok.threads[1] != loop_thread
     assert tok.threads[3] != loop_thread
+
+
+# ------------------------------------------------------------------- capabilities
+
+
+@pytest.fixture(scope="module")
+def bare(card: ModelDeploymentCard, smol_tokenizer: Tokenizer) -> Preprocessor:
+    """A model whose engine declares nothing beyond plain sampling."""
+    plain = msgspec.structs.replace(card, capabilities=ModelCapabilities())
+    assert plain.chat_template is not None
+    template = ChatTemplate(plain.chat_template, plain.bos_token, plain.eos_token)
+    return Preprocessor(plain, smol_tokenizer, template)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"logprobs": True}, "logprobs", "cannot return log probabilities"),
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs", "log probabilities"),
+        ({"min_tokens": 3}, "min_tokens", "cannot honour 'min_tokens'"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", "no engine applies it"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+        ({"tools": [TOOL]}, "tools", "no tool-call parser"),
+        ({"tool_choice": "auto"}, "tool_choice", "only allowed when 'tools'"),
+    ],
+)
+async def test_what_the_engine_cannot_do_is_a_400_naming_it(
+    bare: Preprocessor, fields: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(RequestError, match=words) as info:
+        await bare.preprocess_chat(chat(**fields))
+    assert info.value.param == param
+
+
+async def test_what_needs_no_capability_still_passes(bare: Preprocessor) -> None:
+    out = await bare.preprocess_chat(
+        chat(response_format={"type": "text"}, tools=[TOOL], tool_choice="none", min_tokens=0)
+    )
+    assert out.token_ids
+    with pytest.raises(RequestError, match="'echo' is not supported") as info:
+        await bare.preprocess_completion(completion(echo=True))
+    assert info.value.param == "echo"
+    with pytest.raises(RequestError, match="log probabilities"):
+        await bare.preprocess_completion(completion(logprobs=1))
+
+
+async def test_more_alternatives_than_the_engine_returns_is_a_400(pre: Preprocessor) -> None:
+    with pytest.raises(RequestError, match="at most 5 alternatives") as info:
+        await pre.preprocess_chat(chat(logprobs=True, top_logprobs=6))
+    assert info.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("body", [{"store": True}, {"nvext": {"priorty": 1}}])
+def test_unknown_fields_are_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        msgspec.convert({"model": "m", "prompt": "x", **body}, CompletionRequest)

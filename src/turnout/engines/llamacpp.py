@@ -40,7 +40,7 @@ with ``finish_reason=ERROR`` and llama.cpp's message. A native exception means t
 broke: its stream ends as ``engine_failed`` (the frontend migrates it) and the engine reports
 the failure (the worker leaves discovery and exits). Requests past ``n_parallel`` running
 plus ``max_waiting`` queued are refused as ``overloaded``. ``min_tokens`` is not supported by
-llama.cpp's server and is ignored here.
+llama.cpp's server: the card's capabilities say so, and the frontend refuses such requests.
 
 Load reports. Given a sink (``set_event_sink``; the worker wires the event plane) and its
 worker id (``bind_instance``: the instance id, known only once the worker registered; nothing

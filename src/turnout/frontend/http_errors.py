@@ -55,6 +55,8 @@ OVERLOADED = "overloaded_error"
 
 #: msgspec's error suffix naming the offending field: ``... - at `$.nvext.priority```.
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+#: msgspec's message for a field a ``forbid_unknown_fields`` struct does not have.
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`")
 
 
 class HttpError(Exception):
@@ -92,8 +94,20 @@ def request_decode_error(exc: msgspec.DecodeError) -> HttpError:
     """The 400 for a request body that is not valid JSON or not a valid request; ``param``
     names the offending field (``nvext.priority``) when msgspec says which."""
     if isinstance(exc, msgspec.ValidationError):
-        match = _AT_PATH.search(str(exc))
-        return HttpError(400, f"invalid request: {exc}", param=match.group(1) if match else None)
+        text = str(exc)
+        match = _AT_PATH.search(text)
+        where = match.group(1) if match else ""
+        unknown = _UNKNOWN_FIELD.match(text)
+        if unknown is not None:
+            param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+            return HttpError(
+                400,
+                f"unrecognized request argument supplied: {param} (turnout does not support "
+                "it, and does not ignore what it cannot honour)",
+                param=param,
+                code="unknown_parameter",
+            )
+        return HttpError(400, f"invalid request: {exc}", param=where or None)
     return HttpError(400, f"request body is not valid JSON: {exc}")
 
 

@@ -102,6 +102,10 @@ class Preprocessor:
         self._validate(req, max_tokens, max_param)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise RequestError("'top_logprobs' must be between 0 and 20", param="top_logprobs")
+        if req.logprobs or req.top_logprobs is not None:
+            param = "top_logprobs" if req.top_logprobs else "logprobs"
+            self._require_logprobs(req.top_logprobs or 0, param)
+        self._check_chat_features(req)
         template = self.template
         if template is None:
             raise RequestError(
@@ -144,6 +148,10 @@ class Preprocessor:
             raise RequestError("'suffix' is not supported", param="suffix")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise RequestError("'logprobs' must be between 0 and 5", param="logprobs")
+        if req.logprobs is not None:
+            self._require_logprobs(req.logprobs, "logprobs")
+        if req.echo:
+            raise RequestError("'echo' is not supported yet", param="echo")
         prompt = self._single_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:
@@ -189,10 +197,52 @@ class Preprocessor:
                 )
         return list(ids)
 
+    # ---------------------------------------------------------------- capabilities
+
+    def _require_logprobs(self, alternatives: int, param: str) -> None:
+        caps = self.card.capabilities
+        if not caps.logprobs:
+            raise RequestError(
+                f"model '{self.card.display_name}' cannot return log probabilities "
+                f"(its engine does not report them)",
+                param=param,
+            )
+        if alternatives > caps.max_top_logprobs:
+            raise RequestError(
+                f"model '{self.card.display_name}' returns at most {caps.max_top_logprobs} "
+                f"alternatives per token, not {alternatives}",
+                param=param,
+            )
+
+    def _check_chat_features(self, req: ChatCompletionRequest) -> None:
+        """``response_format`` and tools: honoured where the model's engine can, else a 400."""
+        caps = self.card.capabilities
+        name = self.card.display_name
+        fmt = req.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if not isinstance(kind, str):
+                raise RequestError("'response_format' needs a 'type'", param="response_format")
+            if kind != "text" and kind not in caps.response_formats:
+                raise RequestError(
+                    f"model '{name}' cannot enforce response_format type '{kind}' (it can: "
+                    f"{', '.join(['text', *caps.response_formats])})",
+                    param="response_format",
+                )
+        if req.tool_choice is not None and not req.tools:
+            raise RequestError(
+                "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice"
+            )
+        if req.tools and req.tool_choice != "none" and caps.tool_call_parser is None:
+            raise RequestError(
+                f"model '{name}' has no tool-call parser, so a tool call would come back as "
+                f"plain text; send tool_choice 'none' to pass tools as context only",
+                param="tools",
+            )
+
     # ---------------------------------------------------------------- shared
 
-    @staticmethod
-    def _validate(req: _Request, max_tokens: int | None, max_param: str) -> None:
+    def _validate(self, req: _Request, max_tokens: int | None, max_param: str) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise RequestError(
                 f"'{max_param}' must be at least 1, got {max_tokens}", param=max_param
@@ -208,9 +258,19 @@ class Preprocessor:
             raise RequestError(
                 f"'top_p' must be greater than 0 and at most 1, got {req.top_p}", param="top_p"
             )
+        if req.logit_bias:
+            raise RequestError(
+                "'logit_bias' is not supported: no engine applies it yet", param="logit_bias"
+            )
         if req.min_tokens is not None:
             if req.min_tokens < 0:
                 raise RequestError("'min_tokens' must be at least 0", param="min_tokens")
+            if req.min_tokens > 0 and not self.card.capabilities.min_tokens:
+                raise RequestError(
+                    f"model '{self.card.display_name}' cannot honour 'min_tokens' (its engine "
+                    "does not hold back stops)",
+                    param="min_tokens",
+                )
             if max_tokens is not None and req.min_tokens > max_tokens:
                 raise RequestError(
                     f"'min_tokens' ({req.min_tokens}) must not exceed '{max_param}' ({max_tokens})",

@@ -174,6 +174,27 @@ class ArtifactRequest(msgspec.Struct, frozen=True, kw_only=True):
     sha256: Sha256Hex
 
 
+class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a model's engine does beyond plain sampling. The frontend refuses a request that
+    asks for more with a 400 naming the field, rather than accepting it and ignoring it.
+
+    Defaults are what an engine that says nothing can do: none of it.
+    """
+
+    #: Per-token log probabilities in responses, with at most this many alternatives each.
+    logprobs: bool = False
+    max_top_logprobs: int = 0
+    #: vLLM's ``min_tokens``: no stop (EOS, stop tokens) before that many tokens.
+    min_tokens: bool = False
+    #: ``response_format`` types beyond ``text`` the engine enforces (``json_object``, ...).
+    response_formats: list[str] = msgspec.field(default_factory=list)
+    #: Most choices one request may ask for (``n``).
+    max_n: int = 1
+    #: How the model writes tool calls (a parser's name); None: requests with tools are
+    #: refused, since a tool call would come back as plain text.
+    tool_call_parser: str | None = None
+
+
 class LoraInfo(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     path: str | None = None
@@ -207,6 +228,8 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Which part of requests this instance runs. Prefill instances carry
     #: ``model_type = Prefill`` and the same ``display_name`` as the model they serve.
     worker_role: WorkerRole = WorkerRole.AGGREGATED
+    #: What the engine can do beyond plain sampling (see ``ModelCapabilities``).
+    capabilities: ModelCapabilities = msgspec.field(default_factory=ModelCapabilities)
 
     def artifacts(self) -> list[ArtifactRef]:
         """Every artifact this card names (what its worker must serve)."""

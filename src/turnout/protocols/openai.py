@@ -2,8 +2,10 @@
 
 Requests accept what OpenAI clients and load generators send: the OpenAI fields, vLLM-style
 sampling extras at the top level (``ignore_eos``, ``min_tokens``, ``top_k``, ...), and an
-``nvext`` object. Unknown fields are ignored; a field of the wrong type fails validation,
-which the frontend turns into HTTP 400.
+``nvext`` object. A field turnout does not know, or of the wrong type, fails validation, which
+the frontend turns into a 400 naming it: a request is never answered as if a field it sent
+had been honoured. Messages stay lenient (clients replay assistant messages with fields such
+as ``refusal``), so do their content parts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 
-class NvExt(msgspec.Struct, kw_only=True):
+class NvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """turnout/Dynamo extensions carried beside the OpenAI fields."""
 
     ignore_eos: bool | None = None
@@ -32,7 +34,7 @@ class NvExt(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
@@ -45,7 +47,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields common to chat and completion requests."""
 
     model: str

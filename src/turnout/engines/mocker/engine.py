@@ -53,6 +53,7 @@ from turnout.protocols.kv import KvEventBatch, KvSnapshot, LoadReport
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import (
     EndpointId,
+    ModelCapabilities,
     ModelDeploymentCard,
     ModelType,
     RuntimeConfig,
@@ -374,6 +375,8 @@ class MockerEngine(Engine):
             # it prefills for (the same display name).
             model_type=ModelType.Prefill if role is WorkerRole.PREFILL else base.model_type,
             worker_role=role,
+            # The scheduler holds back stops before min_tokens; sampling is simulated.
+            capabilities=ModelCapabilities(min_tokens=True),
             # A prompt must fit in the pool: saying so in the card lets the frontend refuse a
             # longer one with a 400 before it reaches a worker.
             context_length=min(base.context_length, cfg.max_context_tokens),

@@ -1,0 +1,63 @@
+"""Nothing accepted and ignored, over HTTP: a field turnout does not know, or one the model's
+engine cannot honour, is a 400 that names it (the official client sees a BadRequestError)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+from tests.frontend.stack import Stack, echo_engine, make_stack
+from tests.helpers import assert_no_leaked_tasks
+
+
+@pytest.fixture
+async def stack(gguf_path: str) -> AsyncIterator[Stack]:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    await stack.add_worker(echo_engine(gguf_path), model_name="echo")
+    await stack.wait_for_model("echo")
+    yield stack
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "code"),
+    [
+        ({"store": True}, "store", "unknown_parameter"),
+        ({"nvext": {"priorty": 2}}, "nvext.priorty", "unknown_parameter"),
+        ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x",
+         "unknown_parameter"),
+        ({"logprobs": True}, "logprobs", None),
+        ({"min_tokens": 4}, "min_tokens", None),
+        ({"response_format": {"type": "json_object"}}, "response_format", None),
+    ],
+)  # fmt: skip
+async def test_unhonoured_fields_are_400s_naming_them(
+    stack: Stack, extra: dict[str, object], param: str, code: str | None
+) -> None:
+    body = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        r = await http.post("/v1/chat/completions", json={**body, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["code"] == code
+
+
+async def test_the_official_client_gets_a_bad_request_error(stack: Stack) -> None:
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="no tool-call parser"):
+        await api.chat.completions.create(
+            model="echo", messages=[{"role": "user", "content": "hi"}], tools=[tool]
+        )
+    ok = await api.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "hi"}], tools=[tool],
+        tool_choice="none", max_tokens=2,
+    )  # fmt: skip
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    await api.close()
