@@ -61,3 +61,20 @@ async def test_the_official_client_gets_a_bad_request_error(stack: Stack) -> Non
     )  # fmt: skip
     assert ok.choices[0].finish_reason in ("stop", "length")
     await api.close()
+
+
+async def test_completions_echo_starts_the_text_with_the_prompt(stack: Stack) -> None:
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    whole = await api.completions.create(
+        model="echo", prompt="hello there", max_tokens=2, echo=True
+    )
+    text = whole.choices[0].text
+    assert text.startswith("hello there") and len(text) > len("hello there")
+    stream = await api.completions.create(
+        model="echo", prompt="hello there", max_tokens=2, echo=True, stream=True
+    )
+    streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert streamed == text
+    plain = await api.completions.create(model="echo", prompt="hello there", max_tokens=2)
+    assert text == "hello there" + plain.choices[0].text
+    await api.close()

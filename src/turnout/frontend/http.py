@@ -354,10 +354,11 @@ class HttpService:
                 and generation.decoder.num_output_tokens == 0
             ):
                 raise worker_error(first.error or "")
+            echo = _echoed_prompt(request, pipeline, pre.token_ids)
             if request.stream:
-                await self._stream_tokens(proto, request, generation, first, timer, ctx)
+                await self._stream_tokens(proto, request, generation, first, timer, ctx, echo)
             else:
-                await self._whole_tokens(proto, request, generation, first, timer, ctx)
+                await self._whole_tokens(proto, request, generation, first, timer, ctx, echo)
         finally:
             await generation.aclose()
             metrics.output_tokens.observe(generation.decoder.num_output_tokens)
@@ -389,12 +390,15 @@ class HttpService:
         first: Any,
         timer: StreamTimer,
         ctx: RequestContext,
+        echo: str = "",
     ) -> None:
         writer = ChunkWriter(request.model, isinstance(request, ChatCompletionRequest))
         transport = proto.response_stream(200, _SSE)
         send = transport.send_bytes
         if writer.is_chat:
             await send(writer.role())
+        if echo:
+            await send(writer.text(echo))
         delta = first
         deltas = generation.__aiter__()
         while True:
@@ -440,8 +444,9 @@ class HttpService:
         first: Any,
         timer: StreamTimer,
         ctx: RequestContext,
+        echo: str = "",
     ) -> None:
-        parts: list[str] = []
+        parts: list[str] = [echo] if echo else []
         delta = first
         deltas = generation.__aiter__()
         while True:
@@ -519,3 +524,18 @@ async def _discard(proto: HTTPProtocol, limit: int) -> None:
         seen += len(part)
         if seen > limit:
             return
+
+
+def _echoed_prompt(
+    request: ChatCompletionRequest | CompletionRequest, pipeline: TokensPipeline, ids: list[int]
+) -> str:
+    """Completions' ``echo``: the prompt as the client sent it (a string), or its tokens'
+    text; the response's text starts with it. Empty when not asked for."""
+    if not isinstance(request, CompletionRequest) or not request.echo:
+        return ""
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return pipeline.preprocessor.tokenizer.decode(ids, skip_special_tokens=False)

@@ -150,8 +150,6 @@ class Preprocessor:
             raise RequestError("'logprobs' must be between 0 and 5", param="logprobs")
         if req.logprobs is not None:
             self._require_logprobs(req.logprobs, "logprobs")
-        if req.echo:
-            raise RequestError("'echo' is not supported yet", param="echo")
         prompt = self._single_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:
