@@ -262,3 +262,5 @@ def test_model_card_template(engine: LlamaCppEngine) -> None:
     # The tokenizer travels by content: a tokenizer.json built from the GGUF, held for serving.
     assert card.tokenizer is not None and card.tokenizer.kind == "hf_tokenizer_json"
     assert card.tokenizer.sha256 in LOCAL_ARTIFACTS
+    caps = card.capabilities
+    assert caps.logprobs and caps.max_top_logprobs == 0 and not caps.min_tokens

@@ -310,3 +310,24 @@ def test_step_is_cheap(smol_tokenizer: Tokenizer) -> None:
         dec.step(o)
     per_step = (time.perf_counter() - start) / len(outs)
     assert per_step < 50e-6, f"{per_step * 1e6:.1f} µs per step"
+
+
+# ------------------------------------------------------------------ log probabilities
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 10])
+def test_log_probs_follow_the_accepted_ids(smol_tokenizer: Tokenizer, chunk: int) -> None:
+    """Each delta carries the log probs of exactly the ids it accepted: a burst cut by
+    max_tokens keeps only the accepted ones."""
+    ids = char_ids(smol_tokenizer, "abcdefghij")
+    dec = make_decoder(smol_tokenizer, max_tokens=7)
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        part = ids[i : i + chunk]
+        out = LLMEngineOutput(token_ids=part, log_probs=[-float(i + k) for k in range(len(part))])
+        deltas.append(dec.step(out))
+        if deltas[-1].finish_reason is not None:
+            break
+    accepted = [t for d in deltas for t in d.token_ids]
+    values = [v for d in deltas for v in (d.log_probs or [])]
+    assert len(accepted) == 7 and values == [-float(k) for k in range(7)]

@@ -94,7 +94,12 @@ from turnout.protocols.llm import (
     LLMEngineOutput,
     PreprocessedRequest,
 )
-from turnout.protocols.model import DEVICE_CPU, ModelDeploymentCard, RuntimeConfig
+from turnout.protocols.model import (
+    DEVICE_CPU,
+    ModelCapabilities,
+    ModelDeploymentCard,
+    RuntimeConfig,
+)
 from turnout.runtime.context import RequestContext
 
 from .base import Engine
@@ -759,6 +764,9 @@ class LlamaCppEngine(Engine):
                 # xllamacpp runs on the CPU here; ``--device-type`` overrides it.
                 device_type=DEVICE_CPU,
             ),
+            # Each token's log probability (``n_probs: 1``; no alternatives yet); not
+            # ``min_tokens``, which llama.cpp's server does not have.
+            capabilities=ModelCapabilities(logprobs=True),
         )
 
     def model_card_template(self) -> ModelDeploymentCard:

@@ -41,6 +41,7 @@ from turnout.runtime.context import RequestContext
 from .admission import AdmissionController
 from .busy_threshold import BusyThresholds
 from .http_errors import HttpError, request_decode_error, to_http_error, worker_error
+from .logprobs import LogprobsBuilder
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics, StreamTimer
 from .model_manager import ModelManager
 from .openapi import build_openapi
@@ -355,10 +356,16 @@ class HttpService:
             ):
                 raise worker_error(first.error or "")
             echo = _echoed_prompt(request, pipeline, pre.token_ids)
+            logprobs = None
+            if pre.output_options.logprobs is not None:
+                logprobs = LogprobsBuilder(
+                    pipeline.preprocessor.tokenizer, is_chat=pipeline.is_chat, text_offset=len(echo)
+                )
+            args = (proto, request, generation, first, timer, ctx, echo, logprobs)
             if request.stream:
-                await self._stream_tokens(proto, request, generation, first, timer, ctx, echo)
+                await self._stream_tokens(*args)
             else:
-                await self._whole_tokens(proto, request, generation, first, timer, ctx, echo)
+                await self._whole_tokens(*args)
         finally:
             await generation.aclose()
             metrics.output_tokens.observe(generation.decoder.num_output_tokens)
@@ -391,6 +398,7 @@ class HttpService:
         timer: StreamTimer,
         ctx: RequestContext,
         echo: str = "",
+        logprobs: LogprobsBuilder | None = None,
     ) -> None:
         writer = ChunkWriter(request.model, isinstance(request, ChatCompletionRequest))
         transport = proto.response_stream(200, _SSE)
@@ -402,7 +410,10 @@ class HttpService:
         delta = first
         deltas = generation.__aiter__()
         while True:
-            if delta.text:
+            if logprobs is not None and delta.token_ids:
+                timer.on_tokens()
+                await send(writer.text_with_logprobs(delta.text, logprobs.add(delta)))
+            elif delta.text:
                 timer.on_tokens()
                 await send(writer.text(delta.text))
             if delta.finish_reason is not None:
@@ -445,11 +456,14 @@ class HttpService:
         timer: StreamTimer,
         ctx: RequestContext,
         echo: str = "",
+        logprobs: LogprobsBuilder | None = None,
     ) -> None:
         parts: list[str] = [echo] if echo else []
         delta = first
         deltas = generation.__aiter__()
         while True:
+            if logprobs is not None:
+                logprobs.add(delta)
             if delta.text:
                 timer.on_tokens()
                 parts.append(delta.text)
@@ -473,6 +487,7 @@ class HttpService:
             finish_reason=reason.to_openai(),
             usage=usage,
             nvext=self._nvext(request, ctx),
+            logprobs=logprobs.whole() if logprobs is not None else None,
         )
         proto.response_bytes(200, _JSON, body)
 

@@ -90,6 +90,32 @@ class ChunkWriter:
         """One content chunk (the per-token path)."""
         return self._prefix + _json.encode(text) + self._suffix
 
+    def text_with_logprobs(self, text: str, logprobs: dict[str, Any] | None) -> bytes:
+        """A content chunk that carries its tokens' log probabilities (the typed, slower path:
+        only requests that ask for log probs take it)."""
+        if self.is_chat:
+            chunk: Any = ChatCompletionChunk(
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[
+                    ChatChunkChoice(
+                        index=0, delta=ChatDelta(content=text), finish_reason=None,
+                        logprobs=logprobs,
+                    )
+                ],
+            )  # fmt: skip
+        else:
+            chunk = CompletionResponse(
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[
+                    CompletionChoice(index=0, text=text, finish_reason=None, logprobs=logprobs)
+                ],
+            )
+        return sse(_json.encode(chunk))
+
     def role(self) -> bytes:
         """The chat stream's opening chunk, announcing the assistant role."""
         return sse(
@@ -150,6 +176,7 @@ def whole_response(
     finish_reason: str,
     usage: Usage,
     nvext: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     created = int(time.time())
     if is_chat:
@@ -163,6 +190,7 @@ def whole_response(
                         index=0,
                         message=ChatResponseMessage(role="assistant", content=text),
                         finish_reason=finish_reason,
+                        logprobs=logprobs,
                     )
                 ],
                 usage=usage,
@@ -174,7 +202,9 @@ def whole_response(
             id=new_response_id(False),
             created=created,
             model=model,
-            choices=[CompletionChoice(index=0, text=text, finish_reason=finish_reason)],
+            choices=[
+                CompletionChoice(index=0, text=text, finish_reason=finish_reason, logprobs=logprobs)
+            ],
             usage=usage,
             nvext=nvext,
         )

@@ -54,6 +54,9 @@ class DecodedDelta:
     finish_reason: FinishReason | None = None
     #: Why, when ``finish_reason`` is ``ERROR``.
     error: str | None = None
+    #: The log probability of each of ``token_ids``, when the request asked and the engine
+    #: reported them.
+    log_probs: list[float] | None = None
 
 
 class Backend:
@@ -145,12 +148,13 @@ class StreamDecoder:
             if n != self._max_tokens and not (may_stop and tid in self._stop_ids):
                 self.num_output_tokens = n
                 text = self._detok.step(tid)
+                lps = output.log_probs
                 if not text or not self._stops:
-                    return DecodedDelta(text, ids)
+                    return DecodedDelta(text, ids, log_probs=lps)
                 text, matched = self._jail(text, may_stop)
                 if not matched:
-                    return DecodedDelta(text, ids)
-                return self._finish([text], ids, FinishReason.STOP, matched=True)
+                    return DecodedDelta(text, ids, log_probs=lps)
+                return self._finish([text], ids, FinishReason.STOP, matched=True, log_probs=lps)
         elif (
             len(ids) > 1
             and not self._stops
@@ -163,14 +167,17 @@ class StreamDecoder:
             self.num_output_tokens += len(ids)
             text = self._detok.step_many(ids)
             reason = output.finish_reason
+            lps = output.log_probs
             if reason is None:
-                return DecodedDelta(text, ids)
+                return DecodedDelta(text, ids, log_probs=lps)
             error = (
                 (output.error or "the engine reported an error")
                 if reason is FinishReason.ERROR
                 else None
             )
-            return self._finish([text] if text else [], ids, reason, matched=False, error=error)
+            return self._finish(
+                [text] if text else [], ids, reason, matched=False, error=error, log_probs=lps
+            )
 
         accepted: list[int] = []
         pieces: list[str] = []
@@ -212,12 +219,14 @@ class StreamDecoder:
             if reason is None and output.finish_reason is not None:
                 reason = output.finish_reason
 
+        lps = output.log_probs[: len(accepted)] if output.log_probs else None
         if reason is None:
-            return DecodedDelta(pieces[0] if len(pieces) == 1 else "".join(pieces), accepted)
+            text = pieces[0] if len(pieces) == 1 else "".join(pieces)
+            return DecodedDelta(text, accepted, log_probs=lps)
         error = None
         if reason is FinishReason.ERROR:
             error = output.error or "the engine reported an error"
-        return self._finish(pieces, accepted, reason, matched=matched, error=error)
+        return self._finish(pieces, accepted, reason, matched=matched, error=error, log_probs=lps)
 
     def _finish(
         self,
@@ -227,6 +236,7 @@ class StreamDecoder:
         *,
         matched: bool,
         error: str | None = None,
+        log_probs: list[float] | None = None,
     ) -> DecodedDelta:
         """The one place a stream's state becomes finished."""
         self.finish_reason = reason
@@ -237,7 +247,7 @@ class StreamDecoder:
             if self._held or tail:
                 pieces.append(self._held + tail)
         self._held = ""
-        return DecodedDelta("".join(pieces), accepted, reason, error)
+        return DecodedDelta("".join(pieces), accepted, reason, error, log_probs)
 
     def end(self, reason: FinishReason, error: str | None = None) -> DecodedDelta:
         """Finish now, as if the engine had reported ``reason``: for an upstream that ended

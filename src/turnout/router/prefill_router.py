@@ -209,6 +209,8 @@ class _Prefilled:
     """What the prefill stage gave: the first token(s), the handle, or a final output."""
 
     tokens: list[int] = field(default_factory=list)
+    #: The first token's log probability, when the request asked for them.
+    log_probs: list[float] = field(default_factory=list)
     handle: KvHandle | None = None
     #: The output that ends the request here (an error, or a first token that stops it).
     final: LLMEngineOutput | None = None
@@ -310,7 +312,7 @@ class PrefillRouter:
             if prefilled.final is not None:
                 yield prefilled.final
                 return
-            yield LLMEngineOutput(token_ids=prefilled.tokens)
+            yield LLMEngineOutput(token_ids=prefilled.tokens, log_probs=prefilled.log_probs or None)
             decode_request = request.continued(prefilled.tokens)
             if handle is None:
                 self._count_local(LocalReason.NO_HANDLE)
@@ -441,6 +443,8 @@ class PrefillRouter:
             try:
                 async for output in stream:
                     result.tokens.extend(output.token_ids)
+                    if output.log_probs:
+                        result.log_probs.extend(output.log_probs)
                     if output.kv_handle is not None:
                         result.handle = output.kv_handle
                     if output.usage is not None and output.usage.cached_tokens is not None:

@@ -375,8 +375,9 @@ class MockerEngine(Engine):
             # it prefills for (the same display name).
             model_type=ModelType.Prefill if role is WorkerRole.PREFILL else base.model_type,
             worker_role=role,
-            # The scheduler holds back stops before min_tokens; sampling is simulated.
-            capabilities=ModelCapabilities(min_tokens=True),
+            # The scheduler holds back stops before min_tokens and reports (simulated) log
+            # probabilities of its tokens; no alternatives.
+            capabilities=ModelCapabilities(min_tokens=True, logprobs=True),
             # A prompt must fit in the pool: saying so in the card lets the frontend refuse a
             # longer one with a 400 before it reaches a worker.
             context_length=min(base.context_length, cfg.max_context_tokens),

@@ -71,6 +71,8 @@ class MockRequest:
     num_preemptions: int = 0
     #: Simulated time of the first output token (the end of the step that produced it).
     first_token_time: float | None = None
+    #: Report each token's (simulated, deterministic) log probability.
+    want_logprobs: bool = False
     #: Disaggregated serving, prefill stage: when the request ends at its token limit, its
     #: blocks stay held (parked) for a decode worker instead of going back to the pool.
     hold_kv: bool = False

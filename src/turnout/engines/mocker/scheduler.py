@@ -176,6 +176,7 @@ class Scheduler:
             token_seed=token_seed(self._config.seed, prompt, request.original_prompt_len),
             hold_kv=hold_kv,
             imported_tokens=min(max(imported_tokens, 0), n),
+            want_logprobs=request.output_options.logprobs is not None,
         )
         if self._caching:
             local, seq = compute_block_hashes(
@@ -413,8 +414,9 @@ class Scheduler:
             req.num_output >= req.max_tokens or len(req.token_ids) >= self._max_context
         ):
             reason = FinishReason.LENGTH
+        logprobs = [simulated_logprob(req, token)] if req.want_logprobs else None
         if reason is None:
-            return LLMEngineOutput(token_ids=[token])
+            return LLMEngineOutput(token_ids=[token], log_probs=logprobs)
         req.finish_reason = reason
         self._running.remove(req)
         if req.hold_kv and reason is FinishReason.LENGTH:
@@ -423,6 +425,7 @@ class Scheduler:
             self._finish(req)
         return LLMEngineOutput(
             token_ids=[token],
+            log_probs=logprobs,
             finish_reason=reason,
             usage=CompletionUsage(
                 prompt_tokens=req.prompt_len,
@@ -474,6 +477,13 @@ class Scheduler:
         self._pending_prefill -= req.pending_prefill_tokens
         req.move_to(RequestState.FINISHED)
         del self._requests[req.request_id]
+
+
+def simulated_logprob(req: MockRequest, token: int) -> float:
+    """A token's log probability, simulated: deterministic in (request seed, position, token),
+    in [-4, 0), so clients and tests see stable, plausible numbers."""
+    mixed = (token * 0x9E3779B1 + len(req.token_ids) * 0x85EBCA77 + req.token_seed) & 0xFFFFFFFF
+    return -((mixed % 4000) + 1) / 1000.0
 
 
 def _error(message: str, prompt_tokens: int, kind: ErrorKind | None = None) -> LLMEngineOutput:
