@@ -1,13 +1,30 @@
-"""Frontend tests keep their fetched artifacts in a temporary cache, not ``~/.cache``."""
+"""Frontend tests keep their fetched artifacts in a temporary cache, not ``~/.cache``; and
+share a plain stack: a frontend and one echo worker serving model ``echo``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from tests.frontend.stack import Stack, echo_engine, make_stack
+from tests.helpers import assert_no_leaked_tasks
 
 from turnout.frontend.artifacts import CACHE_ENV
+
+
+@pytest.fixture
+async def echo_stack(gguf_path: str) -> AsyncIterator[Stack]:
+    """A frontend with default settings and one echo worker (model ``echo``); checked for
+    leaked tasks afterwards."""
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    await stack.add_worker(echo_engine(gguf_path), model_name="echo")
+    await stack.wait_for_model("echo")
+    yield stack
+    await stack.close()
+    await assert_no_leaked_tasks(before)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,13 +9,11 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.frontend.stack import Stack, echo_engine, make_stack
-from tests.helpers import assert_no_leaked_tasks
+from tests.frontend.stack import Stack
 
 from turnout.frontend.openapi import build_openapi
 
@@ -23,14 +21,8 @@ SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent
 
 
 @pytest.fixture
-async def stack(gguf_path: str) -> AsyncIterator[Stack]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    await stack.add_worker(echo_engine(gguf_path), model_name="echo")
-    await stack.wait_for_model("echo")
-    yield stack
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def stack(echo_stack: Stack) -> Stack:
+    return echo_stack
 
 
 async def test_the_document_names_every_route(stack: Stack) -> None:

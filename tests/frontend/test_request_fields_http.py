@@ -3,25 +3,15 @@ engine cannot honour, is a 400 that names it (the official client sees a BadRequ
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 import httpx
 import openai
 import pytest
-from tests.frontend.stack import Stack, echo_engine, make_stack
-from tests.helpers import assert_no_leaked_tasks
+from tests.frontend.stack import Stack
 
 
 @pytest.fixture
-async def stack(gguf_path: str) -> AsyncIterator[Stack]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    await stack.add_worker(echo_engine(gguf_path), model_name="echo")
-    await stack.wait_for_model("echo")
-    yield stack
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def stack(echo_stack: Stack) -> Stack:
+    return echo_stack
 
 
 @pytest.mark.parametrize(
