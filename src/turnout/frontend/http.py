@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP service, as an RSGI application for granian.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /live``, ``GET /metrics``, ``GET``/``POST /busy_threshold``
-(``busy_threshold``).
+``GET /health``, ``GET /live``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``),
+``GET``/``POST /busy_threshold`` (``busy_threshold``). This module decodes, resolves, admits
+and accounts for requests; ``responder`` writes a generation's response.
 
 A request is validated and preprocessed before any byte is sent, and the first output is
 awaited before the status line goes out, so every failure that happens before generation
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,45 +28,29 @@ import msgspec
 from granian.rsgi import HTTPProtocol, Scope
 
 from turnout.errors import FrontendOverloaded
-from turnout.protocols.llm import FinishReason
 from turnout.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelList,
     ModelObject,
 )
-from turnout.router.push_router import PIN_METADATA, check_pinned
 from turnout.runtime.context import RequestContext
 
 from .admission import AdmissionController
 from .busy_threshold import BusyThresholds
-from .http_errors import HttpError, request_decode_error, to_http_error, worker_error
-from .logprobs import LogprobsBuilder
-from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics, StreamTimer
+from .http_errors import HttpError, request_decode_error, to_http_error
+from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics
 from .model_manager import ModelManager
 from .openapi import build_openapi
-from .pipeline import Generation, TextPipeline, TokensPipeline
-from .responses import (
-    SSE_DONE,
-    ChunkWriter,
-    aggregate_chunks,
-    make_usage,
-    new_request_id,
-    sse,
-    whole_response,
-)
+from .pipeline import TextPipeline
+from .responder import Responder
+from .responses import JSON_HEADERS, new_request_id
 
 log = logging.getLogger("turnout.frontend")
 
 _json = msgspec.json.Encoder()
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
-_JSON = [("content-type", "application/json")]
-_SSE = [
-    ("content-type", "text/event-stream"),
-    ("cache-control", "no-cache"),
-    ("x-accel-buffering", "no"),
-]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 #: Headers that name a conversation, in order of precedence: ours, then those coding agents
@@ -112,6 +96,7 @@ class HttpService:
         #: A model's disaggregated-serving state for ``/health`` (None: none to report).
         self._prefill_health = prefill
         self.metrics = metrics
+        self._responder = Responder(metrics)
         self.max_body_bytes = max_body_bytes
         #: None: no admission limits (every request runs at once).
         self.admission = admission
@@ -172,7 +157,7 @@ class HttpService:
 
     @staticmethod
     def _send_error(proto: HTTPProtocol, err: HttpError) -> None:
-        proto.response_bytes(err.status, _JSON + err.headers, err.body())
+        proto.response_bytes(err.status, JSON_HEADERS + err.headers, err.body())
 
     async def _read_body(self, scope: Scope, proto: HTTPProtocol) -> bytes:
         declared = scope.headers.get("content-length")
@@ -209,7 +194,7 @@ class HttpService:
                 ModelObject(id=name, created=0, root=name, parent=base)
                 for name, base in self.manager.lora.listed()
             ]
-        proto.response_bytes(200, _JSON, _json.encode(ModelList(data=models)))
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(ModelList(data=models)))
 
     async def _health(self, scope: Scope, proto: HTTPProtocol) -> None:
         models = []
@@ -224,25 +209,25 @@ class HttpService:
             m["instances"] and m.get("disaggregation", {}).get("ready", True) for m in models
         )
         body = {"status": "healthy" if healthy else "unhealthy", "models": models}
-        proto.response_bytes(200 if healthy else 503, _JSON, _json.encode(body))
+        proto.response_bytes(200 if healthy else 503, JSON_HEADERS, _json.encode(body))
 
     async def _live(self, scope: Scope, proto: HTTPProtocol) -> None:
-        proto.response_bytes(200, _JSON, b'{"status":"live"}')
+        proto.response_bytes(200, JSON_HEADERS, b'{"status":"live"}')
 
     async def _openapi(self, scope: Scope, proto: HTTPProtocol) -> None:
-        proto.response_bytes(200, _JSON, self._openapi_body)
+        proto.response_bytes(200, JSON_HEADERS, self._openapi_body)
 
     async def _metrics(self, scope: Scope, proto: HTTPProtocol) -> None:
         proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
 
     async def _busy_threshold_get(self, scope: Scope, proto: HTTPProtocol) -> None:
         assert self.busy_thresholds is not None
-        proto.response_bytes(200, _JSON, _json.encode(self.busy_thresholds.get_all()))
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.get_all()))
 
     async def _busy_threshold_post(self, scope: Scope, proto: HTTPProtocol) -> None:
         assert self.busy_thresholds is not None
         body = await self._read_body(scope, proto)
-        proto.response_bytes(200, _JSON, _json.encode(self.busy_thresholds.post(body)))
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.post(body)))
 
     # ------------------------------------------------------------------ generation
 
@@ -300,10 +285,10 @@ class HttpService:
             inflight.inc()
             try:
                 if isinstance(pipeline, TextPipeline):
-                    await self._relay_text(proto, pipeline, body, request, ctx)
+                    await self._responder.relay_text(proto, pipeline, body, request, ctx)
                 else:
                     session_id = session_id_from(scope.headers)
-                    await self._serve_tokens(proto, pipeline, request, ctx, session_id)
+                    await self._responder.serve_tokens(proto, pipeline, request, ctx, session_id)
             finally:
                 inflight.dec()
                 if ticket is not None:
@@ -329,202 +314,6 @@ class HttpService:
             disconnect.cancel()
             self.metrics.count_request(model, endpoint, stream, status)
 
-    async def _serve_tokens(
-        self,
-        proto: HTTPProtocol,
-        pipeline: TokensPipeline,
-        request: ChatCompletionRequest | CompletionRequest,
-        ctx: RequestContext,
-        session_id: str | None = None,
-    ) -> None:
-        pre = await pipeline.preprocess(request)
-        pre.session_id = session_id
-        if pre.backend_instance_id is not None:
-            # Every router mode: an unknown pin is a 404 before any work, a known instance
-            # that is down a 503.
-            check_pinned(pipeline.client, pre.backend_instance_id, f"model {request.model}")
-        metrics = self.metrics.model(request.model)
-        metrics.input_tokens.observe(len(pre.token_ids))
-        timer = StreamTimer(metrics)
-        generation = pipeline.generate(pre, ctx)
-        try:
-            deltas = generation.__aiter__()
-            first = await anext(deltas)
-            if (
-                first.finish_reason is FinishReason.ERROR
-                and generation.decoder.num_output_tokens == 0
-            ):
-                raise worker_error(first.error or "")
-            echo = _echoed_prompt(request, pipeline, pre.token_ids)
-            logprobs = None
-            if pre.output_options.logprobs is not None:
-                logprobs = LogprobsBuilder(
-                    pipeline.preprocessor.tokenizer, is_chat=pipeline.is_chat, text_offset=len(echo)
-                )
-            args = (proto, request, generation, first, timer, ctx, echo, logprobs)
-            if request.stream:
-                await self._stream_tokens(*args)
-            else:
-                await self._whole_tokens(*args)
-        finally:
-            await generation.aclose()
-            metrics.output_tokens.observe(generation.decoder.num_output_tokens)
-            cached = generation.decoder.cached_tokens
-            if cached:
-                metrics.cached_tokens.inc(cached)
-            metrics.duration.observe(time.perf_counter() - timer.start)
-
-    def _nvext(
-        self, request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
-    ) -> dict[str, Any] | None:
-        fields = request.nvext.extra_fields if request.nvext else None
-        if not fields:
-            return None
-        out: dict[str, Any] = {}
-        if "worker_id" in fields and "worker_instance_id" in ctx.metadata:
-            out["worker_id"] = f"{ctx.metadata['worker_instance_id']:x}"
-        if "routing" in fields and "routing" in ctx.metadata:
-            out["routing"] = ctx.metadata["routing"]
-        if "migrations" in fields:
-            out["migrations"] = ctx.metadata.get("migrations", 0)
-        return out or None
-
-    async def _stream_tokens(
-        self,
-        proto: HTTPProtocol,
-        request: ChatCompletionRequest | CompletionRequest,
-        generation: Generation,
-        first: Any,
-        timer: StreamTimer,
-        ctx: RequestContext,
-        echo: str = "",
-        logprobs: LogprobsBuilder | None = None,
-    ) -> None:
-        writer = ChunkWriter(request.model, isinstance(request, ChatCompletionRequest))
-        transport = proto.response_stream(200, _SSE)
-        send = transport.send_bytes
-        if writer.is_chat:
-            await send(writer.role())
-        if echo:
-            await send(writer.text(echo))
-        delta = first
-        deltas = generation.__aiter__()
-        while True:
-            if logprobs is not None and delta.token_ids:
-                timer.on_tokens()
-                await send(writer.text_with_logprobs(delta.text, logprobs.add(delta)))
-            elif delta.text:
-                timer.on_tokens()
-                await send(writer.text(delta.text))
-            if delta.finish_reason is not None:
-                break
-            try:
-                delta = await anext(deltas)
-            except StopAsyncIteration:
-                break
-            except Exception as exc:  # mid-stream failure: tell the client in-band
-                err = to_http_error(exc)
-                await send(sse(err.body()))
-                await send(SSE_DONE)
-                return
-        reason = delta.finish_reason or FinishReason.STOP
-        if reason is FinishReason.ERROR:
-            await send(sse(worker_error(delta.error or "").body()))
-            await send(SSE_DONE)
-            return
-        await send(writer.finish(reason.to_openai(), self._nvext(request, ctx)))
-        opts = request.stream_options
-        if opts is not None and opts.include_usage:
-            decoder = generation.decoder
-            await send(
-                writer.usage(
-                    make_usage(
-                        len(generation.request.token_ids),
-                        decoder.num_output_tokens,
-                        decoder.cached_tokens,
-                    )
-                )
-            )
-        await send(SSE_DONE)
-
-    async def _whole_tokens(
-        self,
-        proto: HTTPProtocol,
-        request: ChatCompletionRequest | CompletionRequest,
-        generation: Generation,
-        first: Any,
-        timer: StreamTimer,
-        ctx: RequestContext,
-        echo: str = "",
-        logprobs: LogprobsBuilder | None = None,
-    ) -> None:
-        parts: list[str] = [echo] if echo else []
-        delta = first
-        deltas = generation.__aiter__()
-        while True:
-            if logprobs is not None:
-                logprobs.add(delta)
-            if delta.text:
-                timer.on_tokens()
-                parts.append(delta.text)
-            if delta.finish_reason is not None:
-                break
-            try:
-                delta = await anext(deltas)
-            except StopAsyncIteration:
-                break
-        reason = delta.finish_reason or FinishReason.STOP
-        if reason is FinishReason.ERROR:
-            raise worker_error(delta.error or "")
-        decoder = generation.decoder
-        usage = make_usage(
-            len(generation.request.token_ids), decoder.num_output_tokens, decoder.cached_tokens
-        )
-        body = whole_response(
-            model=request.model,
-            is_chat=isinstance(request, ChatCompletionRequest),
-            text="".join(parts),
-            finish_reason=reason.to_openai(),
-            usage=usage,
-            nvext=self._nvext(request, ctx),
-            logprobs=logprobs.whole() if logprobs is not None else None,
-        )
-        proto.response_bytes(200, _JSON, body)
-
-    async def _relay_text(
-        self,
-        proto: HTTPProtocol,
-        pipeline: TextPipeline,
-        body: bytes,
-        request: ChatCompletionRequest | CompletionRequest,
-        ctx: RequestContext,
-    ) -> None:
-        nvext = request.nvext
-        if nvext is not None and nvext.backend_instance_id is not None:
-            # The router cannot read the raw body it forwards: hand it the pin.
-            ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
-        chunks = pipeline.generate(body, ctx)
-        try:
-            first = await anext(chunks)
-            if not request.stream:
-                collected = [first]
-                async for chunk in chunks:
-                    collected.append(chunk)
-                proto.response_bytes(
-                    200, _JSON, aggregate_chunks(collected, is_chat=pipeline.is_chat)
-                )
-                return
-            transport = proto.response_stream(200, _SSE)
-            await transport.send_bytes(sse(first))
-            try:
-                async for chunk in chunks:
-                    await transport.send_bytes(sse(chunk))
-            except Exception as exc:  # mid-stream failure: tell the client in-band
-                await transport.send_bytes(sse(to_http_error(exc).body()))
-            await transport.send_bytes(SSE_DONE)
-        finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
-
 
 #: How much of a refused (too large) body is read and dropped before the 413 goes out: a
 #: server that closes with the client's bytes unread makes the kernel reset the connection,
@@ -539,18 +328,3 @@ async def _discard(proto: HTTPProtocol, limit: int) -> None:
         seen += len(part)
         if seen > limit:
             return
-
-
-def _echoed_prompt(
-    request: ChatCompletionRequest | CompletionRequest, pipeline: TokensPipeline, ids: list[int]
-) -> str:
-    """Completions' ``echo``: the prompt as the client sent it (a string), or its tokens'
-    text; the response's text starts with it. Empty when not asked for."""
-    if not isinstance(request, CompletionRequest) or not request.echo:
-        return ""
-    prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    return pipeline.preprocessor.tokenizer.decode(ids, skip_special_tokens=False)

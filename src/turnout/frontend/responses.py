@@ -30,6 +30,12 @@ from turnout.protocols.openai import (
 
 _json = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
+JSON_HEADERS = [("content-type", "application/json")]
+SSE_HEADERS = [
+    ("content-type", "text/event-stream"),
+    ("cache-control", "no-cache"),
+    ("x-accel-buffering", "no"),
+]
 
 
 #: Ids are a random per-process prefix and a counter: unique within the process (and across

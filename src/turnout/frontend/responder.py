@@ -1,0 +1,252 @@
+"""One generation request's HTTP response: streamed (SSE) or whole, from a Tokens-input
+pipeline (the frontend detokenizes) or relayed from a Text-input worker.
+
+The first output is awaited before the status line goes out, so a failure before generation
+starts gets its own status and body; after that, a failure is an SSE ``error`` event.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from granian.rsgi import HTTPProtocol
+
+from turnout.protocols.llm import FinishReason
+from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+from turnout.router.push_router import PIN_METADATA, check_pinned
+from turnout.runtime.context import RequestContext
+
+from .http_errors import to_http_error, worker_error
+from .logprobs import LogprobsBuilder
+from .metrics import FrontendMetrics, StreamTimer
+from .pipeline import Generation, TextPipeline, TokensPipeline
+from .responses import (
+    JSON_HEADERS,
+    SSE_DONE,
+    SSE_HEADERS,
+    ChunkWriter,
+    aggregate_chunks,
+    make_usage,
+    sse,
+    whole_response,
+)
+
+
+class Responder:
+    """Serves generation requests whose model and pipeline are known (``HttpService`` has
+    decoded, resolved and admitted them)."""
+
+    def __init__(self, metrics: FrontendMetrics) -> None:
+        self.metrics = metrics
+
+    async def serve_tokens(
+        self,
+        proto: HTTPProtocol,
+        pipeline: TokensPipeline,
+        request: ChatCompletionRequest | CompletionRequest,
+        ctx: RequestContext,
+        session_id: str | None = None,
+    ) -> None:
+        pre = await pipeline.preprocess(request)
+        pre.session_id = session_id
+        if pre.backend_instance_id is not None:
+            # Every router mode: an unknown pin is a 404 before any work, a known instance
+            # that is down a 503.
+            check_pinned(pipeline.client, pre.backend_instance_id, f"model {request.model}")
+        metrics = self.metrics.model(request.model)
+        metrics.input_tokens.observe(len(pre.token_ids))
+        timer = StreamTimer(metrics)
+        generation = pipeline.generate(pre, ctx)
+        try:
+            deltas = generation.__aiter__()
+            first = await anext(deltas)
+            if (
+                first.finish_reason is FinishReason.ERROR
+                and generation.decoder.num_output_tokens == 0
+            ):
+                raise worker_error(first.error or "")
+            echo = _echoed_prompt(request, pipeline, pre.token_ids)
+            logprobs = None
+            if pre.output_options.logprobs is not None:
+                logprobs = LogprobsBuilder(
+                    pipeline.preprocessor.tokenizer, is_chat=pipeline.is_chat, text_offset=len(echo)
+                )
+            args = (proto, request, generation, first, timer, ctx, echo, logprobs)
+            if request.stream:
+                await self._stream_tokens(*args)
+            else:
+                await self._whole_tokens(*args)
+        finally:
+            await generation.aclose()
+            metrics.output_tokens.observe(generation.decoder.num_output_tokens)
+            cached = generation.decoder.cached_tokens
+            if cached:
+                metrics.cached_tokens.inc(cached)
+            metrics.duration.observe(time.perf_counter() - timer.start)
+
+    def _nvext(
+        self, request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
+    ) -> dict[str, Any] | None:
+        fields = request.nvext.extra_fields if request.nvext else None
+        if not fields:
+            return None
+        out: dict[str, Any] = {}
+        if "worker_id" in fields and "worker_instance_id" in ctx.metadata:
+            out["worker_id"] = f"{ctx.metadata['worker_instance_id']:x}"
+        if "routing" in fields and "routing" in ctx.metadata:
+            out["routing"] = ctx.metadata["routing"]
+        if "migrations" in fields:
+            out["migrations"] = ctx.metadata.get("migrations", 0)
+        return out or None
+
+    async def _stream_tokens(
+        self,
+        proto: HTTPProtocol,
+        request: ChatCompletionRequest | CompletionRequest,
+        generation: Generation,
+        first: Any,
+        timer: StreamTimer,
+        ctx: RequestContext,
+        echo: str = "",
+        logprobs: LogprobsBuilder | None = None,
+    ) -> None:
+        writer = ChunkWriter(request.model, isinstance(request, ChatCompletionRequest))
+        transport = proto.response_stream(200, SSE_HEADERS)
+        send = transport.send_bytes
+        if writer.is_chat:
+            await send(writer.role())
+        if echo:
+            await send(writer.text(echo))
+        delta = first
+        deltas = generation.__aiter__()
+        while True:
+            if logprobs is not None and delta.token_ids:
+                timer.on_tokens()
+                await send(writer.text_with_logprobs(delta.text, logprobs.add(delta)))
+            elif delta.text:
+                timer.on_tokens()
+                await send(writer.text(delta.text))
+            if delta.finish_reason is not None:
+                break
+            try:
+                delta = await anext(deltas)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:  # mid-stream failure: tell the client in-band
+                err = to_http_error(exc)
+                await send(sse(err.body()))
+                await send(SSE_DONE)
+                return
+        reason = delta.finish_reason or FinishReason.STOP
+        if reason is FinishReason.ERROR:
+            await send(sse(worker_error(delta.error or "").body()))
+            await send(SSE_DONE)
+            return
+        await send(writer.finish(reason.to_openai(), self._nvext(request, ctx)))
+        opts = request.stream_options
+        if opts is not None and opts.include_usage:
+            decoder = generation.decoder
+            await send(
+                writer.usage(
+                    make_usage(
+                        len(generation.request.token_ids),
+                        decoder.num_output_tokens,
+                        decoder.cached_tokens,
+                    )
+                )
+            )
+        await send(SSE_DONE)
+
+    async def _whole_tokens(
+        self,
+        proto: HTTPProtocol,
+        request: ChatCompletionRequest | CompletionRequest,
+        generation: Generation,
+        first: Any,
+        timer: StreamTimer,
+        ctx: RequestContext,
+        echo: str = "",
+        logprobs: LogprobsBuilder | None = None,
+    ) -> None:
+        parts: list[str] = [echo] if echo else []
+        delta = first
+        deltas = generation.__aiter__()
+        while True:
+            if logprobs is not None:
+                logprobs.add(delta)
+            if delta.text:
+                timer.on_tokens()
+                parts.append(delta.text)
+            if delta.finish_reason is not None:
+                break
+            try:
+                delta = await anext(deltas)
+            except StopAsyncIteration:
+                break
+        reason = delta.finish_reason or FinishReason.STOP
+        if reason is FinishReason.ERROR:
+            raise worker_error(delta.error or "")
+        decoder = generation.decoder
+        usage = make_usage(
+            len(generation.request.token_ids), decoder.num_output_tokens, decoder.cached_tokens
+        )
+        body = whole_response(
+            model=request.model,
+            is_chat=isinstance(request, ChatCompletionRequest),
+            text="".join(parts),
+            finish_reason=reason.to_openai(),
+            usage=usage,
+            nvext=self._nvext(request, ctx),
+            logprobs=logprobs.whole() if logprobs is not None else None,
+        )
+        proto.response_bytes(200, JSON_HEADERS, body)
+
+    async def relay_text(
+        self,
+        proto: HTTPProtocol,
+        pipeline: TextPipeline,
+        body: bytes,
+        request: ChatCompletionRequest | CompletionRequest,
+        ctx: RequestContext,
+    ) -> None:
+        nvext = request.nvext
+        if nvext is not None and nvext.backend_instance_id is not None:
+            # The router cannot read the raw body it forwards: hand it the pin.
+            ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
+        chunks = pipeline.generate(body, ctx)
+        try:
+            first = await anext(chunks)
+            if not request.stream:
+                collected = [first]
+                async for chunk in chunks:
+                    collected.append(chunk)
+                proto.response_bytes(
+                    200, JSON_HEADERS, aggregate_chunks(collected, is_chat=pipeline.is_chat)
+                )
+                return
+            transport = proto.response_stream(200, SSE_HEADERS)
+            await transport.send_bytes(sse(first))
+            try:
+                async for chunk in chunks:
+                    await transport.send_bytes(sse(chunk))
+            except Exception as exc:  # mid-stream failure: tell the client in-band
+                await transport.send_bytes(sse(to_http_error(exc).body()))
+            await transport.send_bytes(SSE_DONE)
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _echoed_prompt(
+    request: ChatCompletionRequest | CompletionRequest, pipeline: TokensPipeline, ids: list[int]
+) -> str:
+    """Completions' ``echo``: the prompt as the client sent it (a string), or its tokens'
+    text; the response's text starts with it. Empty when not asked for."""
+    if not isinstance(request, CompletionRequest) or not request.echo:
+        return ""
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return pipeline.preprocessor.tokenizer.decode(ids, skip_special_tokens=False)
