@@ -167,7 +167,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"model": "echo", "messages": [], "max_tokens": 1}', 400,
      "messages"),
     ("/v1/completions", b'{"model": "echo", "prompt": "x", "temperature": 9}', 400, "temperature"),
-    ("/v1/completions", b'{"model": "echo", "prompt": "x", "n": 3}', 400, "n"),
+    ("/v1/completions", b'{"model": "echo", "prompt": "x", "n": 0}', 400, "n"),
     ("/v1/nowhere", b"{}", 404, "route"),
 ]  # fmt: skip
 

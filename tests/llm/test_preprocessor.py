@@ -108,7 +108,7 @@ async def test_top_level_ignore_eos(pre: Preprocessor) -> None:
         ({"messages": []}, "messages"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"temperature": 2.5}, "temperature"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0}, "top_p"),

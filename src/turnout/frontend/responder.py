@@ -17,6 +17,7 @@ from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.router.push_router import PIN_METADATA, check_pinned
 from turnout.runtime.context import RequestContext
 
+from .choices import serve_choices
 from .http_errors import to_http_error, worker_error
 from .logprobs import LogprobsBuilder
 from .metrics import FrontendMetrics, StreamTimer
@@ -26,6 +27,7 @@ from .responses import (
     SSE_DONE,
     SSE_HEADERS,
     ChunkWriter,
+    WholeChoice,
     aggregate_chunks,
     make_usage,
     sse,
@@ -57,6 +59,16 @@ class Responder:
         metrics = self.metrics.model(request.model)
         metrics.input_tokens.observe(len(pre.token_ids))
         timer = StreamTimer(metrics)
+        if (request.n or 1) > 1:
+            try:
+                total = await serve_choices(
+                    proto, pipeline, request, pre, ctx, timer,
+                    lambda choice_ctx: self._nvext(request, choice_ctx),
+                )  # fmt: skip
+                metrics.output_tokens.observe(total)
+            finally:
+                metrics.duration.observe(time.perf_counter() - timer.start)
+            return
         generation = pipeline.generate(pre, ctx)
         try:
             deltas = generation.__aiter__()
@@ -191,14 +203,15 @@ class Responder:
         usage = make_usage(
             len(generation.request.token_ids), decoder.num_output_tokens, decoder.cached_tokens
         )
+        choice = WholeChoice(
+            "".join(parts), reason.to_openai(), logprobs.whole() if logprobs else None
+        )
         body = whole_response(
             model=request.model,
             is_chat=isinstance(request, ChatCompletionRequest),
-            text="".join(parts),
-            finish_reason=reason.to_openai(),
+            choices=[choice],
             usage=usage,
             nvext=self._nvext(request, ctx),
-            logprobs=logprobs.whole() if logprobs is not None else None,
         )
         proto.response_bytes(200, JSON_HEADERS, body)
 

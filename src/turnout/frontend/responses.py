@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -72,13 +73,24 @@ def sse(payload: bytes) -> bytes:
 class ChunkWriter:
     """Renders the SSE events of one streamed response."""
 
-    __slots__ = ("_prefix", "_suffix", "created", "is_chat", "model", "response_id")
+    __slots__ = ("_prefix", "_suffix", "created", "index", "is_chat", "model", "response_id")
 
-    def __init__(self, model: str, is_chat: bool, response_id: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        is_chat: bool,
+        response_id: str | None = None,
+        *,
+        index: int = 0,
+        created: int | None = None,
+    ) -> None:
+        """``index``: the choice this writer writes (the choices of one response share its
+        ``response_id`` and ``created``)."""
         self.model = model
         self.is_chat = is_chat
+        self.index = index
         self.response_id = response_id or new_response_id(is_chat)
-        self.created = int(time.time())
+        self.created = int(time.time()) if created is None else created
         head = (
             b'data: {"id":' + _json.encode(self.response_id)
             + b',"object":' + (b'"chat.completion.chunk"' if is_chat else b'"text_completion"')
@@ -86,10 +98,10 @@ class ChunkWriter:
             + b',"model":' + _json.encode(model)
         )  # fmt: skip
         if is_chat:
-            self._prefix = head + b',"choices":[{"index":0,"delta":{"content":'
+            self._prefix = head + b',"choices":[{"index":%d,"delta":{"content":' % index
             self._suffix = b'},"finish_reason":null}]}\n\n'
         else:
-            self._prefix = head + b',"choices":[{"index":0,"text":'
+            self._prefix = head + b',"choices":[{"index":%d,"text":' % index
             self._suffix = b',"finish_reason":null}]}\n\n'
 
     def text(self, text: str) -> bytes:
@@ -106,7 +118,7 @@ class ChunkWriter:
                 model=self.model,
                 choices=[
                     ChatChunkChoice(
-                        index=0, delta=ChatDelta(content=text), finish_reason=None,
+                        index=self.index, delta=ChatDelta(content=text), finish_reason=None,
                         logprobs=logprobs,
                     )
                 ],
@@ -117,7 +129,9 @@ class ChunkWriter:
                 created=self.created,
                 model=self.model,
                 choices=[
-                    CompletionChoice(index=0, text=text, finish_reason=None, logprobs=logprobs)
+                    CompletionChoice(
+                        index=self.index, text=text, finish_reason=None, logprobs=logprobs
+                    )
                 ],
             )
         return sse(_json.encode(chunk))
@@ -132,7 +146,7 @@ class ChunkWriter:
                     model=self.model,
                     choices=[
                         ChatChunkChoice(
-                            index=0, delta=ChatDelta(role="assistant", content=""),
+                            index=self.index, delta=ChatDelta(role="assistant", content=""),
                             finish_reason=None,
                         )
                     ],
@@ -146,7 +160,11 @@ class ChunkWriter:
                 id=self.response_id,
                 created=self.created,
                 model=self.model,
-                choices=[ChatChunkChoice(index=0, delta=ChatDelta(), finish_reason=finish_reason)],
+                choices=[
+                    ChatChunkChoice(
+                        index=self.index, delta=ChatDelta(), finish_reason=finish_reason
+                    )
+                ],
                 nvext=nvext,
             )
         else:
@@ -154,7 +172,7 @@ class ChunkWriter:
                 id=self.response_id,
                 created=self.created,
                 model=self.model,
-                choices=[CompletionChoice(index=0, text="", finish_reason=finish_reason)],
+                choices=[CompletionChoice(index=self.index, text="", finish_reason=finish_reason)],
                 nvext=nvext,
             )
         return sse(_json.encode(chunk))
@@ -174,16 +192,24 @@ class ChunkWriter:
         return sse(_json.encode(chunk))
 
 
+@dataclass(slots=True)
+class WholeChoice:
+    """One finished choice of a whole (not streamed) response."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
+
+
 def whole_response(
     *,
     model: str,
     is_chat: bool,
-    text: str,
-    finish_reason: str,
+    choices: list[WholeChoice],
     usage: Usage,
     nvext: dict[str, Any] | None = None,
-    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
+    """The body of a whole response; ``choices`` in index order."""
     created = int(time.time())
     if is_chat:
         return _json.encode(
@@ -193,11 +219,12 @@ def whole_response(
                 model=model,
                 choices=[
                     ChatChoice(
-                        index=0,
-                        message=ChatResponseMessage(role="assistant", content=text),
-                        finish_reason=finish_reason,
-                        logprobs=logprobs,
+                        index=i,
+                        message=ChatResponseMessage(role="assistant", content=c.text),
+                        finish_reason=c.finish_reason,
+                        logprobs=c.logprobs,
                     )
+                    for i, c in enumerate(choices)
                 ],
                 usage=usage,
                 nvext=nvext,
@@ -209,7 +236,10 @@ def whole_response(
             created=created,
             model=model,
             choices=[
-                CompletionChoice(index=0, text=text, finish_reason=finish_reason, logprobs=logprobs)
+                CompletionChoice(
+                    index=i, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs
+                )
+                for i, c in enumerate(choices)
             ],
             usage=usage,
             nvext=nvext,

@@ -44,6 +44,9 @@ _RESERVED_TEMPLATE_VARS = frozenset(
     {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 )
 
+#: Most choices one request may ask for (``n``): the frontend fans out one sub-request each.
+MAX_CHOICES = 16
+
 
 async def _maybe_offload(size: int, fn: Callable[..., _T], *args: Any) -> _T:
     if size > OFFLOAD_THRESHOLD_CHARS:
@@ -150,6 +153,8 @@ class Preprocessor:
             raise RequestError("'logprobs' must be between 0 and 5", param="logprobs")
         if req.logprobs is not None:
             self._require_logprobs(req.logprobs, "logprobs")
+        if req.echo and (req.n or 1) > 1:
+            raise RequestError("'echo' with 'n' > 1 is not supported yet", param="echo")
         prompt = self._single_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:
@@ -245,8 +250,8 @@ class Preprocessor:
             raise RequestError(
                 f"'{max_param}' must be at least 1, got {max_tokens}", param=max_param
             )
-        if req.n is not None and req.n != 1:
-            raise RequestError("'n' other than 1 is not supported yet", param="n")
+        if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+            raise RequestError(f"'n' must be between 1 and {MAX_CHOICES}", param="n")
         if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
             raise RequestError(
                 f"'temperature' must be between 0 and 2, got {req.temperature}",

@@ -1,0 +1,229 @@
+"""``n`` > 1: one request, several choices, for every engine.
+
+The frontend fans the preprocessed request out into ``n`` sub-requests that differ only in
+their sampling seed (the request's ``seed`` + i, or a random base), each with its own context
+(its own id: routers book, and workers run, each on its own), routed like any request (they
+share the prompt, so KV routing sends them where it is cached). Their decoded deltas meet in
+one bounded queue and become one response: whole, with ``choices`` in index order, or
+streamed, each chunk naming its ``index`` and each choice finishing on its own. Usage counts
+the prompt once and the completion tokens of all choices.
+
+A choice that fails before any choice produced a token fails the request (a status and an
+error body); later, the failure is an in-band SSE error. The client leaving, or any early end,
+cancels every sub-request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from granian.rsgi import HTTPProtocol
+
+from turnout.llm.backend import DecodedDelta
+from turnout.protocols.llm import FinishReason, PreprocessedRequest
+from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+from turnout.runtime.context import RequestContext
+
+from .http_errors import to_http_error, worker_error
+from .logprobs import LogprobsBuilder
+from .metrics import StreamTimer
+from .pipeline import Generation, TokensPipeline
+from .responses import (
+    JSON_HEADERS,
+    SSE_DONE,
+    SSE_HEADERS,
+    ChunkWriter,
+    WholeChoice,
+    make_usage,
+    sse,
+    whole_response,
+)
+
+#: Deltas buffered per choice before the slowest reader holds the choices back.
+_QUEUE_PER_CHOICE = 16
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    generation: Generation
+    ctx: RequestContext
+    logprobs: LogprobsBuilder | None
+    parts: list[str] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+#: What a pump sends: a delta, its choice's end (None), or the exception that ended it.
+_Event = tuple[int, DecodedDelta | BaseException | None]
+
+
+async def serve_choices(
+    proto: HTTPProtocol,
+    pipeline: TokensPipeline,
+    request: ChatCompletionRequest | CompletionRequest,
+    pre: PreprocessedRequest,
+    ctx: RequestContext,
+    timer: StreamTimer,
+    nvext: Any,
+) -> int:
+    """Answer ``request`` (``n`` > 1) with its choices; returns the output tokens of all.
+
+    ``nvext`` builds the response's ``nvext`` from a context (the first choice's)."""
+    n = request.n or 1
+    seed = pre.sampling_options.seed
+    base = seed if seed is not None else random.getrandbits(31)
+    choices: list[_Choice] = []
+    for i in range(n):
+        sampling = msgspec.structs.replace(pre.sampling_options, seed=base + i)
+        sub = msgspec.structs.replace(pre, sampling_options=sampling)
+        sub_ctx = RequestContext(f"{ctx.request_id}-{i}")
+        logprobs = None
+        if pre.output_options.logprobs is not None:
+            logprobs = LogprobsBuilder(pipeline.preprocessor.tokenizer, is_chat=pipeline.is_chat)
+        choices.append(_Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, logprobs))
+    queue: asyncio.Queue[_Event] = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * n)
+    pumps = [asyncio.create_task(_pump(c, queue)) for c in choices]
+    try:
+        if request.stream:
+            await _stream(proto, request, choices, queue, timer, nvext)
+        else:
+            await _whole(proto, request, choices, queue, timer, nvext)
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for choice in choices:
+            if choice.finish is None:
+                choice.ctx.cancel()
+            await choice.generation.aclose()
+    return sum(c.generation.decoder.num_output_tokens for c in choices)
+
+
+async def _pump(choice: _Choice, queue: asyncio.Queue[_Event]) -> None:
+    try:
+        async for delta in choice.generation:
+            await queue.put((choice.index, delta))
+            if delta.finish_reason is not None:
+                break
+        await queue.put((choice.index, None))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # handed to the writer, which answers it
+        await queue.put((choice.index, exc))
+
+
+def _usage(choices: list[_Choice]) -> Any:
+    first = choices[0].generation
+    return make_usage(
+        len(first.request.token_ids),
+        sum(c.generation.decoder.num_output_tokens for c in choices),
+        first.decoder.cached_tokens,
+    )
+
+
+async def _whole(
+    proto: HTTPProtocol,
+    request: ChatCompletionRequest | CompletionRequest,
+    choices: list[_Choice],
+    queue: asyncio.Queue[_Event],
+    timer: StreamTimer,
+    nvext: Any,
+) -> None:
+    open_choices = len(choices)
+    while open_choices:
+        index, event = await queue.get()
+        choice = choices[index]
+        if isinstance(event, BaseException):
+            raise event
+        if event is None:
+            open_choices -= 1
+            choice.finish = choice.finish or FinishReason.STOP
+            continue
+        if choice.logprobs is not None:
+            choice.logprobs.add(event)
+        if event.text:
+            timer.on_tokens()
+            choice.parts.append(event.text)
+        if event.finish_reason is FinishReason.ERROR:
+            raise worker_error(event.error or "")
+        if event.finish_reason is not None:
+            choice.finish = event.finish_reason
+    body = whole_response(
+        model=request.model,
+        is_chat=isinstance(request, ChatCompletionRequest),
+        choices=[
+            WholeChoice(
+                "".join(c.parts),
+                (c.finish or FinishReason.STOP).to_openai(),
+                c.logprobs.whole() if c.logprobs is not None else None,
+            )
+            for c in choices
+        ],
+        usage=_usage(choices),
+        nvext=nvext(choices[0].ctx),
+    )
+    proto.response_bytes(200, JSON_HEADERS, body)
+
+
+async def _stream(
+    proto: HTTPProtocol,
+    request: ChatCompletionRequest | CompletionRequest,
+    choices: list[_Choice],
+    queue: asyncio.Queue[_Event],
+    timer: StreamTimer,
+    nvext: Any,
+) -> None:
+    is_chat = isinstance(request, ChatCompletionRequest)
+    lead = ChunkWriter(request.model, is_chat)
+    writers = [
+        ChunkWriter(request.model, is_chat, lead.response_id, index=i, created=lead.created)
+        for i in range(len(choices))
+    ]
+    # The status line waits for the first event: a failure before any token is a status.
+    first = await queue.get()
+    index, event = first
+    if isinstance(event, BaseException):
+        raise event
+    if isinstance(event, DecodedDelta) and event.finish_reason is FinishReason.ERROR:
+        raise worker_error(event.error or "")
+    send = proto.response_stream(200, SSE_HEADERS).send_bytes
+    if is_chat:
+        for writer in writers:
+            await send(writer.role())
+    open_choices = len(choices)
+    pending: tuple[int, DecodedDelta | BaseException | None] | None = first
+    while open_choices:
+        index, event = pending if pending is not None else await queue.get()
+        pending = None
+        choice, writer = choices[index], writers[index]
+        if isinstance(event, BaseException):
+            await send(sse(to_http_error(event).body()))
+            await send(SSE_DONE)
+            return
+        if event is None:
+            if choice.finish is None:
+                choice.finish = FinishReason.STOP
+                await send(writer.finish(FinishReason.STOP.to_openai(), nvext(choice.ctx)))
+            open_choices -= 1
+            continue
+        if choice.logprobs is not None and event.token_ids:
+            timer.on_tokens()
+            await send(writer.text_with_logprobs(event.text, choice.logprobs.add(event)))
+        elif event.text:
+            timer.on_tokens()
+            await send(writer.text(event.text))
+        if event.finish_reason is FinishReason.ERROR:
+            await send(sse(worker_error(event.error or "").body()))
+            await send(SSE_DONE)
+            return
+        if event.finish_reason is not None:
+            choice.finish = event.finish_reason
+            await send(writer.finish(event.finish_reason.to_openai(), nvext(choice.ctx)))
+    opts = request.stream_options
+    if opts is not None and opts.include_usage:
+        await send(lead.usage(_usage(choices)))
+    await send(SSE_DONE)
