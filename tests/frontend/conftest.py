@@ -1,5 +1,6 @@
 """Frontend tests keep their fetched artifacts in a temporary cache, not ``~/.cache``; and
-share a plain stack: a frontend and one echo worker serving model ``echo``."""
+share plain stacks: a frontend with one echo worker (model ``echo``), or with two mocker
+workers (model ``mock``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from tests.frontend.stack import Stack, echo_engine, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
+from turnout.engines.mocker import MockerConfig, MockerEngine, make_mocker_engines
 from turnout.frontend.artifacts import CACHE_ENV
 
 
@@ -23,6 +25,22 @@ async def echo_stack(gguf_path: str) -> AsyncIterator[Stack]:
     await stack.add_worker(echo_engine(gguf_path), model_name="echo")
     await stack.wait_for_model("echo")
     yield stack
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+@pytest.fixture
+async def two_mockers(gguf_path: str) -> AsyncIterator[tuple[Stack, list[MockerEngine]]]:
+    """A frontend with default settings and two mocker workers at speedup 0 (model
+    ``mock``, blocks of 16); checked for leaked tasks afterwards."""
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=0)
+    engines = make_mocker_engines(config, 2, model_path=gguf_path)
+    for engine in engines:
+        await stack.add_worker(engine, model_name="mock")
+    await stack.wait_for_model("mock", instances=2)
+    yield stack, engines
     await stack.close()
     await assert_no_leaked_tasks(before)
 

@@ -3,31 +3,18 @@ whole and streamed (chunks checked strictly by the suite's conformance hook)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
-from collections.abc import AsyncIterator
 
 import openai
 import pytest
-from tests.frontend.stack import Stack, make_stack
-from tests.helpers import assert_no_leaked_tasks
+from tests.frontend.stack import Stack
 
-from turnout.engines.mocker import MockerConfig, make_mocker_engines
 from turnout.engines.mocker.engine import MockerEngine
 
 
 @pytest.fixture
-async def stack(gguf_path: str) -> AsyncIterator[tuple[Stack, list[MockerEngine]]]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=0)
-    engines = make_mocker_engines(config, 2, model_path=gguf_path)
-    for engine in engines:
-        await stack.add_worker(engine, model_name="mock")
-    await stack.wait_for_model("mock", instances=2)
-    yield stack, engines
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def stack(two_mockers: tuple[Stack, list[MockerEngine]]) -> tuple[Stack, list[MockerEngine]]:
+    return two_mockers
 
 
 async def test_whole_response_has_every_choice(

@@ -4,28 +4,16 @@ the openai types by the suite's conformance hook)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 import openai
 import pytest
-from tests.frontend.stack import Stack, make_stack
-from tests.helpers import assert_no_leaked_tasks
+from tests.frontend.stack import Stack
 
-from turnout.engines.mocker import MockerConfig, make_mocker_engines
+from turnout.engines.mocker import MockerEngine
 
 
 @pytest.fixture
-async def stack(gguf_path: str) -> AsyncIterator[Stack]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=0)
-    for engine in make_mocker_engines(config, 1, model_path=gguf_path):
-        await stack.add_worker(engine, model_name="mock")
-    await stack.wait_for_model("mock")
-    yield stack
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def stack(two_mockers: tuple[Stack, list[MockerEngine]]) -> Stack:
+    return two_mockers[0]
 
 
 async def test_chat_logprobs_whole_and_streamed_agree(stack: Stack) -> None:

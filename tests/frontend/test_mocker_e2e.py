@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -16,17 +15,10 @@ from turnout.engines.mocker.engine import MockerEngine
 
 
 @pytest.fixture
-async def mocker_stack(gguf_path: str) -> AsyncIterator[tuple[Stack, list[MockerEngine]]]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=0)
-    engines = make_mocker_engines(config, 2, model_path=gguf_path)
-    for engine in engines:
-        await stack.add_worker(engine, model_name="mock")
-    await stack.wait_for_model("mock", instances=2)
-    yield stack, engines
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def mocker_stack(
+    two_mockers: tuple[Stack, list[MockerEngine]],
+) -> tuple[Stack, list[MockerEngine]]:
+    return two_mockers
 
 
 async def test_mocker_chat_and_completions(mocker_stack: tuple[Stack, list[MockerEngine]]) -> None:

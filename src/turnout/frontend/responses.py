@@ -111,83 +111,54 @@ class ChunkWriter:
     def text_with_logprobs(self, text: str, logprobs: dict[str, Any] | None) -> bytes:
         """A content chunk that carries its tokens' log probabilities (the typed, slower path:
         only requests that ask for log probs take it)."""
-        if self.is_chat:
-            chunk: Any = ChatCompletionChunk(
-                id=self.response_id,
-                created=self.created,
-                model=self.model,
-                choices=[
-                    ChatChunkChoice(
-                        index=self.index, delta=ChatDelta(content=text), finish_reason=None,
-                        logprobs=logprobs,
-                    )
-                ],
-            )  # fmt: skip
-        else:
-            chunk = CompletionResponse(
-                id=self.response_id,
-                created=self.created,
-                model=self.model,
-                choices=[
-                    CompletionChoice(
-                        index=self.index, text=text, finish_reason=None, logprobs=logprobs
-                    )
-                ],
-            )
-        return sse(_json.encode(chunk))
+        return self._event(content=text, logprobs=logprobs)
 
     def role(self) -> bytes:
         """The chat stream's opening chunk, announcing the assistant role."""
-        return sse(
-            _json.encode(
-                ChatCompletionChunk(
-                    id=self.response_id,
-                    created=self.created,
-                    model=self.model,
-                    choices=[
-                        ChatChunkChoice(
-                            index=self.index, delta=ChatDelta(role="assistant", content=""),
-                            finish_reason=None,
-                        )
-                    ],
-                )
-            )
-        )  # fmt: skip
+        return self._event(role="assistant", content="")
 
     def finish(self, finish_reason: str, nvext: dict[str, Any] | None = None) -> bytes:
-        if self.is_chat:
-            chunk: Any = ChatCompletionChunk(
-                id=self.response_id,
-                created=self.created,
-                model=self.model,
-                choices=[
-                    ChatChunkChoice(
-                        index=self.index, delta=ChatDelta(), finish_reason=finish_reason
-                    )
-                ],
-                nvext=nvext,
-            )
-        else:
-            chunk = CompletionResponse(
-                id=self.response_id,
-                created=self.created,
-                model=self.model,
-                choices=[CompletionChoice(index=self.index, text="", finish_reason=finish_reason)],
-                nvext=nvext,
-            )
-        return sse(_json.encode(chunk))
+        return self._event(finish_reason=finish_reason, nvext=nvext)
 
     def usage(self, usage: Usage) -> bytes:
         """The extra chunk with ``choices: []`` that ``stream_options.include_usage`` asks for."""
+        return self._event(usage=usage, choice=False)
+
+    def _event(
+        self,
+        *,
+        content: str | None = None,
+        role: str | None = None,
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        nvext: dict[str, Any] | None = None,
+        usage: Usage | None = None,
+        choice: bool = True,
+    ) -> bytes:
+        """One chunk through the typed structs (the rare chunks, and those with log probs)."""
+        chunk: Any
         if self.is_chat:
-            chunk: Any = ChatCompletionChunk(
-                id=self.response_id, created=self.created, model=self.model, choices=[],
-                usage=usage,
+            delta = ChatDelta(role=role, content=content)
+            chunk = ChatCompletionChunk(
+                id=self.response_id, created=self.created, model=self.model,
+                choices=[
+                    ChatChunkChoice(
+                        index=self.index, delta=delta, finish_reason=finish_reason,
+                        logprobs=logprobs,
+                    )
+                ] if choice else [],
+                usage=usage, nvext=nvext,
             )  # fmt: skip
         else:
             chunk = CompletionResponse(
-                id=self.response_id, created=self.created, model=self.model, choices=[],
-                usage=usage,
+                id=self.response_id, created=self.created, model=self.model,
+                choices=[
+                    CompletionChoice(
+                        index=self.index, text=content or "", finish_reason=finish_reason,
+                        logprobs=logprobs,
+                    )
+                ] if choice else [],
+                usage=usage, nvext=nvext,
             )  # fmt: skip
         return sse(_json.encode(chunk))
 

@@ -188,8 +188,6 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     min_tokens: bool = False
     #: ``response_format`` types beyond ``text`` the engine enforces (``json_object``, ...).
     response_formats: list[str] = msgspec.field(default_factory=list)
-    #: Most choices one request may ask for (``n``).
-    max_n: int = 1
     #: How the model writes tool calls (a parser's name); None: requests with tools are
     #: refused, since a tool call would come back as plain text.
     tool_call_parser: str | None = None
