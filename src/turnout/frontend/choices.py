@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -28,8 +28,8 @@ from turnout.protocols.llm import FinishReason, PreprocessedRequest
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.runtime.context import RequestContext
 
+from .choice_output import ChoiceOutput, WholeChoice, choice_output
 from .http_errors import to_http_error, worker_error
-from .logprobs import LogprobsBuilder
 from .metrics import StreamTimer
 from .pipeline import Generation, TokensPipeline
 from .responses import (
@@ -37,7 +37,6 @@ from .responses import (
     SSE_DONE,
     SSE_HEADERS,
     ChunkWriter,
-    WholeChoice,
     make_usage,
     sse,
     whole_response,
@@ -52,8 +51,7 @@ class _Choice:
     index: int
     generation: Generation
     ctx: RequestContext
-    logprobs: LogprobsBuilder | None
-    parts: list[str] = field(default_factory=list)
+    output: ChoiceOutput
     finish: FinishReason | None = None
 
 
@@ -81,10 +79,8 @@ async def serve_choices(
         sampling = msgspec.structs.replace(pre.sampling_options, seed=base + i)
         sub = msgspec.structs.replace(pre, sampling_options=sampling)
         sub_ctx = RequestContext(f"{ctx.request_id}-{i}")
-        logprobs = None
-        if pre.output_options.logprobs is not None:
-            logprobs = LogprobsBuilder(pipeline.preprocessor.tokenizer, is_chat=pipeline.is_chat)
-        choices.append(_Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, logprobs))
+        output = choice_output(pipeline, request, sub)
+        choices.append(_Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, output))
     queue: asyncio.Queue[_Event] = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * n)
     pumps = [asyncio.create_task(_pump(c, queue)) for c in choices]
     try:
@@ -143,11 +139,9 @@ async def _whole(
             open_choices -= 1
             choice.finish = choice.finish or FinishReason.STOP
             continue
-        if choice.logprobs is not None:
-            choice.logprobs.add(event)
         if event.text:
             timer.on_tokens()
-            choice.parts.append(event.text)
+        choice.output.take(event)
         if event.finish_reason is FinishReason.ERROR:
             raise worker_error(event.error or "")
         if event.finish_reason is not None:
@@ -155,14 +149,7 @@ async def _whole(
     body = whole_response(
         model=request.model,
         is_chat=isinstance(request, ChatCompletionRequest),
-        choices=[
-            WholeChoice(
-                "".join(c.parts),
-                (c.finish or FinishReason.STOP).to_openai(),
-                c.logprobs.whole() if c.logprobs is not None else None,
-            )
-            for c in choices
-        ],
+        choices=[_whole_choice(c) for c in choices],
         usage=_usage(choices),
         nvext=nvext(choices[0].ctx),
     )
@@ -206,24 +193,42 @@ async def _stream(
             return
         if event is None:
             if choice.finish is None:
-                choice.finish = FinishReason.STOP
-                await send(writer.finish(FinishReason.STOP.to_openai(), nvext(choice.ctx)))
+                await _finish(send, choice, writer, FinishReason.STOP, nvext)
             open_choices -= 1
             continue
-        if choice.logprobs is not None and event.token_ids:
-            timer.on_tokens()
-            await send(writer.text_with_logprobs(event.text, choice.logprobs.add(event)))
-        elif event.text:
-            timer.on_tokens()
-            await send(writer.text(event.text))
+        output = choice.output
+        if output.plain:
+            if event.text:
+                timer.on_tokens()
+                await send(writer.text(event.text))
+        elif event.text or event.token_ids:
+            piece = output.take(event)
+            if piece:
+                timer.on_tokens()
+                await send(writer.piece(piece))
         if event.finish_reason is FinishReason.ERROR:
             await send(sse(worker_error(event.error or "").body()))
             await send(SSE_DONE)
             return
         if event.finish_reason is not None:
-            choice.finish = event.finish_reason
-            await send(writer.finish(event.finish_reason.to_openai(), nvext(choice.ctx)))
+            await _finish(send, choice, writer, event.finish_reason, nvext)
     opts = request.stream_options
     if opts is not None and opts.include_usage:
         await send(lead.usage(_usage(choices)))
     await send(SSE_DONE)
+
+
+def _whole_choice(choice: _Choice) -> WholeChoice:
+    choice.output.end()
+    return choice.output.whole(choice.finish or FinishReason.STOP)
+
+
+async def _finish(
+    send: Any, choice: _Choice, writer: ChunkWriter, reason: FinishReason, nvext: Any
+) -> None:
+    """A streamed choice's last chunks: what its parser held, then its finish reason."""
+    choice.finish = reason
+    tail = choice.output.end()
+    if tail:
+        await send(writer.piece(tail))
+    await send(writer.finish(choice.output.finish_reason(reason), nvext(choice.ctx)))

@@ -17,9 +17,9 @@ from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.router.push_router import PIN_METADATA, check_pinned
 from turnout.runtime.context import RequestContext
 
+from .choice_output import ChoiceOutput, choice_output
 from .choices import serve_choices
 from .http_errors import to_http_error, worker_error
-from .logprobs import LogprobsBuilder
 from .metrics import FrontendMetrics, StreamTimer
 from .pipeline import Generation, TextPipeline, TokensPipeline
 from .responses import (
@@ -27,7 +27,6 @@ from .responses import (
     SSE_DONE,
     SSE_HEADERS,
     ChunkWriter,
-    WholeChoice,
     aggregate_chunks,
     make_usage,
     sse,
@@ -69,6 +68,8 @@ class Responder:
             finally:
                 metrics.duration.observe(time.perf_counter() - timer.start)
             return
+        echo = _echoed_prompt(request, pipeline, pre.token_ids)
+        output = choice_output(pipeline, request, pre, text_offset=len(echo))
         generation = pipeline.generate(pre, ctx)
         try:
             deltas = generation.__aiter__()
@@ -78,13 +79,7 @@ class Responder:
                 and generation.decoder.num_output_tokens == 0
             ):
                 raise worker_error(first.error or "")
-            echo = _echoed_prompt(request, pipeline, pre.token_ids)
-            logprobs = None
-            if pre.output_options.logprobs is not None:
-                logprobs = LogprobsBuilder(
-                    pipeline.preprocessor.tokenizer, is_chat=pipeline.is_chat, text_offset=len(echo)
-                )
-            args = (proto, request, generation, first, timer, ctx, echo, logprobs)
+            args = (proto, request, generation, first, timer, ctx, output, echo)
             if request.stream:
                 await self._stream_tokens(*args)
             else:
@@ -120,8 +115,8 @@ class Responder:
         first: Any,
         timer: StreamTimer,
         ctx: RequestContext,
+        output: ChoiceOutput,
         echo: str = "",
-        logprobs: LogprobsBuilder | None = None,
     ) -> None:
         writer = ChunkWriter(request.model, isinstance(request, ChatCompletionRequest))
         transport = proto.response_stream(200, SSE_HEADERS)
@@ -130,15 +125,19 @@ class Responder:
             await send(writer.role())
         if echo:
             await send(writer.text(echo))
+        plain = output.plain
         delta = first
         deltas = generation.__aiter__()
         while True:
-            if logprobs is not None and delta.token_ids:
-                timer.on_tokens()
-                await send(writer.text_with_logprobs(delta.text, logprobs.add(delta)))
-            elif delta.text:
-                timer.on_tokens()
-                await send(writer.text(delta.text))
+            if plain:
+                if delta.text:
+                    timer.on_tokens()
+                    await send(writer.text(delta.text))
+            elif delta.text or delta.token_ids:
+                piece = output.take(delta)
+                if piece:
+                    timer.on_tokens()
+                    await send(writer.piece(piece))
             if delta.finish_reason is not None:
                 break
             try:
@@ -155,7 +154,11 @@ class Responder:
             await send(sse(worker_error(delta.error or "").body()))
             await send(SSE_DONE)
             return
-        await send(writer.finish(reason.to_openai(), self._nvext(request, ctx)))
+        if not plain:
+            tail = output.end()
+            if tail:
+                await send(writer.piece(tail))
+        await send(writer.finish(output.finish_reason(reason), self._nvext(request, ctx)))
         opts = request.stream_options
         if opts is not None and opts.include_usage:
             decoder = generation.decoder
@@ -178,18 +181,15 @@ class Responder:
         first: Any,
         timer: StreamTimer,
         ctx: RequestContext,
+        output: ChoiceOutput,
         echo: str = "",
-        logprobs: LogprobsBuilder | None = None,
     ) -> None:
-        parts: list[str] = [echo] if echo else []
         delta = first
         deltas = generation.__aiter__()
         while True:
-            if logprobs is not None:
-                logprobs.add(delta)
             if delta.text:
                 timer.on_tokens()
-                parts.append(delta.text)
+            output.take(delta)
             if delta.finish_reason is not None:
                 break
             try:
@@ -199,17 +199,15 @@ class Responder:
         reason = delta.finish_reason or FinishReason.STOP
         if reason is FinishReason.ERROR:
             raise worker_error(delta.error or "")
+        output.end()
         decoder = generation.decoder
         usage = make_usage(
             len(generation.request.token_ids), decoder.num_output_tokens, decoder.cached_tokens
         )
-        choice = WholeChoice(
-            "".join(parts), reason.to_openai(), logprobs.whole() if logprobs else None
-        )
         body = whole_response(
             model=request.model,
             is_chat=isinstance(request, ChatCompletionRequest),
-            choices=[choice],
+            choices=[output.whole(reason, echo)],
             usage=usage,
             nvext=self._nvext(request, ctx),
         )

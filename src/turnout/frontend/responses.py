@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -25,9 +24,14 @@ from turnout.protocols.openai import (
     ChatResponseMessage,
     CompletionChoice,
     CompletionResponse,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallChunk,
     Usage,
 )
+
+from .choice_output import ChoicePiece, WholeChoice
 
 _json = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -108,10 +112,26 @@ class ChunkWriter:
         """One content chunk (the per-token path)."""
         return self._prefix + _json.encode(text) + self._suffix
 
-    def text_with_logprobs(self, text: str, logprobs: dict[str, Any] | None) -> bytes:
-        """A content chunk that carries its tokens' log probabilities (the typed, slower path:
-        only requests that ask for log probs take it)."""
-        return self._event(content=text, logprobs=logprobs)
+    def piece(self, piece: ChoicePiece) -> bytes:
+        """A chunk with more than text (reasoning, tool calls, log probabilities): the typed,
+        slower path, for requests that parse their output or ask for log probs."""
+        calls = None
+        if piece.tool_calls:
+            calls = [
+                ToolCallChunk(
+                    index=c.index,
+                    id=c.id,
+                    type="function" if c.id is not None else None,
+                    function=FunctionCall(name=c.name, arguments=c.arguments),
+                )
+                for c in piece.tool_calls
+            ]
+        return self._event(
+            content=piece.content if piece.content or not self.is_chat else None,
+            reasoning=piece.reasoning or None,
+            tool_calls=calls,
+            logprobs=piece.logprobs,
+        )
 
     def role(self) -> bytes:
         """The chat stream's opening chunk, announcing the assistant role."""
@@ -129,6 +149,8 @@ class ChunkWriter:
         *,
         content: str | None = None,
         role: str | None = None,
+        reasoning: str | None = None,
+        tool_calls: list[ToolCallChunk] | None = None,
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
         nvext: dict[str, Any] | None = None,
@@ -138,7 +160,9 @@ class ChunkWriter:
         """One chunk through the typed structs (the rare chunks, and those with log probs)."""
         chunk: Any
         if self.is_chat:
-            delta = ChatDelta(role=role, content=content)
+            delta = ChatDelta(
+                role=role, content=content, reasoning_content=reasoning, tool_calls=tool_calls
+            )
             chunk = ChatCompletionChunk(
                 id=self.response_id, created=self.created, model=self.model,
                 choices=[
@@ -163,15 +187,6 @@ class ChunkWriter:
         return sse(_json.encode(chunk))
 
 
-@dataclass(slots=True)
-class WholeChoice:
-    """One finished choice of a whole (not streamed) response."""
-
-    text: str
-    finish_reason: str
-    logprobs: dict[str, Any] | None = None
-
-
 def whole_response(
     *,
     model: str,
@@ -191,7 +206,7 @@ def whole_response(
                 choices=[
                     ChatChoice(
                         index=i,
-                        message=ChatResponseMessage(role="assistant", content=c.text),
+                        message=_message(c),
                         finish_reason=c.finish_reason,
                         logprobs=c.logprobs,
                     )
@@ -215,6 +230,20 @@ def whole_response(
             usage=usage,
             nvext=nvext,
         )
+    )
+
+
+def _message(choice: WholeChoice) -> ChatResponseMessage:
+    """A whole chat choice's message: ``content`` is null when the model only called tools."""
+    calls = [
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in choice.tool_calls
+    ]
+    return ChatResponseMessage(
+        role="assistant",
+        content=choice.text if choice.text or not calls else None,
+        reasoning_content=choice.reasoning or None,
+        tool_calls=calls or None,
     )
 
 

@@ -191,6 +191,9 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     #: How the model writes tool calls (a parser's name); None: requests with tools are
     #: refused, since a tool call would come back as plain text.
     tool_call_parser: str | None = None
+    #: How the model writes its reasoning (a parser's name): it comes back as
+    #: ``reasoning_content``, apart from the answer. None: all text is the answer.
+    reasoning_parser: str | None = None
 
 
 class LoraInfo(msgspec.Struct, frozen=True, kw_only=True):

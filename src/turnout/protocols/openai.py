@@ -114,9 +114,38 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class ChatResponseMessage(msgspec.Struct, kw_only=True):
+class FunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A tool call's function: named in a call's first chunk, arguments as JSON text (whole,
+    or a fragment per chunk when streamed)."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A whole tool call of a response message."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ToolCallChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a tool call in a streamed delta: the first piece of a call has its id,
+    type and name; the rest add argument text."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall | None = None
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | None
+    #: The model's reasoning, apart from its answer (vLLM's and DeepSeek's field).
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -145,6 +174,8 @@ class ChatCompletionResponse(
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
