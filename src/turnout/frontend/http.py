@@ -42,9 +42,10 @@ from .http_errors import HttpError, request_decode_error, to_http_error
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics
 from .model_manager import ModelManager
 from .openapi import build_openapi
-from .pipeline import TextPipeline
+from .pipeline import TextPipeline, TokensPipeline
 from .responder import Responder
 from .responses import JSON_HEADERS, new_request_id
+from .surface import Surface, SurfaceRequest
 
 log = logging.getLogger("turnout.frontend")
 
@@ -105,8 +106,8 @@ class HttpService:
         if admission is not None:
             metrics.watch_admission(lambda: admission.queued)
         self._routes: dict[tuple[str, str], Any] = {
-            ("POST", "/v1/chat/completions"): self._chat,
-            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._bind(self._openai_surface(is_chat=True)),
+            ("POST", "/v1/completions"): self._bind(self._openai_surface(is_chat=False)),
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/live"): self._live,
@@ -231,14 +232,47 @@ class HttpService:
 
     # ------------------------------------------------------------------ generation
 
-    async def _chat(self, scope: Scope, proto: HTTPProtocol) -> None:
-        await self._generate(scope, proto, is_chat=True)
+    def add_surface(self, method: str, path: str, surface: Surface) -> None:
+        """Serve another generation route (another API's shapes over the same pipelines)."""
+        self._routes[(method, path)] = self._bind(surface)
+        self._paths.add(path)
 
-    async def _completions(self, scope: Scope, proto: HTTPProtocol) -> None:
-        await self._generate(scope, proto, is_chat=False)
+    def _bind(self, surface: Surface) -> Any:
+        async def handler(scope: Scope, proto: HTTPProtocol) -> None:
+            await self._generate(scope, proto, surface)
 
-    async def _generate(self, scope: Scope, proto: HTTPProtocol, *, is_chat: bool) -> None:
+        return handler
+
+    def _openai_surface(self, *, is_chat: bool) -> Surface:
+        decoder = _chat_decoder if is_chat else _completion_decoder
+
+        def decode(body: bytes) -> SurfaceRequest:
+            try:
+                request = decoder.decode(body)
+            except msgspec.DecodeError as exc:
+                raise request_decode_error(exc) from None
+            nvext = request.nvext
+            priority = nvext.priority if nvext is not None else None
+            return SurfaceRequest(request.model, request.stream, request, priority or 0)
+
+        async def serve(
+            proto: HTTPProtocol,
+            pipeline: TokensPipeline | TextPipeline,
+            req: SurfaceRequest,
+            body: bytes,
+            ctx: RequestContext,
+            session_id: str | None,
+        ) -> None:
+            if isinstance(pipeline, TextPipeline):
+                await self._responder.relay_text(proto, pipeline, body, req.request, ctx)
+            else:
+                await self._responder.serve_tokens(proto, pipeline, req.request, ctx, session_id)
+
         endpoint = "chat_completions" if is_chat else "completions"
+        return Surface(endpoint, is_chat, decode, serve)
+
+    async def _generate(self, scope: Scope, proto: HTTPProtocol, surface: Surface) -> None:
+        endpoint = surface.endpoint
         # The metrics label: a served model's name once resolved, never a client's string.
         model = UNKNOWN_MODEL
         stream = False
@@ -262,33 +296,24 @@ class HttpService:
         disconnect.add_done_callback(on_disconnect)
         try:
             body = await self._read_body(scope, proto)
-            request: ChatCompletionRequest | CompletionRequest
-            try:
-                request = (_chat_decoder if is_chat else _completion_decoder).decode(body)
-            except msgspec.DecodeError as exc:
-                raise request_decode_error(exc) from None
+            request = surface.decode(body)
             stream = request.stream
             pipeline = (
                 self.manager.get_chat_completions_engine(request.model)
-                if is_chat
+                if surface.is_chat
                 else self.manager.get_completions_engine(request.model)
             )
             model = request.model
             metrics = self.metrics.model(model)
             ticket = None
             if self.admission is not None:
-                nvext = request.nvext
-                priority = nvext.priority if nvext is not None else None
-                ticket = await self.admission.acquire(model, priority or 0)
+                ticket = await self.admission.acquire(model, request.priority)
                 metrics.queue_wait.observe(ticket.waited)
             inflight = metrics.inflight
             inflight.inc()
             try:
-                if isinstance(pipeline, TextPipeline):
-                    await self._responder.relay_text(proto, pipeline, body, request, ctx)
-                else:
-                    session_id = session_id_from(scope.headers)
-                    await self._responder.serve_tokens(proto, pipeline, request, ctx, session_id)
+                session_id = session_id_from(scope.headers)
+                await surface.serve(proto, pipeline, request, body, ctx, session_id)
             finally:
                 inflight.dec()
                 if ticket is not None:
@@ -308,7 +333,7 @@ class HttpService:
                     self.metrics.model(model).queue_wait.observe(exc.waited)
             elif status in (503, 429):
                 self.metrics.rejections.labels(model, "unavailable").inc()
-            self._send_error(proto, err)
+            proto.response_bytes(err.status, JSON_HEADERS + err.headers, surface.error_body(err))
         finally:
             disconnect.remove_done_callback(on_disconnect)
             disconnect.cancel()

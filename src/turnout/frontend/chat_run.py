@@ -1,0 +1,134 @@
+"""A chat request run for a surface that writes its own shapes (the Responses API, Anthropic
+messages): the same preprocessing, routing, migration and output parsing as chat completions,
+delivered as :class:`~.choice_output.ChoicePiece` s.
+
+Use::
+
+    run = await ChatRun.start(pipeline, chat_request, ctx, metrics)  # raises before any output
+    try:
+        async for piece in run.pieces():   # mid-stream failures raise HttpError
+            ...
+        run.finish_reason, run.usage       # once pieces() is exhausted
+    finally:
+        await run.aclose()                  # always: stops the work on the worker
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from turnout.llm.backend import DecodedDelta
+from turnout.protocols.llm import FinishReason
+from turnout.protocols.openai import ChatCompletionRequest, Usage
+from turnout.router.push_router import check_pinned
+from turnout.runtime.context import RequestContext
+
+from .choice_output import ChoiceOutput, ChoicePiece, WholeChoice, choice_output
+from .http_errors import worker_error
+from .metrics import FrontendMetrics, ModelMetrics, StreamTimer
+from .pipeline import Generation, TokensPipeline
+from .responses import make_usage
+
+
+class ChatRun:
+    """One running chat request (one choice)."""
+
+    __slots__ = ("_first", "_metrics", "_reason", "_timer", "generation", "output", "request")
+
+    def __init__(
+        self,
+        request: ChatCompletionRequest,
+        generation: Generation,
+        output: ChoiceOutput,
+        first: DecodedDelta,
+        metrics: ModelMetrics,
+        timer: StreamTimer,
+    ) -> None:
+        self.request = request
+        self.generation = generation
+        self.output = output
+        self._first: DecodedDelta | None = first
+        self._metrics = metrics
+        self._timer = timer
+        self._reason = FinishReason.STOP
+
+    @classmethod
+    async def start(
+        cls,
+        pipeline: TokensPipeline,
+        request: ChatCompletionRequest,
+        ctx: RequestContext,
+        metrics: FrontendMetrics,
+        session_id: str | None = None,
+    ) -> ChatRun:
+        """Preprocess, route and await the first output: every failure until then raises
+        (and becomes the response's status)."""
+        pre = await pipeline.preprocess(request)
+        pre.session_id = session_id
+        if pre.backend_instance_id is not None:
+            check_pinned(pipeline.client, pre.backend_instance_id, f"model {request.model}")
+        model_metrics = metrics.model(request.model)
+        model_metrics.input_tokens.observe(len(pre.token_ids))
+        timer = StreamTimer(model_metrics)
+        output = choice_output(pipeline, request, pre)
+        generation = pipeline.generate(pre, ctx)
+        try:
+            first = await anext(generation.__aiter__())
+            if first.finish_reason is FinishReason.ERROR and not first.token_ids:
+                raise worker_error(first.error or "")
+        except BaseException:
+            await generation.aclose()
+            raise
+        return cls(request, generation, output, first, model_metrics, timer)
+
+    async def pieces(self) -> AsyncIterator[ChoicePiece]:
+        """The choice's pieces (never empty ones), the parser's held text last."""
+        delta = self._first
+        self._first = None
+        deltas = self.generation.__aiter__()
+        while delta is not None:
+            if delta.text or delta.token_ids:
+                piece = self.output.take(delta)
+                if piece:
+                    self._timer.on_tokens()
+                    yield piece
+            if delta.finish_reason is not None:
+                if delta.finish_reason is FinishReason.ERROR:
+                    raise worker_error(delta.error or "")
+                self._reason = delta.finish_reason
+                break
+            delta = await anext(deltas, None)
+        tail = self.output.end()
+        if tail:
+            yield tail
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason (``tool_calls`` once the model called a tool)."""
+        return self.output.finish_reason(self._reason)
+
+    @property
+    def stopped_by_limit(self) -> bool:
+        return self._reason is FinishReason.LENGTH
+
+    @property
+    def usage(self) -> Usage:
+        decoder = self.generation.decoder
+        return make_usage(
+            len(self.generation.request.token_ids),
+            decoder.num_output_tokens,
+            decoder.cached_tokens,
+        )
+
+    def whole(self) -> WholeChoice:
+        """Everything the choice said (after ``pieces()`` is exhausted)."""
+        return self.output.whole(self._reason)
+
+    async def aclose(self) -> None:
+        await self.generation.aclose()
+        decoder = self.generation.decoder
+        self._metrics.output_tokens.observe(decoder.num_output_tokens)
+        if decoder.cached_tokens:
+            self._metrics.cached_tokens.inc(decoder.cached_tokens)
+        self._metrics.duration.observe(time.perf_counter() - self._timer.start)

@@ -1,0 +1,65 @@
+"""An API surface: one generation route's request and response shapes over the shared pipelines.
+
+OpenAI chat completions and completions, the Responses API and Anthropic messages all run the
+same way (``HttpService`` reads the body, resolves the model, admits the request, accounts for
+it and turns failures into errors); a surface supplies what differs: how its body decodes,
+which pipeline serves it, how its response is written and how its errors look.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from granian.rsgi import HTTPProtocol
+
+from turnout.runtime.context import RequestContext
+
+from .http_errors import HttpError
+from .pipeline import TextPipeline, TokensPipeline
+
+
+@dataclass(slots=True)
+class SurfaceRequest:
+    """A decoded request, as far as the service needs to know it."""
+
+    model: str
+    stream: bool
+    #: The surface's own decoded request, handed back to its ``serve``.
+    request: Any
+    #: Admission priority (``nvext.priority``; 0 when the surface has none).
+    priority: int = 0
+
+
+#: Writes the response of an admitted request: (proto, pipeline, request, body, ctx, session).
+ServeFn = Callable[
+    [
+        HTTPProtocol,
+        TokensPipeline | TextPipeline,
+        SurfaceRequest,
+        bytes,
+        RequestContext,
+        str | None,
+    ],
+    Awaitable[None],
+]
+
+
+def openai_error_body(err: HttpError) -> bytes:
+    return err.body()
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """One generation route."""
+
+    #: The ``endpoint`` label of the request metrics.
+    endpoint: str
+    #: Served by the model's chat pipeline (else its completions pipeline).
+    is_chat: bool
+    #: The body as this surface's request; raises ``HttpError`` (400) when it is not one.
+    decode: Callable[[bytes], SurfaceRequest]
+    serve: ServeFn
+    #: An error's body in this surface's shape.
+    error_body: Callable[[HttpError], bytes] = openai_error_body
