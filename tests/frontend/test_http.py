@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -70,6 +71,8 @@ async def test_models_health_live_metrics(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.url) as http:
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["echo"]
+        # ``created``: when the frontend began serving it, not a placeholder.
+        assert abs(models["data"][0]["created"] - time.time()) < 3600
         health = await http.get("/health")
         assert health.status_code == 200
         body = health.json()

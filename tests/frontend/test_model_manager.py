@@ -101,6 +101,20 @@ def test_list_models_is_the_sorted_union() -> None:
     assert m.list_models() == ["a", "b", "c"]
 
 
+def test_created_is_when_the_name_became_served_by_any_kind() -> None:
+    now = [1000.0]
+    manager = ModelManager(clock=lambda: now[0])
+    assert manager.created("m") == 0
+    manager.add_completions_model("m", object())
+    now[0] = 2000.0
+    manager.add_chat_model("m", object())
+    assert manager.created("m") == 1000
+    manager.remove_completions_model("m")
+    assert manager.created("m") == 2000
+    manager.remove_chat_model("m")
+    assert manager.created("m") == 0
+
+
 def test_entries_by_key_and_by_model() -> None:
     m = ModelManager()
     m.save_model_entry("k1", card("llama", 1))

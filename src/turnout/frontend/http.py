@@ -189,11 +189,15 @@ class HttpService:
     # ------------------------------------------------------------------ simple routes
 
     async def _models(self, scope: Scope, proto: HTTPProtocol) -> None:
-        models = [ModelObject(id=name, created=0, root=name) for name in self.manager.list_models()]
-        if self.manager.lora is not None:  # loaded LoRA adapters, vLLM's way
+        manager = self.manager
+        models = [
+            ModelObject(id=name, created=manager.created(name), root=name)
+            for name in manager.list_models()
+        ]
+        if manager.lora is not None:  # loaded LoRA adapters, vLLM's way
             models += [
-                ModelObject(id=name, created=0, root=name, parent=base)
-                for name, base in self.manager.lora.listed()
+                ModelObject(id=name, created=manager.created(base), root=name, parent=base)
+                for name, base in manager.lora.listed()
             ]
         proto.response_bytes(200, JSON_HEADERS, _json.encode(ModelList(data=models)))
 

@@ -19,7 +19,8 @@ to the others and no lock is needed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from turnout.errors import ModelNotFound, TurnoutError
@@ -41,20 +42,28 @@ class ModelAlreadyExists(TurnoutError):
 class _EngineRegistry:
     """Served name -> engine for one kind of request; ``kind`` appears in error messages."""
 
-    __slots__ = ("_engines", "kind")
+    __slots__ = ("_added", "_clock", "_engines", "kind")
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, clock: Callable[[], float] = time.time) -> None:
         self.kind = kind
+        self._clock = clock
         self._engines: dict[str, object] = {}
+        #: Unix seconds at which each name was registered (``/v1/models``' ``created``).
+        self._added: dict[str, int] = {}
 
     def add(self, name: str, engine: object) -> None:
         if name in self._engines:
             raise ModelAlreadyExists(f"model {name!r} is already registered for {self.kind}")
         self._engines[name] = engine
+        self._added[name] = int(self._clock())
 
     def remove(self, name: str) -> None:
         if self._engines.pop(name, None) is None:
             raise ModelNotFound(f"model {name!r} is not registered for {self.kind}")
+        del self._added[name]
+
+    def added_at(self, name: str) -> int | None:
+        return self._added.get(name)
 
     def get(self, name: str) -> object:
         """The engine of ``name``; ``KeyError`` if absent."""
@@ -70,11 +79,11 @@ class _EngineRegistry:
 class ModelManager:
     """Registry of served models: engines per request kind, per-instance cards, clients."""
 
-    def __init__(self) -> None:
-        self._chat = _EngineRegistry("chat completions")
-        self._completions = _EngineRegistry("completions")
-        self._embeddings = _EngineRegistry("embeddings")
-        self._tensor = _EngineRegistry("tensor requests")
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._chat = _EngineRegistry("chat completions", clock)
+        self._completions = _EngineRegistry("completions", clock)
+        self._embeddings = _EngineRegistry("embeddings", clock)
+        self._tensor = _EngineRegistry("tensor requests", clock)
         self._registries = (self._chat, self._completions, self._embeddings, self._tensor)
         # key -> card, and model name -> {key -> card}. Both change only in
         # save_model_entry / remove_model_entry, so they always agree.
@@ -164,6 +173,12 @@ class ModelManager:
     def list_models(self) -> list[str]:
         """Every served name, whatever the kind of request; sorted, no duplicates."""
         return sorted({n for r in self._registries for n in r.names()})
+
+    def created(self, name: str) -> int:
+        """Unix seconds since ``name`` has been served without a break (the earliest of its
+        request kinds); 0 when it is not served."""
+        times = [t for r in self._registries if (t := r.added_at(name)) is not None]
+        return min(times, default=0)
 
     # -- per-instance entries -------------------------------------------------------------------
 
