@@ -10,6 +10,11 @@ detokenization and SSE. Scenarios, each at several concurrencies:
 * ``paced_stream``: the same against echo workers that wait ``--paced-delay-ms`` before each
   token, as a real engine does: every token then travels alone (one frame, one pass through
   the pipeline, one SSE event), the per-token path a GPU engine exercises.
+* ``chat_stream`` / ``chat_stream_parsed`` (not run by default): a streamed chat request whose
+  echoed answer holds reasoning in think tags and a hermes tool call, to a model without
+  parsers (tools passed as context, ``tool_choice: none``) and to one with
+  ``--tool-call-parser hermes --reasoning-parser deepseek_r1``: the cost of parsing, as the
+  difference between the two rows.
 
 Method: the load generator is ``bench_http`` (raw asyncio HTTP/1.1 keep-alive, several times
 cheaper than httpx, so on a 2-core machine it does not starve the frontend). Every
@@ -92,6 +97,32 @@ def long_prompt(tokens: int = 512) -> str:
         words.append(WORDS[i % len(WORDS)])
         i += 1
     return " ".join(words)
+
+
+#: A tool the parsing scenarios offer, and the answer their echo worker streams back.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def chat_body(model: str, *, parsed: bool) -> dict[str, Any]:
+    """A streamed chat request whose echo holds reasoning, an answer and a tool call."""
+    reasoning = " ".join(WORDS[i % len(WORDS)] for i in range(60))
+    answer = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(20))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    message = f"<think>{reasoning}</think>{answer}\n{call}"
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": message}],
+        "stream": True,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "auto" if parsed else "none",
+    }
 
 
 PLANES = ("file+tcp+zmq", "etcd+tcp+zmq", "etcd+nats+nats")
@@ -241,6 +272,7 @@ def run_stack(
         front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
     paced = "paced_stream" in args.scenarios
+    parsed = "chat_stream_parsed" in args.scenarios
     for _ in range(args.workers):
         procs.append(subprocess.Popen(
             [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name", "echo", *common],
@@ -253,10 +285,17 @@ def run_stack(
                  "--endpoint", "turnout/paced/generate", *common],
                 start_new_session=True,
             ))  # fmt: skip
+        if parsed:
+            procs.append(subprocess.Popen(
+                [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name",
+                 "echo-parsed", "--tool-call-parser", "hermes", "--reasoning-parser",
+                 "deepseek_r1", "--endpoint", "turnout/parsed/generate", *common],
+                start_new_session=True,
+            ))  # fmt: skip
     rows: list[dict[str, Any]] = []
     front_pid = procs[0].pid
     try:
-        wait_ready(url, args.workers, models=2 if paced else 1)
+        wait_ready(url, args.workers, models=1 + paced + parsed)
         front = psutil.Process(front_pid)
         workers = [psutil.Process(p.pid) for p in procs[1:]]
         host = f"127.0.0.1:{port}"
@@ -267,6 +306,9 @@ def run_stack(
                              "stream": True}, True, args.stream_requests),
             "paced_stream": ({"model": "echo-paced", "prompt": long_prompt(512),
                               "max_tokens": 64, "stream": True}, True, args.stream_requests),
+            "chat_stream": (chat_body("echo", parsed=False), True, args.stream_requests),
+            "chat_stream_parsed": (chat_body("echo-parsed", parsed=True), True,
+                                   args.stream_requests),
         }  # fmt: skip
         spy = None
         if args.profile == "py-spy":
@@ -279,7 +321,8 @@ def run_stack(
             time.sleep(1.0)
         for name in args.scenarios:
             body, streamed, total = bodies[name]
-            raw = render_post(host, "/v1/completions", json.dumps(body).encode())
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            raw = render_post(host, path, json.dumps(body).encode())
             for conc in args.concurrency:
                 asyncio.run(run_load("127.0.0.1", port, raw, max(total // 5, 2 * conc), conc,
                                      streamed=streamed))  # warm-up  # fmt: skip
