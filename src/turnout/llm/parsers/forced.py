@@ -61,9 +61,7 @@ class RequiredToolsOutput(OutputParser):
     __slots__ = ("_called", "_names", "_parts")
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
-        self._names = {
-            fn.get("name") for t in tools if isinstance(fn := t.get("function"), dict)
-        }
+        self._names = {fn.get("name") for t in tools if isinstance(fn := t.get("function"), dict)}
         self._parts: list[str] = []
         self._called = False
 
