@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from turnout.engines.base import Engine
 from turnout.engines.echo import EchoEngine
@@ -27,9 +28,15 @@ class Stack:
         return self.frontend.url
 
     async def add_worker(
-        self, engine: Engine, *, model_name: str = "echo", endpoint: EndpointId = ENDPOINT
+        self,
+        engine: Engine,
+        *,
+        model_name: str = "echo",
+        endpoint: EndpointId = ENDPOINT,
+        **options: Any,
     ) -> Worker:
-        worker = Worker(self.runtime, engine, endpoint, model_name=model_name)
+        """Start a worker of ``engine``; ``options``: more of ``Worker``'s keywords."""
+        worker = Worker(self.runtime, engine, endpoint, model_name=model_name, **options)
         await worker.start()
         self.workers.append(worker)
         return worker

@@ -109,7 +109,8 @@ def worker_argv(
     values = {name: getattr(args, name) for name in engine_flags}
     if args.engine == "llamacpp":
         values["threads"] = args.threads or threads
-    for name in ("model_path", "model_name", "context_length"):
+    for name in ("model_path", "model_name", "context_length", "tool_call_parser",
+                 "reasoning_parser"):  # fmt: skip
         values[name] = getattr(args, name)
     for name, value in values.items():
         flag = "--" + name.replace("_", "-")

@@ -11,6 +11,7 @@ from typing import Any
 from turnout.engines.base import Engine
 from turnout.engines.worker import Worker
 from turnout.errors import ConfigError, TurnoutError
+from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_parser_names
 from turnout.protocols.model import EndpointId
 from turnout.runtime.planes import open_runtime
 
@@ -41,6 +42,13 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(p, "--drain-timeout", default=5.0, type=float,
              help="on SIGTERM, seconds in-flight requests may finish before the rest are "
                   "cut (frontends migrate them)")  # fmt: skip
+    add_flag(p, "--tool-call-parser", metavar="NAME",
+             help="how the model writes tool calls; the frontend reads them out of its text "
+                  f"(one of: {', '.join(TOOL_CALL_PARSERS)}; default: none, requests with "
+                  "tools are refused)")  # fmt: skip
+    add_flag(p, "--reasoning-parser", metavar="NAME",
+             help="how the model writes its reasoning, returned apart as reasoning_content "
+                  f"(one of: {', '.join(REASONING_PARSERS)}; default: none)")  # fmt: skip
     add_flag(p, "--max-waiting", default=1024, type=int,
              help="mocker, llamacpp: most queued requests per worker; more are refused as "
                   "overloaded (503)")  # fmt: skip
@@ -204,6 +212,10 @@ async def run_worker(args: argparse.Namespace) -> None:
         endpoint = EndpointId.parse(args.endpoint)
     except ValueError as exc:
         raise ConfigError(f"--endpoint: {exc}") from None
+    try:
+        check_parser_names(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     runtime = await open_runtime(planes_config(args))
     workers: list[Worker] = []
 
@@ -216,6 +228,8 @@ async def run_worker(args: argparse.Namespace) -> None:
                 endpoint,
                 model_name=args.model_name,
                 device_type=getattr(args, "device_type", None),
+                tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser,
             )
             workers.append(worker)
             # A lost lease is not fatal: the instance registers again by itself.

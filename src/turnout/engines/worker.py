@@ -33,6 +33,7 @@ from turnout.engines.kv_transfer import RequestPlaneKvTransport
 from turnout.engines.lora_cards import LoraCardPublisher
 from turnout.errors import ConfigError
 from turnout.llm.artifacts import LOCAL_ARTIFACTS, ArtifactError, ArtifactRegistry, iter_chunks
+from turnout.llm.parsers import check_parser_names
 from turnout.protocols.disagg import KV_TRANSFER_HANDLER, KvTransferReply, KvTransferRequest
 from turnout.protocols.kv import KV_SNAPSHOT_HANDLER, KvSnapshot, KvSnapshotRequest
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
@@ -78,9 +79,26 @@ class Worker:
         artifacts: ArtifactRegistry = LOCAL_ARTIFACTS,
         health_interval: float = HEALTH_INTERVAL_SECONDS,
         device_type: str | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """``tool_call_parser`` / ``reasoning_parser``: how the model writes tool calls and
+        reasoning, announced in the card's capabilities for the frontend to parse (None:
+        keep the engine's)."""
         if device_type not in (None, DEVICE_CPU, DEVICE_GPU):
             raise ConfigError(f"--device-type must be cpu or gpu, got {device_type!r}")
+        try:
+            check_parser_names(tool_call_parser, reasoning_parser)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.parsers = {
+            name: value
+            for name, value in (
+                ("tool_call_parser", tool_call_parser),
+                ("reasoning_parser", reasoning_parser),
+            )
+            if value is not None
+        }
         #: Overrides the engine's ``runtime_config.device_type`` in the card (None: keep).
         self.device_type = device_type
         self.runtime = runtime
@@ -124,6 +142,10 @@ class Worker:
         if self.device_type is not None:
             overrides["runtime_config"] = msgspec.structs.replace(
                 template.runtime_config, device_type=self.device_type
+            )
+        if self.parsers:
+            overrides["capabilities"] = msgspec.structs.replace(
+                template.capabilities, **self.parsers
             )
         base = msgspec.structs.replace(template, **overrides)
         artifacts = base.artifacts()
