@@ -108,6 +108,9 @@ from .llamacpp_vocab import VocabBytes
 
 log = logging.getLogger(__name__)
 
+#: Structured outputs llama.cpp enforces (every kind: they all arrive as one grammar).
+STRUCTURED_OUTPUTS: Final = ("json_object", "json_schema", "regex", "choice", "grammar")
+
 #: ``SamplingOptions`` field -> llama.cpp completion parameter.
 _SAMPLING_KEYS: Final = (
     ("temperature", "temperature"),
@@ -764,9 +767,12 @@ class LlamaCppEngine(Engine):
                 # xllamacpp runs on the CPU here; ``--device-type`` overrides it.
                 device_type=DEVICE_CPU,
             ),
-            # Each token's log probability (``n_probs: 1``; no alternatives yet); not
-            # ``min_tokens``, which llama.cpp's server does not have.
-            capabilities=ModelCapabilities(logprobs=True),
+            # Each token's log probability (``n_probs: 1``; no alternatives yet); every kind
+            # of structured output (grammars); not ``min_tokens``, which llama.cpp's server
+            # does not have.
+            capabilities=ModelCapabilities(
+                logprobs=True, structured_outputs=list(STRUCTURED_OUTPUTS)
+            ),
         )
 
     def model_card_template(self) -> ModelDeploymentCard:
@@ -808,6 +814,9 @@ class LlamaCppEngine(Engine):
         }
         if sc.ignore_eos:
             body["ignore_eos"] = True
+        if request.structured is not None:
+            # llama.cpp compiles llguidance grammars itself (the "%llguidance" header).
+            body["grammar"] = request.structured.grammar
         so = request.sampling_options
         for ours, theirs in _SAMPLING_KEYS:
             value = getattr(so, ours)

@@ -19,6 +19,8 @@ import msgspec
 
 from turnout.llm.backend import DecodedDelta
 from turnout.llm.parsers import OutputParser, ParsedDelta, ToolCallDelta, make_output_parser
+from turnout.llm.parsers.forced import NamedToolOutput, RequiredToolsOutput
+from turnout.llm.structured import named_tool
 from turnout.protocols.llm import FinishReason, PreprocessedRequest
 from turnout.protocols.model import ModelCapabilities
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
@@ -67,8 +69,14 @@ def output_parser(
 ) -> OutputParser | None:
     """The parser a chat request's output needs on this model (None: plain text).
 
-    Tool calls are parsed when the request offers tools and does not say ``none``; reasoning
-    whenever the model has a reasoning parser."""
+    A ``tool_choice`` that forces calls makes the engine write them as JSON (see
+    ``llm.structured``), read as such. Otherwise tool calls are parsed in the model's own
+    format when the request offers tools and does not say ``none``; reasoning whenever the
+    model has a reasoning parser."""
+    if tools and tool_choice == "required":
+        return RequiredToolsOutput(tools)
+    if tools and isinstance(tool_choice, dict):
+        return NamedToolOutput(named_tool(tool_choice))
     parse_tools = bool(tools) and tool_choice != "none"
     return make_output_parser(
         tool_call_parser=capabilities.tool_call_parser if parse_tools else None,

@@ -282,8 +282,21 @@ class Migration:
         migrations: int,
         generated: list[int],
     ) -> int:
-        """Count one migration, or re-raise ``exc`` when the request may not move."""
+        """Count one migration, or re-raise ``exc`` when the request may not move.
+
+        A structured output that has begun cannot move: the engine would start its grammar
+        afresh after the generated prefix, and the whole would match nothing."""
         if migrations >= self._limit or ctx.is_cancelled or request.backend_instance_id is not None:
+            raise exc
+        if request.structured is not None and generated:
+            log.warning(
+                "request %s: stream broke after %d tokens of %s output (%s); a constrained "
+                "output cannot resume elsewhere",
+                ctx.request_id,
+                len(generated),
+                request.structured.kind,
+                exc,
+            )
             raise exc
         migrations += 1
         ctx.metadata["migrations"] = migrations

@@ -32,6 +32,7 @@ from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Complet
 
 from .chat_template import ChatTemplate
 from .multimodal_keys import image_urls, multimodal_cache_keys
+from .structured import structured_output
 from .tokenizer import Tokenizer
 
 #: Prompt text longer than this (characters) is rendered and tokenized off the event loop.
@@ -109,6 +110,7 @@ class Preprocessor:
             param = "top_logprobs" if req.top_logprobs else "logprobs"
             self._require_logprobs(req.top_logprobs or 0, param)
         self._check_chat_features(req)
+        structured = structured_output(self.card, req)
         template = self.template
         if template is None:
             raise RequestError(
@@ -136,6 +138,7 @@ class Preprocessor:
         token_ids = await _maybe_offload(_content_size(req.messages), render_and_encode)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs)
+        pre.structured = structured
         urls = image_urls(req.messages)
         if urls:
             pre.multimodal_cache_keys = multimodal_cache_keys(urls)
@@ -155,6 +158,7 @@ class Preprocessor:
             self._require_logprobs(req.logprobs, "logprobs")
         if req.echo and (req.n or 1) > 1:
             raise RequestError("'echo' with 'n' > 1 is not supported yet", param="echo")
+        structured = structured_output(self.card, req)
         prompt = self._single_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:
@@ -162,7 +166,9 @@ class Preprocessor:
             token_ids = await _maybe_offload(len(prompt), self.tokenizer.encode, prompt, True)
         else:
             token_ids = self._check_ids(prompt)
-        return self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt", req.logprobs)
+        pre = self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt", req.logprobs)
+        pre.structured = structured
+        return pre
 
     @staticmethod
     def _single_prompt(prompt: Any) -> str | list[int]:
@@ -218,28 +224,21 @@ class Preprocessor:
             )
 
     def _check_chat_features(self, req: ChatCompletionRequest) -> None:
-        """``response_format`` and tools: honoured where the model's engine can, else a 400."""
-        caps = self.card.capabilities
-        name = self.card.display_name
-        fmt = req.response_format
-        if fmt is not None:
-            kind = fmt.get("type")
-            if not isinstance(kind, str):
-                raise RequestError("'response_format' needs a 'type'", param="response_format")
-            if kind != "text" and kind not in caps.response_formats:
-                raise RequestError(
-                    f"model '{name}' cannot enforce response_format type '{kind}' (it can: "
-                    f"{', '.join(['text', *caps.response_formats])})",
-                    param="response_format",
-                )
+        """Tools: honoured where the model's engine can, else a 400. (``tool_choice`` that
+        forces calls is a structured output: ``structured_output`` checks it.)"""
         if req.tool_choice is not None and not req.tools:
             raise RequestError(
                 "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice"
             )
-        if req.tools and req.tool_choice != "none" and caps.tool_call_parser is None:
+        if (
+            req.tools
+            and req.tool_choice in (None, "auto")
+            and self.card.capabilities.tool_call_parser is None
+        ):
             raise RequestError(
-                f"model '{name}' has no tool-call parser, so a tool call would come back as "
-                f"plain text; send tool_choice 'none' to pass tools as context only",
+                f"model '{self.card.display_name}' has no tool-call parser, so a tool call "
+                "would come back as plain text; send tool_choice 'none' to pass tools as "
+                "context only",
                 param="tools",
             )
 

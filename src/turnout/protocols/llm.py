@@ -84,6 +84,20 @@ class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A constraint on what the model may write, enforced by the engine while sampling.
+
+    ``kind`` is what the client asked for (``json_object``, ``json_schema``, ``regex``,
+    ``choice``, ``grammar``); ``grammar`` is that, compiled by the frontend into one lark
+    grammar in llguidance's dialect (``%llguidance {}`` header; ``%json {...}`` for JSON
+    schemas), which llama.cpp, vLLM and SGLang all take through llguidance. The frontend has
+    already checked that it compiles.
+    """
+
+    kind: str
+    grammar: str
+
+
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A request after templating and tokenization: what a Tokens-input worker receives."""
 
@@ -119,6 +133,8 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     multimodal_cache_keys: list[str] | None = None
     #: Set by the frontend's prefill router on the two stages of a disaggregated request.
     disagg: DisaggParams | None = None
+    #: What the output must match (``response_format``, ``guided_*``, a forced tool call).
+    structured: StructuredOutput | None = None
 
     def continued(self, generated: list[int]) -> PreprocessedRequest:
         """The request that goes on after ``generated`` tokens (on another worker, after a

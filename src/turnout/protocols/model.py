@@ -186,8 +186,10 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     max_top_logprobs: int = 0
     #: vLLM's ``min_tokens``: no stop (EOS, stop tokens) before that many tokens.
     min_tokens: bool = False
-    #: ``response_format`` types beyond ``text`` the engine enforces (``json_object``, ...).
-    response_formats: list[str] = msgspec.field(default_factory=list)
+    #: Kinds of structured output the engine enforces while sampling (``json_object``,
+    #: ``json_schema``, ``regex``, ``choice``, ``grammar``): ``response_format``, the
+    #: ``guided_*`` fields and forced tool calls need them.
+    structured_outputs: list[str] = msgspec.field(default_factory=list)
     #: How the model writes tool calls (a parser's name); None: requests with tools are
     #: refused, since a tool call would come back as plain text.
     tool_call_parser: str | None = None

@@ -74,6 +74,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: vLLM's cache partition: requests reuse each other's cached prefixes only when their
     #: salts are equal (tenants that must not observe each other's cache timing).
     cache_salt: str | None = None
+    #: vLLM's structured-output extras (at most one, and not with ``response_format``): a
+    #: JSON schema (an object, or its JSON text), a regular expression, a list of choices,
+    #: a grammar (llguidance lark, or GBNF).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     nvext: NvExt | None = None
 
 

@@ -12,14 +12,10 @@ as vLLM does), so the output is read as calls rather than searched for a model's
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from . import OutputParser, ParsedDelta, ToolCallDelta
-
-
-def new_call_id() -> str:
-    return "call_" + os.urandom(12).hex()
+from .text import new_call_id
 
 
 class NamedToolOutput(OutputParser):
@@ -104,21 +100,3 @@ def _read_calls(text: str, names: set[Any]) -> list[tuple[str, str]] | None:
             return None
         calls.append((item["name"], json.dumps(params, ensure_ascii=False)))
     return calls
-
-
-def required_tools_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema that makes a model call at least one of ``tools``."""
-    variants = []
-    for tool in tools:
-        fn = tool["function"]
-        variants.append(
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "enum": [fn["name"]]},
-                    "parameters": fn.get("parameters") or {"type": "object"},
-                },
-                "required": ["name", "parameters"],
-            }
-        )
-    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}

@@ -1,0 +1,233 @@
+"""Structured outputs: what a request says its output must match, compiled and checked.
+
+A request may ask for one of: ``response_format`` ``json_object`` / ``json_schema`` (chat),
+vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (chat and
+completions), or, through ``tool_choice`` ``required`` or a named function, a JSON schema of
+the tool calls (as vLLM forces them). Each becomes one lark grammar in llguidance's dialect
+(:class:`~turnout.protocols.llm.StructuredOutput`), which the engine enforces while sampling.
+
+The grammar is checked here with ``llguidance`` (the library the engines compile it with),
+so a schema that does not compile, a bad regex or a broken grammar is a 400 naming the field
+and the problem before any work is done: llama.cpp, given a grammar it cannot compile, would
+otherwise sample freely and answer 200 with text that matches nothing. Checks are cached (by
+grammar text, bounded): clients send the same schema again and again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from turnout.errors import RequestError
+from turnout.protocols.llm import StructuredOutput
+from turnout.protocols.model import ModelDeploymentCard
+from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+
+#: Longest schema, regex, grammar or list of choices accepted (characters of its text).
+MAX_SOURCE_CHARS = 64 * 1024
+_HEADER = "%llguidance {}\n"
+_RESPONSE_FORMAT_KEYS = {"type", "json_schema"}
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def structured_output(
+    card: ModelDeploymentCard, req: ChatCompletionRequest | CompletionRequest
+) -> StructuredOutput | None:
+    """The request's output constraint (None: free text), refused with a 400 naming the
+    field when malformed, when it does not compile, or when the model cannot enforce it."""
+    asked = _asked(req)
+    if len(asked) > 1:
+        raise RequestError(
+            f"give at most one of {', '.join(param for param, _, _ in asked)}",
+            param=asked[1][0],
+        )
+    if not asked:
+        return None
+    param, kind, source = asked[0]
+    if kind not in card.capabilities.structured_outputs:
+        can = ", ".join(card.capabilities.structured_outputs) or "none"
+        raise RequestError(
+            f"model '{card.display_name}' cannot enforce {kind} output (its engine enforces: "
+            f"{can})",
+            param=param,
+        )
+    return StructuredOutput(kind=kind, grammar=_compile(param, kind, source))
+
+
+def _asked(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str, Any]]:
+    """(param, kind, source) of every constraint the request gives."""
+    asked: list[tuple[str, str, Any]] = []
+    if isinstance(req, ChatCompletionRequest):
+        fmt = _response_format(req.response_format)
+        if fmt is not None:
+            asked.append(("response_format", *fmt))
+        forced = forced_tool_schema(req)
+        if forced is not None:
+            asked.append(("tool_choice", "json_schema", forced))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise RequestError(
+                    f"'guided_json' is not valid JSON: {exc}", param="guided_json"
+                ) from None
+        asked.append(("guided_json", "json_schema", schema))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", "choice", req.guided_choice))
+    if req.guided_grammar is not None:
+        asked.append(("guided_grammar", "grammar", req.guided_grammar))
+    return asked
+
+
+def _response_format(fmt: dict[str, Any] | None) -> tuple[str, Any] | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    unknown = set(fmt) - _RESPONSE_FORMAT_KEYS
+    if unknown:
+        raise RequestError(
+            f"'response_format' has unknown field(s) {sorted(unknown)}", param="response_format"
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", {"type": "object"}
+    if kind != "json_schema":
+        raise RequestError(
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+            param="response_format",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise RequestError(
+            "'response_format.json_schema' must be an object with a 'name'",
+            param="response_format",
+        )
+    unknown = set(spec) - _JSON_SCHEMA_KEYS
+    if unknown:
+        raise RequestError(
+            f"'response_format.json_schema' has unknown field(s) {sorted(unknown)}",
+            param="response_format",
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise RequestError(
+            "'response_format.json_schema.schema' must be an object", param="response_format"
+        )
+    return "json_schema", schema
+
+
+def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema a ``tool_choice`` that forces calls puts on the output: a named
+    function's parameters, or (``required``) an array of calls to any offered tool, each
+    ``{"name", "parameters"}``. None when the choice forces nothing."""
+    choice = req.tool_choice
+    if not req.tools or choice in (None, "auto", "none"):
+        return None
+    tools = [_function(t) for t in req.tools]
+    if choice == "required":
+        return {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string", "enum": [fn["name"]]},
+                            "parameters": fn.get("parameters") or {"type": "object"},
+                        },
+                        "required": ["name", "parameters"],
+                    }
+                    for fn in tools
+                ]
+            },
+        }
+    name = named_tool(choice)
+    for fn in tools:
+        if fn["name"] == name:
+            return fn.get("parameters") or {"type": "object"}
+    raise RequestError(f"'tool_choice' names '{name}', which 'tools' lacks", param="tool_choice")
+
+
+def named_tool(choice: Any) -> str:
+    """The function a named ``tool_choice`` (``{"type": "function", "function": {"name"}}``)
+    forces; a 400 for any other shape."""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return fn["name"]
+    raise RequestError(
+        "'tool_choice' must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _function(tool: Any) -> dict[str, Any]:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or tool.get("type") != "function" or not fn.get("name"):
+        raise RequestError(
+            'each of \'tools\' must be {"type": "function", "function": {"name", ...}}',
+            param="tools",
+        )
+    return fn
+
+
+def _compile(param: str, kind: str, source: Any) -> str:
+    if kind in ("json_object", "json_schema"):
+        if not isinstance(source, dict):
+            raise RequestError(f"'{param}' must be a JSON schema object", param=param)
+        body = "start: %json " + json.dumps(source, ensure_ascii=False)
+    elif kind == "regex":
+        import llguidance
+
+        if not source:
+            raise RequestError(f"'{param}' must not be empty", param=param)
+        body = "start: /" + llguidance.regex_to_lark(source) + "/"
+    elif kind == "choice":
+        if not source or not all(isinstance(c, str) and c for c in source):
+            raise RequestError(f"'{param}' must be a list of non-empty strings", param=param)
+        body = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in source)
+    else:
+        body = _grammar_body(source)
+    if len(body) > MAX_SOURCE_CHARS:
+        raise RequestError(
+            f"'{param}' is too large ({len(body)} characters; at most {MAX_SOURCE_CHARS})",
+            param=param,
+        )
+    grammar = _HEADER + body
+    problem = _check(grammar)
+    if problem:
+        raise RequestError(f"'{param}' does not compile: {problem}", param=param)
+    return grammar
+
+
+def _grammar_body(source: str) -> str:
+    """A grammar in llguidance's lark (with or without its header), or GBNF (``::=``)."""
+    text = source.strip()
+    if text.startswith("%llguidance"):
+        return text.split("\n", 1)[1] if "\n" in text else ""
+    if "::=" in text:
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            return gbnf_to_lark(text)
+        except Exception as exc:  # the converter raises whatever its parser does
+            raise RequestError(
+                f"'guided_grammar' is not valid GBNF: {exc}", param="guided_grammar"
+            ) from None
+    return text
+
+
+@functools.lru_cache(maxsize=256)
+def _check(grammar: str) -> str:
+    """llguidance's complaint about ``grammar`` ("" when it compiles)."""
+    import llguidance
+
+    return llguidance.LLMatcher.validate_grammar(grammar).strip()

@@ -1,0 +1,150 @@
+"""Structured outputs at the preprocessor: what each request field becomes, and every way a
+request is refused (malformed, not compiling, not enforceable by the model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from turnout.errors import RequestError
+from turnout.llm.model_card import load_model_card
+from turnout.llm.structured import forced_tool_schema, structured_output
+from turnout.protocols.model import EndpointId, ModelCapabilities, ModelDeploymentCard
+from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+
+ALL = ["json_object", "json_schema", "regex", "choice", "grammar"]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.fixture(scope="module")
+def card(gguf_path: Path) -> ModelDeploymentCard:
+    card = load_model_card(
+        gguf_path, endpoint=EndpointId(namespace="ns", component="c", name="g"), display_name="smol"
+    )
+    return msgspec.structs.replace(card, capabilities=ModelCapabilities(structured_outputs=ALL))
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    return msgspec.convert(body, ChatCompletionRequest)
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return msgspec.convert({"model": "smol", "prompt": "Hi", **fields}, CompletionRequest)
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "grammar_has"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", '%json {"type": "object"}'),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n",
+                                                                        "schema": SCHEMA,
+                                                                        "strict": True}}},
+            "json_schema",
+            "%json " + json.dumps(SCHEMA),
+        ),
+        ({"guided_json": SCHEMA}, "json_schema", '"required": ["n"]'),
+        ({"guided_json": json.dumps(SCHEMA)}, "json_schema", '"required": ["n"]'),
+        ({"guided_regex": r"\d{4}-\d{2}/x"}, "regex", r"start: /\d{4}-\d{2}\/x/"),
+        ({"guided_choice": ["yes", 'say "no"']}, "choice", 'start: "yes" | "say \\"no\\""'),
+        ({"guided_grammar": 'start: "a" | "b"'}, "grammar", 'start: "a" | "b"'),
+        ({"guided_grammar": 'root ::= "a" | "b"'}, "grammar", '"a"'),
+        ({"tools": [TOOL], "tool_choice": "required"}, "json_schema", '"minItems": 1'),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function",
+                                              "function": {"name": "get_weather"}}},
+            "json_schema",
+            '"city"',
+        ),
+    ],
+)  # fmt: skip
+def test_each_field_becomes_a_checked_grammar(
+    card: ModelDeploymentCard, fields: dict[str, Any], kind: str, grammar_has: str
+) -> None:
+    out = structured_output(card, chat(**fields))
+    assert out is not None and out.kind == kind
+    assert out.grammar.startswith("%llguidance {}\n")
+    assert grammar_has in out.grammar
+
+
+def test_free_text_has_no_constraint(card: ModelDeploymentCard) -> None:
+    assert structured_output(card, chat()) is None
+    assert structured_output(card, chat(response_format={"type": "text"})) is None
+    assert structured_output(card, chat(tools=[TOOL], tool_choice="auto")) is None
+    assert structured_output(card, completion(guided_choice=["a"])) is not None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format", "must be 'text'"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "with a 'name'"),
+        ({"response_format": {"type": "json_object", "extra": 1}}, "response_format", "extra"),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": [1]}}},
+            "response_format", "must be an object",
+        ),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {}, "bogus": 1}}},
+            "response_format", "bogus",
+        ),
+        ({"guided_json": {"$ref": "#/nowhere"}}, "guided_json", "does not compile"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_json": {"type": "strnig"}}, "guided_json", "does not compile"),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "does not compile"),
+        ({"guided_regex": ""}, "guided_regex", "must not be empty"),
+        ({"guided_choice": []}, "guided_choice", "non-empty strings"),
+        ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
+        ({"guided_grammar": "start: ("}, "guided_grammar", "does not compile"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "guided_regex", "at most one",
+        ),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice", "'tools' lacks",
+        ),
+        ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice", "must be 'none'"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "each of"),
+        ({"guided_regex": "a" * 70000}, "guided_regex", "too large"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_refused_naming_the_field(
+    card: ModelDeploymentCard, fields: dict[str, Any], param: str, message: str
+) -> None:
+    with pytest.raises(RequestError, match=message) as info:
+        structured_output(card, chat(**fields))
+    assert info.value.param == param
+
+
+def test_a_model_that_cannot_enforce_it_refuses(card: ModelDeploymentCard) -> None:
+    bare = msgspec.structs.replace(card, capabilities=ModelCapabilities())
+    with pytest.raises(RequestError, match=r"cannot enforce regex output .*enforces: none"):
+        structured_output(bare, completion(guided_regex="a+"))
+    with pytest.raises(RequestError) as info:
+        structured_output(bare, chat(tools=[TOOL], tool_choice="required"))
+    assert info.value.param == "tool_choice"
+
+
+def test_required_tools_schema_lists_each_tool() -> None:
+    other = {"type": "function", "function": {"name": "get_time"}}
+    schema = forced_tool_schema(chat(tools=[TOOL, other], tool_choice="required"))
+    assert schema is not None
+    variants = schema["items"]["anyOf"]
+    assert [v["properties"]["name"]["enum"] for v in variants] == [["get_weather"], ["get_time"]]
+    assert variants[1]["properties"]["parameters"] == {"type": "object"}
