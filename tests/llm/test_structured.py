@@ -47,13 +47,17 @@ def completion(**fields: Any) -> CompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "kind", "grammar_has"),
     [
-        ({"response_format": {"type": "json_object"}}, "json_object", '%json {"type": "object"}'),
+        (
+            {"response_format": {"type": "json_object"}},
+            "json_object",
+            '%json {"type": "object", "x-guidance"',
+        ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "n",
                                                                         "schema": SCHEMA,
                                                                         "strict": True}}},
             "json_schema",
-            "%json " + json.dumps(SCHEMA),
+            "%json " + json.dumps(SCHEMA)[:-1],
         ),
         ({"guided_json": SCHEMA}, "json_schema", '"required": ["n"]'),
         ({"guided_json": json.dumps(SCHEMA)}, "json_schema", '"required": ["n"]'),

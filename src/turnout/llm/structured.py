@@ -183,6 +183,10 @@ def _compile(param: str, kind: str, source: Any) -> str:
     if kind in ("json_object", "json_schema"):
         if not isinstance(source, dict):
             raise RequestError(f"'{param}' must be a JSON schema object", param=param)
+        if "x-guidance" not in source:
+            # Compact JSON (no white space between tokens), as OpenAI writes it: with free
+            # white space, small models fill their token budget with tabs and newlines.
+            source = {**source, "x-guidance": {"whitespace_flexible": False}}
         body = "start: %json " + json.dumps(source, ensure_ascii=False)
     elif kind == "regex":
         import llguidance

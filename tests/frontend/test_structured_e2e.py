@@ -1,0 +1,189 @@
+"""Structured outputs with the real SmolLM2 model (llama.cpp) through HTTP and the official
+client: every answer matches what it was asked to match, whole and streamed; a constraint the
+model cannot honour or that does not compile is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from tests.frontend.stack import Stack, make_stack
+from tests.helpers import assert_no_leaked_tasks
+
+from turnout.engines.llamacpp import LlamaCppEngine
+from turnout.engines.mocker import MockerEngine
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "address"],
+    "additionalProperties": False,
+}
+TAGS = {
+    "type": "object",
+    "properties": {
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 2,
+            "maxItems": 4,
+        },
+        "done": {"type": "boolean"},
+    },
+    "required": ["tags", "done"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture
+async def stack(gguf_path: str) -> AsyncIterator[Stack]:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    engine = LlamaCppEngine(str(gguf_path), n_ctx=2048, n_parallel=2, n_threads=1)
+    await stack.add_worker(engine, model_name="smol")
+    await stack.wait_for_model("smol")
+    yield stack
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+def client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+
+
+def ask(text: str) -> list[Any]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("schema", [PERSON, TAGS], ids=["person", "tags"])
+async def test_every_json_schema_answer_parses_and_validates(
+    stack: Stack, schema: dict[str, Any]
+) -> None:
+    api = client(stack)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for seed in (1, 2, 3):
+        out = await api.chat.completions.create(
+            model="smol", messages=ask("Describe someone."), response_format=fmt,
+            temperature=1.0, seed=seed, max_tokens=300,
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+    stream = await api.chat.completions.create(
+        model="smol", messages=ask("Describe someone."), response_format=fmt,
+        temperature=1.0, seed=4, max_tokens=300, stream=True,
+    )  # fmt: skip
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(text), schema)
+    await api.close()
+
+
+async def test_json_object_choice_and_regex(stack: Stack) -> None:
+    api = client(stack)
+    # Any object will do: strings are unbounded, so the prompt asks for a short one (a
+    # small model may otherwise write one string until its token limit).
+    out = await api.chat.completions.create(
+        model="smol", messages=ask('Reply with the JSON object {"ok": true}.'), max_tokens=200,
+        response_format={"type": "json_object"}, temperature=0,
+    )  # fmt: skip
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content or ""), dict)
+    choices = ["red", "green", "blue"]
+    for seed in (1, 2):
+        out = await api.chat.completions.create(
+            model="smol", messages=ask("Pick a colour."), temperature=1.0, seed=seed,
+            extra_body={"guided_choice": choices},
+        )  # fmt: skip
+        assert out.choices[0].message.content in choices
+    done = await api.completions.create(
+        model="smol", prompt="Today's date:", max_tokens=20,
+        extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"},
+    )  # fmt: skip
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", done.choices[0].text)
+    await api.close()
+
+
+async def test_forced_tool_calls(stack: Stack) -> None:
+    api = client(stack)
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    out = await api.chat.completions.create(
+        model="smol", messages=ask("Weather in Paris?"), tools=[WEATHER], tool_choice=named,
+        max_tokens=100,
+    )  # fmt: skip
+    calls = out.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    args = json.loads(calls[0].function.arguments)  # type: ignore[union-attr]
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    stream = await api.chat.completions.create(
+        model="smol", messages=ask("Weather in Oslo?"), tools=[WEATHER], tool_choice="required",
+        max_tokens=150, stream=True,
+    )  # fmt: skip
+    names, arguments, finish = [], "", None
+    async for chunk in stream:
+        for call in chunk.choices[0].delta.tool_calls or []:
+            if call.function and call.function.name:
+                names.append(call.function.name)
+            arguments += (call.function.arguments or "") if call.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert names and set(names) == {"get_weather"} and finish == "tool_calls"
+    await api.close()
+
+
+async def test_constraints_that_do_not_compile_are_400s(stack: Stack) -> None:
+    api = client(stack)
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
+         "response_format"),
+        ({"extra_body": {"guided_regex": "(open"}}, "guided_regex"),
+        ({"extra_body": {"guided_choice": ["a"], "guided_regex": "a"}}, "guided_choice"),
+    ]  # fmt: skip
+    for fields, param in bad:
+        with pytest.raises(openai.BadRequestError) as info:
+            await api.chat.completions.create(model="smol", messages=ask("hi"), **fields)
+        assert info.value.body["param"] == param  # type: ignore[index]
+    await api.close()
+
+
+async def test_a_model_without_grammars_refuses(
+    two_mockers: tuple[Stack, list[MockerEngine]],
+) -> None:
+    http, _ = two_mockers
+    api = client(http)
+    with pytest.raises(openai.BadRequestError) as info:
+        await api.chat.completions.create(
+            model="mock", messages=ask("hi"), response_format={"type": "json_object"}
+        )
+    assert info.value.body["param"] == "response_format"  # type: ignore[index]
+    assert "cannot enforce json_object" in info.value.body["message"]  # type: ignore[index]
+    await api.close()
