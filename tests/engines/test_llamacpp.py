@@ -108,6 +108,24 @@ async def test_generates_real_tokens_for_a_chat_prompt(
     assert len(logprobs) == len(ids) and all(lp <= 0 for lp in logprobs)
 
 
+async def test_alternatives_hold_the_sampled_token(
+    engine: LlamaCppEngine, tokenizer: Tokenizer
+) -> None:
+    prompt = chat_prompt(tokenizer, "Name a colour.")
+    outs = await collect(engine, make_request(prompt, 8, logprobs=4))
+    ids = ids_of(outs)
+    tops = [t for o in outs for t in (o.top_logprobs or [])]
+    lps = [lp for o in outs for lp in (o.log_probs or [])]
+    assert len(tops) == len(ids) == len(lps)
+    for tid, lp, alts in zip(ids, lps, tops, strict=True):
+        if not alts:  # a token llama.cpp held back mid-character has no entry
+            continue
+        assert len(alts) == 4
+        assert [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
+        # Greedy sampling (temperature 0): the sampled token is the most likely one.
+        assert alts[0][0] == tid and abs(alts[0][1] - lp) < 1e-4
+
+
 async def test_max_tokens_is_honoured(engine: LlamaCppEngine, tokenizer: Tokenizer) -> None:
     prompt = chat_prompt(tokenizer, "Tell me a long story about a dragon.")
     outs = await collect(engine, make_request(prompt, 5, ignore_eos=True))
@@ -263,4 +281,4 @@ def test_model_card_template(engine: LlamaCppEngine) -> None:
     assert card.tokenizer is not None and card.tokenizer.kind == "hf_tokenizer_json"
     assert card.tokenizer.sha256 in LOCAL_ARTIFACTS
     caps = card.capabilities
-    assert caps.logprobs and caps.max_top_logprobs == 0 and not caps.min_tokens
+    assert caps.logprobs and caps.max_top_logprobs == 20 and not caps.min_tokens

@@ -4,6 +4,8 @@ the openai types by the suite's conformance hook)."""
 
 from __future__ import annotations
 
+import math
+
 import openai
 import pytest
 from tests.frontend.stack import Stack
@@ -56,8 +58,59 @@ async def test_completions_logprobs_shape(stack: Stack) -> None:
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
     assert logprobs.text_offset[0] == 0
     assert "".join(logprobs.tokens) == out.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="at most 0 alternatives"):
-        await api.completions.create(model="mock", prompt="hi", max_tokens=2, logprobs=2)
+    assert logprobs.top_logprobs is None  # logprobs 0: no alternatives
+    await api.close()
+
+
+async def test_alternatives_whole_and_streamed(stack: Stack) -> None:
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "count"}]
+    whole = await api.chat.completions.create(
+        model="mock", messages=messages, max_tokens=6, logprobs=True, top_logprobs=3,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    entries = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert entries is not None and len(entries) == 6
+    for e in entries:
+        alts = e.top_logprobs
+        assert len(alts) == 3
+        values = [a.logprob for a in alts]
+        assert values == sorted(values, reverse=True)
+        assert (e.token, e.logprob) in [(a.token, a.logprob) for a in alts]
+        assert sum(math.exp(v) for v in values) <= 1.0 + 1e-9
+    stream = await api.chat.completions.create(
+        model="mock", messages=messages, max_tokens=6, logprobs=True, top_logprobs=3,  # type: ignore[arg-type]
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    streamed = [
+        e
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for e in chunk.choices[0].logprobs.content or []
+    ]
+    assert [[(a.token, a.logprob) for a in e.top_logprobs] for e in streamed] == [
+        [(a.token, a.logprob) for a in e.top_logprobs] for e in entries
+    ]
+    out = await api.completions.create(
+        model="mock", prompt="hello", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    tops = out.choices[0].logprobs.top_logprobs  # type: ignore[union-attr]
+    assert tops is not None and len(tops) == 4
+    assert all(1 <= len(t) <= 2 for t in tops)
+    await api.close()
+
+
+async def test_alternatives_are_refused_beyond_the_engine_or_without_logprobs(
+    stack: Stack,
+) -> None:
+    api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="between 0 and 20"):
+        await api.chat.completions.create(
+            model="mock", messages=messages, logprobs=True, top_logprobs=21,  # type: ignore[arg-type]
+        )  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="needs 'logprobs': true"):
+        await api.chat.completions.create(model="mock", messages=messages, top_logprobs=2)  # type: ignore[arg-type]
     await api.close()
 
 

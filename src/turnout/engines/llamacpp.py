@@ -19,7 +19,7 @@ waiting for a slot waits in Python, where cancelling it costs nothing::
 What we ask llama.cpp for, and why:
 
 * ``prompt`` is the request's token ids: the frontend already templated and tokenized.
-* ``n_probs: 1``: the OpenAI-style chunks carry text only; the token ids come from the
+* ``n_probs`` (at least 1): the OpenAI-style chunks carry text only; the token ids come from the
   per-token ``logprobs`` entries. llama.cpp holds back a token whose bytes end inside a
   UTF-8 character and never streams its entry; its bytes lead the text of the chunk that
   completes the character. We recover those ids from the GGUF vocabulary (greedy longest
@@ -108,6 +108,9 @@ from .llamacpp_vocab import VocabBytes
 
 log = logging.getLogger(__name__)
 
+#: Most alternatives per token a request may ask for (OpenAI's limit for chat).
+MAX_TOP_LOGPROBS: Final = 20
+
 #: Structured outputs llama.cpp enforces (every kind: they all arrive as one grammar).
 STRUCTURED_OUTPUTS: Final = ("json_object", "json_schema", "regex", "choice", "grammar")
 
@@ -146,10 +149,16 @@ class LoadReportSink(Protocol):
 # Only the fields we read; msgspec skips the rest without building them.
 
 
+class _Alternative(msgspec.Struct):
+    id: int
+    logprob: float | None = None
+
+
 class _TokenLogprob(msgspec.Struct):
     id: int
     bytes: list[int] = []
     logprob: float | None = None
+    top_logprobs: list[_Alternative] = []
 
 
 class _Logprobs(msgspec.Struct):
@@ -234,6 +243,7 @@ class _Stream:
         "timed_n",
         "vocab",
         "want_logprobs",
+        "want_top",
     )
 
     def __init__(
@@ -254,6 +264,8 @@ class _Stream:
         self.eos_ids = frozenset(() if sc.ignore_eos else request.eos_token_ids)
         self.stop_ids = self.eos_ids | frozenset(sc.stop_token_ids_hidden or ())
         self.want_logprobs = request.output_options.logprobs is not None
+        #: Alternatives per token the request asked for (0: none).
+        self.want_top = request.output_options.logprobs or 0
         #: Set by the loop thread when the consumer is gone; the next chunk stops llama.cpp.
         self.aborted = False
         #: Set once the output that ends the stream is queued: by the pool thread (final
@@ -316,6 +328,7 @@ class _Stream:
         entries = choice.logprobs.content if choice.logprobs is not None else None
         ids: list[int] = []
         logprobs: list[float] | None = None
+        tops: list[list[tuple[int, float]]] | None = None
         if entries:
             text = choice.text
             if len(entries) == 1 and text and not text.isascii():
@@ -328,6 +341,10 @@ class _Stream:
             if self.want_logprobs:
                 logprobs = [math.nan] * len(ids)
                 logprobs.extend(math.nan if e.logprob is None else e.logprob for e in entries)
+            if self.want_top:
+                # Held-back tokens (recovered above) have no entry, so no alternatives.
+                tops = [[] for _ in ids]
+                tops.extend(_alternatives(e, self.want_top) for e in entries)
             ids.extend(e.id for e in entries)
 
         finish: FinishReason | None = None
@@ -338,6 +355,8 @@ class _Stream:
                     del ids[i + 1 :]
                     if logprobs is not None:
                         del logprobs[i + 1 :]
+                    if tops is not None:
+                        del tops[i + 1 :]
                     break
         self.num_tokens += len(ids)
         usage: CompletionUsage | None = None
@@ -357,7 +376,13 @@ class _Stream:
             return False  # nothing new (e.g. an empty keep-alive chunk)
         self.finished = finish is not None
         self._put(
-            LLMEngineOutput(token_ids=ids, finish_reason=finish, log_probs=logprobs, usage=usage)
+            LLMEngineOutput(
+                token_ids=ids,
+                finish_reason=finish,
+                log_probs=logprobs,
+                top_logprobs=tops,
+                usage=usage,
+            )
         )
         return self.finished
 
@@ -767,11 +792,13 @@ class LlamaCppEngine(Engine):
                 # xllamacpp runs on the CPU here; ``--device-type`` overrides it.
                 device_type=DEVICE_CPU,
             ),
-            # Each token's log probability (``n_probs: 1``; no alternatives yet); every kind
+            # Each token's log probability and up to 20 alternatives; every kind
             # of structured output (grammars); not ``min_tokens``, which llama.cpp's server
             # does not have.
             capabilities=ModelCapabilities(
-                logprobs=True, structured_outputs=list(STRUCTURED_OUTPUTS)
+                logprobs=True,
+                max_top_logprobs=MAX_TOP_LOGPROBS,
+                structured_outputs=list(STRUCTURED_OUTPUTS),
             ),
         )
 
@@ -808,7 +835,9 @@ class LlamaCppEngine(Engine):
             "prompt": request.token_ids,
             "stream": True,
             "n_predict": -1 if sc.max_tokens is None else sc.max_tokens,
-            "n_probs": 1,
+            # Every token's own log probability comes with its entry; alternatives: as many
+            # as asked.
+            "n_probs": max(1, request.output_options.logprobs or 0),
             "timings_per_token": True,
             "cache_prompt": True,
         }
@@ -932,3 +961,11 @@ def _release(holder: list[Any]) -> None:
 
 
 __all__ = ["LlamaCppEngine", "VocabBytes"]
+
+
+def _alternatives(entry: _TokenLogprob, k: int) -> list[tuple[int, float]]:
+    """An entry's ``k`` most likely alternatives, most likely first (-inf when llama.cpp gave
+    no number)."""
+    alts = [(a.id, -math.inf if a.logprob is None else a.logprob) for a in entry.top_logprobs]
+    alts.sort(key=lambda a: -a[1])
+    return alts[:k]

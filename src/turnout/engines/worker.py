@@ -416,6 +416,7 @@ def _is_plain(output: LLMEngineOutput) -> bool:
         and output.usage is None
         and output.text is None
         and output.log_probs is None
+        and output.top_logprobs is None
         and output.cum_log_probs is None
         and output.error is None
         and output.extra is None

@@ -22,7 +22,7 @@ FLOOR = -9999.0
 class LogprobsBuilder:
     """Collects one choice's token log probabilities, delta by delta."""
 
-    __slots__ = ("_is_chat", "_offset", "_tokenizer", "offsets", "tokens", "values")
+    __slots__ = ("_is_chat", "_offset", "_tokenizer", "offsets", "tokens", "tops", "values")
 
     def __init__(self, tokenizer: Tokenizer, *, is_chat: bool, text_offset: int = 0) -> None:
         self._tokenizer = tokenizer
@@ -32,6 +32,8 @@ class LogprobsBuilder:
         self.tokens: list[str] = []
         self.values: list[float] = []
         self.offsets: list[int] = []
+        #: Per token: its alternatives as (text, log prob), most likely first.
+        self.tops: list[list[tuple[str, float]]] = []
 
     def add(self, delta: DecodedDelta) -> dict[str, Any] | None:
         """Take a delta's tokens; their log probs in the response's shape (None: none)."""
@@ -41,13 +43,19 @@ class LogprobsBuilder:
             self._offset += len(delta.text)
             return None
         start = len(self.tokens)
-        for tid, lp in zip(ids, lps, strict=False):
-            text = self._tokenizer.decode([tid], skip_special_tokens=False)
+        tops = delta.top_logprobs or ()
+        for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+            text = self._text(tid)
             self.tokens.append(text)
-            self.values.append(lp if math.isfinite(lp) else FLOOR)
+            self.values.append(_finite(lp))
             self.offsets.append(self._offset)
             self._offset += len(text)
+            alts = tops[i] if i < len(tops) else ()
+            self.tops.append([(self._text(a), _finite(v)) for a, v in alts])
         return self._shape(start)
+
+    def _text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def whole(self) -> dict[str, Any]:
         """Every token so far, in the response's shape."""
@@ -56,16 +64,30 @@ class LogprobsBuilder:
     def _shape(self, start: int) -> dict[str, Any]:
         tokens = self.tokens[start:]
         values = self.values[start:]
+        tops = self.tops[start:]
         if self._is_chat:
             return {
                 "content": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, v in zip(tokens, values, strict=True)
+                    {
+                        "token": t,
+                        "logprob": v,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [
+                            {"token": a, "logprob": av, "bytes": list(a.encode())} for a, av in alts
+                        ],
+                    }
+                    for t, v, alts in zip(tokens, values, tops, strict=True)
                 ]
             }
         return {
             "tokens": tokens,
             "token_logprobs": values,
-            "top_logprobs": None,
+            # Completions' alternatives are a {text: log prob} map per token (texts that
+            # decode alike merge, as OpenAI's do).
+            "top_logprobs": [dict(alts) for alts in tops] if any(tops) else None,
             "text_offset": self.offsets[start:],
         }
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else FLOOR

@@ -146,7 +146,9 @@ class TokensPipeline:
                 if delta.finish_reason is not None:
                     yield delta
                     return
-                if delta.text:
+                if delta.text or delta.log_probs:
+                    # A token that ends mid-character has no text yet, but its log
+                    # probability is owed to the client.
                     yield delta
             # The worker ended its stream without saying why: report it, don't invent "stop"
             # (``end`` also releases any text held back for a possible stop string).

@@ -57,6 +57,9 @@ class DecodedDelta:
     #: The log probability of each of ``token_ids``, when the request asked and the engine
     #: reported them.
     log_probs: list[float] | None = None
+    #: Each of ``token_ids``' most likely alternatives, ``(id, log prob)`` most likely first,
+    #: when the request asked for some (``top_logprobs``).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Backend:
@@ -90,6 +93,7 @@ class StreamDecoder:
         "finish_reason",
         "num_output_tokens",
         "num_prompt_tokens",
+        "step",
     )
 
     def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest) -> None:
@@ -125,13 +129,22 @@ class StreamDecoder:
         self.num_output_tokens = 0
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
+        #: Process one engine output (the new ids since the previous one). Requests that
+        #: asked for alternatives take a wrapper that carries them; the rest pay nothing.
+        self.step = self._step_with_alternatives if request.output_options.logprobs else self._step
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def step(self, output: LLMEngineOutput) -> DecodedDelta:
-        """Process one engine output (the new ids since the previous one)."""
+    def _step_with_alternatives(self, output: LLMEngineOutput) -> DecodedDelta:
+        delta = self._step(output)
+        tops = output.top_logprobs
+        if tops is not None and delta.token_ids:
+            delta.top_logprobs = tops[: len(delta.token_ids)]
+        return delta
+
+    def _step(self, output: LLMEngineOutput) -> DecodedDelta:
         if self.finish_reason is not None:
             return DecodedDelta()
         usage = output.usage

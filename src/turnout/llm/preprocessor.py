@@ -106,6 +106,8 @@ class Preprocessor:
         self._validate(req, max_tokens, max_param)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise RequestError("'top_logprobs' must be between 0 and 20", param="top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if req.logprobs or req.top_logprobs is not None:
             param = "top_logprobs" if req.top_logprobs else "logprobs"
             self._require_logprobs(req.top_logprobs or 0, param)

@@ -174,6 +174,9 @@ class LLMEngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     error_kind: str | None = None
     cum_log_probs: float | None = None
     log_probs: list[float] | None = None
+    #: Per token of ``token_ids``: the most likely alternatives as ``(id, log prob)``, most
+    #: likely first (``OutputOptions.logprobs`` of them), when the request asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     #: Engine-reported usage, normally on the last output only.
     usage: CompletionUsage | None = None
     #: Engine-specific metadata (e.g. the worker id, routing notes).

@@ -211,6 +211,8 @@ class _Prefilled:
     tokens: list[int] = field(default_factory=list)
     #: The first token's log probability, when the request asked for them.
     log_probs: list[float] = field(default_factory=list)
+    #: Its alternatives, when the request asked for some.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     handle: KvHandle | None = None
     #: The output that ends the request here (an error, or a first token that stops it).
     final: LLMEngineOutput | None = None
@@ -312,7 +314,11 @@ class PrefillRouter:
             if prefilled.final is not None:
                 yield prefilled.final
                 return
-            yield LLMEngineOutput(token_ids=prefilled.tokens, log_probs=prefilled.log_probs or None)
+            yield LLMEngineOutput(
+                token_ids=prefilled.tokens,
+                log_probs=prefilled.log_probs or None,
+                top_logprobs=prefilled.top_logprobs or None,
+            )
             decode_request = request.continued(prefilled.tokens)
             if handle is None:
                 self._count_local(LocalReason.NO_HANDLE)
@@ -445,6 +451,8 @@ class PrefillRouter:
                     result.tokens.extend(output.token_ids)
                     if output.log_probs:
                         result.log_probs.extend(output.log_probs)
+                    if output.top_logprobs:
+                        result.top_logprobs.extend(output.top_logprobs)
                     if output.kv_handle is not None:
                         result.handle = output.kv_handle
                     if output.usage is not None and output.usage.cached_tokens is not None:

@@ -377,7 +377,7 @@ class MockerEngine(Engine):
             worker_role=role,
             # The scheduler holds back stops before min_tokens and reports (simulated) log
             # probabilities of its tokens; no alternatives.
-            capabilities=ModelCapabilities(min_tokens=True, logprobs=True),
+            capabilities=ModelCapabilities(min_tokens=True, logprobs=True, max_top_logprobs=20),
             # A prompt must fit in the pool: saying so in the card lets the frontend refuse a
             # longer one with a 400 before it reaches a worker.
             context_length=min(base.context_length, cfg.max_context_tokens),

@@ -73,6 +73,8 @@ class MockRequest:
     first_token_time: float | None = None
     #: Report each token's (simulated, deterministic) log probability.
     want_logprobs: bool = False
+    #: Simulated alternatives to report per token (0: none).
+    want_top: int = 0
     #: Disaggregated serving, prefill stage: when the request ends at its token limit, its
     #: blocks stay held (parked) for a decode worker instead of going back to the pool.
     hold_kv: bool = False

@@ -32,6 +32,7 @@ with an ERROR output; a request that outgrows the whole pool ends with ``LENGTH`
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class Scheduler:
         sampler: TokenSampler | None = None,
     ) -> None:
         self._config = config
+        self._vocab_size = config.vocab_size
         self._block_size = config.block_size
         self._caching = config.enable_prefix_caching
         self._chunked = config.enable_chunked_prefill
@@ -177,6 +179,7 @@ class Scheduler:
             hold_kv=hold_kv,
             imported_tokens=min(max(imported_tokens, 0), n),
             want_logprobs=request.output_options.logprobs is not None,
+            want_top=request.output_options.logprobs or 0,
         )
         if self._caching:
             local, seq = compute_block_hashes(
@@ -414,9 +417,14 @@ class Scheduler:
             req.num_output >= req.max_tokens or len(req.token_ids) >= self._max_context
         ):
             reason = FinishReason.LENGTH
-        logprobs = [simulated_logprob(req, token)] if req.want_logprobs else None
+        logprobs = tops = None
+        if req.want_logprobs:
+            logprob = simulated_logprob(req, token)
+            logprobs = [logprob]
+            if req.want_top:
+                tops = [simulated_alternatives(token, logprob, req.want_top, self._vocab_size)]
         if reason is None:
-            return LLMEngineOutput(token_ids=[token], log_probs=logprobs)
+            return LLMEngineOutput(token_ids=[token], log_probs=logprobs, top_logprobs=tops)
         req.finish_reason = reason
         self._running.remove(req)
         if req.hold_kv and reason is FinishReason.LENGTH:
@@ -426,6 +434,7 @@ class Scheduler:
         return LLMEngineOutput(
             token_ids=[token],
             log_probs=logprobs,
+            top_logprobs=tops,
             finish_reason=reason,
             usage=CompletionUsage(
                 prompt_tokens=req.prompt_len,
@@ -484,6 +493,21 @@ def simulated_logprob(req: MockRequest, token: int) -> float:
     in [-4, 0), so clients and tests see stable, plausible numbers."""
     mixed = (token * 0x9E3779B1 + len(req.token_ids) * 0x85EBCA77 + req.token_seed) & 0xFFFFFFFF
     return -((mixed % 4000) + 1) / 1000.0
+
+
+def simulated_alternatives(
+    token: int, logprob: float, k: int, vocab_size: int
+) -> list[tuple[int, float]]:
+    """``k`` alternatives for a token sampled with ``logprob``, most likely first: the token
+    itself and ``k - 1`` others (deterministic in the token), sharing the rest of the
+    probability by halves, so the whole is a valid distribution."""
+    rest = max(1.0 - math.exp(logprob), 1e-9)
+    alts = [(token, logprob)]
+    for i in range(1, min(k, vocab_size)):
+        other = (token + i * 7919) % vocab_size
+        alts.append((other, math.log(rest) - i * math.log(2.0)))
+    alts.sort(key=lambda a: -a[1])
+    return alts
 
 
 def _error(message: str, prompt_tokens: int, kind: ErrorKind | None = None) -> LLMEngineOutput:
