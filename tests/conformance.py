@@ -10,6 +10,9 @@ receive a malformed body says so with ``@pytest.mark.no_conformance``.
 One leniency, OpenAI's own: a legacy completions stream sends ``finish_reason: null`` until
 its last chunk, while ``openai.types.Completion`` (shared by the whole body and the chunks)
 types it non-null; such chunks are checked with the null read as "not finished yet".
+
+``/v1/responses`` bodies are checked as ``Response``, its stream events as
+``ResponseStreamEvent`` (the union the client parses them into).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import httpx
 import pydantic
 from openai.types import Completion, ErrorObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODELS = "/v1/models"
+RESPONSES = "/v1/responses"
+_RESPONSE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
 class Conformance:
@@ -59,6 +65,8 @@ class Conformance:
             self._validate(path, ChatCompletion, data)
         elif path == COMPLETIONS:
             self._validate(path, Completion, data)
+        elif path == RESPONSES:
+            self._validate(path, Response, data)
         elif path == MODELS:
             if not isinstance(data, dict) or data.get("object") != "list":
                 self._fail(path, f"a model list without object 'list': {str(data)[:200]}")
@@ -83,6 +91,11 @@ class Conformance:
             self._validate(path, ChatCompletionChunk, data)
         elif path == COMPLETIONS:
             self._validate(path, Completion, _unfinished_as_stop(data))
+        elif path == RESPONSES:
+            try:
+                _RESPONSE_EVENT.validate_python(data, strict=True)
+            except pydantic.ValidationError as exc:
+                self._fail(path, f"not a valid ResponseStreamEvent: {exc}\n  event: {data}")
 
     def _check_error(self, path: str, data: Any) -> None:
         error = data.get("error") if isinstance(data, dict) else None

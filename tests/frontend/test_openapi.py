@@ -69,7 +69,7 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
     text = output.decode(errors="replace")
     assert process.returncode == 0, text[-6000:]
     # And it reached the pipeline: generated requests for the served model were answered by
-    # both generation routes.
+    # every generation route.
     async with httpx.AsyncClient(base_url=stack.url) as http:
         metrics = (await http.get("/metrics")).text
     served = re.findall(r'turnout_requests_total\{([^}]*model="echo"[^}]*)\} (\S+)', metrics)
@@ -78,4 +78,4 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
         for labels, count in served
         if 'status="200"' in labels and float(count) > 0
     }
-    assert answered == {"chat_completions", "completions"}, served
+    assert answered == {"chat_completions", "completions", "responses"}, served

@@ -45,6 +45,7 @@ from .openapi import build_openapi
 from .pipeline import TextPipeline, TokensPipeline
 from .responder import Responder
 from .responses import JSON_HEADERS, new_request_id
+from .responses_api import responses_surface
 from .surface import Surface, SurfaceRequest
 
 log = logging.getLogger("turnout.frontend")
@@ -120,6 +121,7 @@ class HttpService:
             self._routes[("GET", "/busy_threshold")] = self._busy_threshold_get
             self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
         self._paths = {path for _, path in self._routes}
+        self.add_surface("POST", "/v1/responses", responses_surface(metrics))
         self._openapi_body = _json.encode(
             build_openapi(busy_thresholds=busy_thresholds is not None)
         )

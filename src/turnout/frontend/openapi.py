@@ -22,6 +22,7 @@ from turnout.protocols.openai import (
 )
 
 from .busy_threshold import BusyThresholdRequest
+from .responses_request import ResponsesRequest
 
 _REF = "#/components/schemas/{name}"
 #: Statuses every generation route may answer besides 200 (see ``http_errors``).
@@ -49,6 +50,7 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
             ModelList,
             ErrorResponse,
             BusyThresholdRequest,
+            ResponsesRequest,
         ],
         ref_template=_REF,
     )
@@ -60,6 +62,14 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
         },
         "/v1/completions": {
             "post": _generation("Completion", "CompletionRequest", "CompletionResponse")
+        },
+        "/v1/responses": {
+            "post": _generation(
+                "Response (OpenAI's Responses API, stateless)",
+                "ResponsesRequest",
+                None,
+                stream="SSE semantic events (event: + data: lines), the last response.completed",
+            )
         },
         "/v1/models": {
             "get": {
@@ -144,11 +154,17 @@ def _json_body(name: str) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
 
 
-def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
-    ok = _json_response(f"{summary} (not streamed)", _ref(response))
-    ok["content"]["text/event-stream"] = {
-        "schema": {"type": "string", "description": "SSE chunks, then data: [DONE]"}
-    }
+def _generation(
+    summary: str,
+    request: str,
+    response: str | None,
+    *,
+    stream: str = "SSE chunks, then data: [DONE]",
+) -> dict[str, Any]:
+    """A generation route; ``response``: the whole body's schema (None: an object)."""
+    schema = _ref(response) if response else {"type": "object"}
+    ok = _json_response(f"{summary} (not streamed)", schema)
+    ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": stream}}
     return {
         "summary": f"{summary}, streamed (SSE) or not",
         "requestBody": _json_body(request),

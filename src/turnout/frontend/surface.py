@@ -32,17 +32,12 @@ class SurfaceRequest:
     priority: int = 0
 
 
+#: Either kind of model pipeline a request may resolve to.
+Pipeline = TokensPipeline | TextPipeline
+
 #: Writes the response of an admitted request: (proto, pipeline, request, body, ctx, session).
 ServeFn = Callable[
-    [
-        HTTPProtocol,
-        TokensPipeline | TextPipeline,
-        SurfaceRequest,
-        bytes,
-        RequestContext,
-        str | None,
-    ],
-    Awaitable[None],
+    [HTTPProtocol, Pipeline, SurfaceRequest, bytes, RequestContext, str | None], Awaitable[None]
 ]
 
 

@@ -1,0 +1,280 @@
+"""``POST /v1/responses``: OpenAI's Responses API over the chat pipelines.
+
+The request becomes a chat request (``responses_request``) and runs as one (``ChatRun``:
+the same template, routing, migration and output parsing); its pieces become the Responses
+API's output items, in order: a ``reasoning`` item for reasoning text, a ``message`` item for
+answer text, a ``function_call`` item per tool call. Streamed, the semantic events the
+``openai`` client consumes (``event:`` + ``data:`` lines, numbered by ``sequence_number``)::
+
+    response.created, response.in_progress,
+    per item: response.output_item.added,
+              [response.content_part.added], deltas (response.reasoning_text.delta,
+              response.output_text.delta, response.function_call_arguments.delta),
+              their .done events, [response.content_part.done], response.output_item.done,
+    response.completed (or response.incomplete: the token limit; response.failed: an error,
+    after an ``error`` event), each carrying the whole response.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from granian.rsgi import HTTPProtocol
+
+from turnout.llm.parsers import ToolCallDelta
+from turnout.protocols.openai import Usage
+from turnout.runtime.context import RequestContext
+
+from .chat_run import ChatRun
+from .choice_output import ChoicePiece
+from .http_errors import HttpError, request_decode_error, to_http_error
+from .metrics import FrontendMetrics
+from .pipeline import TextPipeline
+from .responses import JSON_HEADERS, SSE_HEADERS, new_request_id
+from .responses_request import ResponsesRequest, to_chat
+from .surface import Pipeline, Surface, SurfaceRequest
+
+_json = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+class ResponseWriter:
+    """One response's output items and, when streamed, its events (``events`` collects the
+    encoded events of each call; ``None``: a whole response, no events)."""
+
+    def __init__(self, request: ResponsesRequest, *, stream: bool) -> None:
+        self.request = request
+        self.id = "resp_" + new_request_id()
+        self.created_at = int(time.time())
+        self.events: list[bytes] | None = [] if stream else None
+        self._seq = 0
+        #: Finished output items, in order.
+        self.items: list[dict[str, Any]] = []
+        #: The item being written (reasoning, message or function call), its text so far.
+        self._open: dict[str, Any] | None = None
+        self._text: list[str] = []
+        self._call_index: int | None = None
+
+    # ---------------------------------------------------------------- events
+
+    def start(self) -> None:
+        self._emit("response.created", response=self.response("in_progress"))
+        self._emit("response.in_progress", response=self.response("in_progress"))
+
+    def add(self, piece: ChoicePiece) -> None:
+        if piece.reasoning:
+            self._write("reasoning", piece.reasoning)
+        if piece.content:
+            self._write("message", piece.content)
+        for call in piece.tool_calls:
+            self._call(call)
+
+    def finish(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        """Close the open item; the final response (also emitted, when streamed)."""
+        incomplete = finish_reason == "length"
+        self._close("incomplete" if incomplete else "completed")
+        status = "incomplete" if incomplete else "completed"
+        response = self.response(status, usage=usage)
+        self._emit(f"response.{status}", response=response)
+        return response
+
+    def fail(self, err: HttpError) -> None:
+        """A failure after streaming started: an ``error`` event, then ``response.failed``."""
+        self._emit("error", message=err.message, code=err.code, param=err.param)
+        self._close("incomplete")
+        response = self.response("failed")
+        response["error"] = {"code": "server_error", "message": err.message}
+        self._emit("response.failed", response=response)
+
+    # ---------------------------------------------------------------- items
+
+    def _write(self, kind: str, text: str) -> None:
+        item = self._open
+        if item is None or item["type"] != kind:
+            self._close("completed")
+            item = self._begin(kind)
+        self._text.append(text)
+        event = "response.reasoning_text.delta" if kind == "reasoning" else (
+            "response.output_text.delta"
+        )  # fmt: skip
+        extra = {"logprobs": []} if kind == "message" else {}
+        self._emit(event, **self._where(), content_index=0, delta=text, **extra)
+
+    def _begin(self, kind: str) -> dict[str, Any]:
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": "rs_" + new_request_id(), "summary": [],
+                    "content": [], "status": "in_progress"}  # fmt: skip
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"type": "message", "id": "msg_" + new_request_id(), "role": "assistant",
+                    "status": "in_progress", "content": []}  # fmt: skip
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self._open = item
+        self._text = []
+        self._emit("response.output_item.added", output_index=len(self.items), item=item)
+        self._emit("response.content_part.added", **self._where(), content_index=0, part=part)
+        return item
+
+    def _call(self, call: ToolCallDelta) -> None:
+        if call.id is not None or call.index != self._call_index:
+            self._close("completed")
+            item = {"type": "function_call", "id": "fc_" + new_request_id(),
+                    "call_id": call.id or "", "name": call.name or "", "arguments": "",
+                    "status": "in_progress"}  # fmt: skip
+            self._open = item
+            self._text = []
+            self._call_index = call.index
+            self._emit("response.output_item.added", output_index=len(self.items), item=item)
+        if call.arguments:
+            self._text.append(call.arguments)
+            self._emit("response.function_call_arguments.delta", **self._where(),
+                       delta=call.arguments)  # fmt: skip
+
+    def _close(self, status: str) -> None:
+        item = self._open
+        if item is None:
+            return
+        text = "".join(self._text)
+        where = self._where()
+        if item["type"] == "function_call":
+            item = {**item, "arguments": text, "status": status}
+            self._emit("response.function_call_arguments.done", **where, arguments=text,
+                       name=item["name"])  # fmt: skip
+        else:
+            if item["type"] == "reasoning":
+                part: dict[str, Any] = {"type": "reasoning_text", "text": text}
+                self._emit("response.reasoning_text.done", **where, content_index=0, text=text)
+            else:
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                self._emit("response.output_text.done", **where, content_index=0, text=text,
+                           logprobs=[])  # fmt: skip
+            self._emit("response.content_part.done", **where, content_index=0, part=part)
+            item = {**item, "content": [part], "status": status}
+        self._emit("response.output_item.done", output_index=len(self.items), item=item)
+        self.items.append(item)
+        self._open = None
+        self._call_index = None
+        self._text = []
+
+    def _where(self) -> dict[str, Any]:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": len(self.items)}
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.events is None:
+            return
+        data = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        self.events.append(b"event: " + kind.encode() + b"\ndata: " + _json.encode(data) + b"\n\n")
+
+    # ---------------------------------------------------------------- the response
+
+    def response(self, status: str, usage: Usage | None = None) -> dict[str, Any]:
+        req = self.request
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": req.model,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": req.instructions,
+            "metadata": req.metadata or {},
+            "output": list(self.items),
+            "parallel_tool_calls": True,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "max_output_tokens": req.max_output_tokens,
+            "tool_choice": _echo_tool_choice(req.tool_choice),
+            "tools": [_echo_tool(t) for t in req.tools or ()],
+            "text": req.text or {"format": {"type": "text"}},
+            "store": False,
+        }
+        if usage is not None:
+            cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            body["usage"] = {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens,
+            }
+        return body
+
+
+def _echo_tool_choice(choice: Any) -> Any:
+    return "auto" if choice is None else choice
+
+
+def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": tool.get("name"),
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+        "strict": tool.get("strict"),
+    }
+
+
+def responses_surface(metrics: FrontendMetrics) -> Surface:
+    """The ``/v1/responses`` route's surface."""
+
+    def decode(body: bytes) -> SurfaceRequest:
+        try:
+            request = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise request_decode_error(exc) from None
+        return SurfaceRequest(request.model, request.stream, (request, to_chat(request)))
+
+    async def serve(
+        proto: HTTPProtocol,
+        pipeline: Pipeline,
+        req: SurfaceRequest,
+        body: bytes,
+        ctx: RequestContext,
+        session_id: str | None,
+    ) -> None:
+        request, chat = req.request
+        if isinstance(pipeline, TextPipeline):
+            raise HttpError(
+                400,
+                f"model '{request.model}' is served by text-input workers, which speak chat "
+                "completions only; /v1/responses needs a model the frontend tokenizes",
+                param="model",
+            )
+        run = await ChatRun.start(pipeline, chat, ctx, metrics, session_id)
+        try:
+            writer = ResponseWriter(request, stream=request.stream)
+            if not request.stream:
+                async for piece in run.pieces():
+                    writer.add(piece)
+                response = writer.finish(run.finish_reason, run.usage)
+                proto.response_bytes(200, JSON_HEADERS, _json.encode(response))
+                return
+            send = proto.response_stream(200, SSE_HEADERS).send_bytes
+            events = writer.events
+            assert events is not None
+            writer.start()
+            for event in events:
+                await send(event)
+            events.clear()
+            try:
+                async for piece in run.pieces():
+                    writer.add(piece)
+                    for event in events:
+                        await send(event)
+                    events.clear()
+                writer.finish(run.finish_reason, run.usage)
+            except Exception as exc:  # mid-stream failure: tell the client in-band
+                writer.fail(to_http_error(exc))
+            for event in events:
+                await send(event)
+        finally:
+            await run.aclose()
+
+    return Surface("responses", True, decode, serve)
