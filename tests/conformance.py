@@ -12,7 +12,9 @@ its last chunk, while ``openai.types.Completion`` (shared by the whole body and 
 types it non-null; such chunks are checked with the null read as "not finished yet".
 
 ``/v1/responses`` bodies are checked as ``Response``, its stream events as
-``ResponseStreamEvent`` (the union the client parses them into).
+``ResponseStreamEvent`` (the union the client parses them into); Anthropic's
+``/v1/messages`` and ``/v1/messages/count_tokens`` against the ``anthropic`` client's
+``Message``, ``RawMessageStreamEvent``, ``MessageTokensCount`` and ``ErrorResponse``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 import httpx
 import pydantic
+from anthropic.types import ErrorResponse as AnthropicError
+from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from openai.types import Completion, ErrorObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
@@ -33,6 +37,9 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODELS = "/v1/models"
 RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+_MESSAGE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(RawMessageStreamEvent)
 _RESPONSE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
@@ -57,6 +64,12 @@ class Conformance:
             data = json.loads(body)
         except ValueError:
             self._fail(path, f"a {status} body that is not JSON: {body[:120]!r}")
+            return
+        if path in (MESSAGES, COUNT_TOKENS):
+            if status >= 400:
+                self._validate(path, AnthropicError, data)
+            else:
+                self._validate(path, Message if path == MESSAGES else MessageTokensCount, data)
             return
         if status >= 400:
             self._check_error(path, data)
@@ -85,17 +98,25 @@ class Conformance:
         except ValueError:
             self._fail(path, f"an SSE event that is not JSON: {payload[:120]!r}")
             return
-        if isinstance(data, dict) and "error" in data:
+        if path == MESSAGES:
+            if isinstance(data, dict) and data.get("type") == "error":
+                self._validate(path, AnthropicError, data)
+            else:
+                self._adapt(path, _MESSAGE_EVENT, "RawMessageStreamEvent", data)
+        elif isinstance(data, dict) and "error" in data:
             self._check_error(path, data)
         elif path == CHAT:
             self._validate(path, ChatCompletionChunk, data)
         elif path == COMPLETIONS:
             self._validate(path, Completion, _unfinished_as_stop(data))
         elif path == RESPONSES:
-            try:
-                _RESPONSE_EVENT.validate_python(data, strict=True)
-            except pydantic.ValidationError as exc:
-                self._fail(path, f"not a valid ResponseStreamEvent: {exc}\n  event: {data}")
+            self._adapt(path, _RESPONSE_EVENT, "ResponseStreamEvent", data)
+
+    def _adapt(self, path: str, adapter: pydantic.TypeAdapter[Any], name: str, data: Any) -> None:
+        try:
+            adapter.validate_python(data, strict=True)
+        except pydantic.ValidationError as exc:
+            self._fail(path, f"not a valid {name}: {exc}\n  event: {str(data)[:300]}")
 
     def _check_error(self, path: str, data: Any) -> None:
         error = data.get("error") if isinstance(data, dict) else None

@@ -24,9 +24,15 @@ def serve(status: int, body: bytes, content_type: str) -> httpx.Client:
     return httpx.Client(transport=httpx.MockTransport(handler), base_url="http://t")
 
 
-def fetch(conformance: Conformance, status: int, body: bytes, content_type: str) -> None:
+def fetch(
+    conformance: Conformance,
+    status: int,
+    body: bytes,
+    content_type: str,
+    path: str = "/v1/completions",
+) -> None:
     with serve(status, body, content_type) as client:
-        request = client.build_request("POST", "/v1/completions")
+        request = client.build_request("POST", path)
         response = client.send(request, stream=True)
         conformance.watch(response)
         response.read()
@@ -61,3 +67,23 @@ def test_a_bad_stream_event_and_a_numeric_error_code_are_caught() -> None:
     error = {"error": {"message": "no", "type": "x", "param": None, "code": 404}}
     fetch(conformance, 404, json.dumps(error).encode(), "application/json")
     assert len(conformance.violations) == 2, conformance.violations
+
+
+@pytest.mark.no_conformance
+def test_responses_and_messages_bodies_are_checked_too() -> None:
+    conformance = Conformance()
+    fetch(conformance, 200, b'{"id": "resp_1", "object": "response"}', "application/json",
+          "/v1/responses")  # fmt: skip
+    event = {"type": "response.output_text.delta", "sequence_number": 1, "delta": "a"}
+    fetch(conformance, 200, f"data: {json.dumps(event)}\n\n".encode(), "text/event-stream",
+          "/v1/responses")  # fmt: skip
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+               "model": "m"}  # fmt: skip
+    fetch(conformance, 200, json.dumps(message).encode(), "application/json", "/v1/messages")
+    start = {"type": "content_block_start", "index": "first", "content_block": {}}
+    fetch(conformance, 200, f"data: {json.dumps(start)}\n\n".encode(), "text/event-stream",
+          "/v1/messages")  # fmt: skip
+    openai_shaped = {"error": {"message": "no", "type": "invalid_request_error"}}
+    fetch(conformance, 400, json.dumps(openai_shaped).encode(), "application/json",
+          "/v1/messages")  # fmt: skip
+    assert len(conformance.violations) == 5, conformance.violations

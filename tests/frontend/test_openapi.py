@@ -53,7 +53,13 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
         document = (await http.get("/openapi.json")).json()
     # Realistic data: requests name the served model, so they reach the pipeline
     # (preprocessing, routing, the worker) instead of stopping at the 404 (tested elsewhere).
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in (
+        "ChatCompletionRequest",
+        "CompletionRequest",
+        "ResponsesRequest",
+        "MessagesRequest",
+        "CountTokensRequest",
+    ):
         document["components"]["schemas"][name]["properties"]["model"] = {"const": "echo"}
     schema = tmp_path / "openapi.json"
     schema.write_text(json.dumps(document))
@@ -78,4 +84,10 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
         for labels, count in served
         if 'status="200"' in labels and float(count) > 0
     }
-    assert answered == {"chat_completions", "completions", "responses"}, served
+    assert answered == {
+        "chat_completions",
+        "completions",
+        "responses",
+        "messages",
+        "count_tokens",
+    }, served

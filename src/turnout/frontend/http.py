@@ -37,6 +37,7 @@ from turnout.protocols.openai import (
 from turnout.runtime.context import RequestContext
 
 from .admission import AdmissionController
+from .anthropic_api import count_tokens_surface, messages_surface
 from .busy_threshold import BusyThresholds
 from .http_errors import HttpError, request_decode_error, to_http_error
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics
@@ -122,6 +123,8 @@ class HttpService:
             self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
         self._paths = {path for _, path in self._routes}
         self.add_surface("POST", "/v1/responses", responses_surface(metrics))
+        self.add_surface("POST", "/v1/messages", messages_surface(metrics))
+        self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
         self._openapi_body = _json.encode(
             build_openapi(busy_thresholds=busy_thresholds is not None)
         )

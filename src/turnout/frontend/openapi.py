@@ -21,6 +21,7 @@ from turnout.protocols.openai import (
     ModelList,
 )
 
+from .anthropic_request import CountTokensRequest, MessagesRequest
 from .busy_threshold import BusyThresholdRequest
 from .responses_request import ResponsesRequest
 
@@ -51,6 +52,8 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
             ErrorResponse,
             BusyThresholdRequest,
             ResponsesRequest,
+            MessagesRequest,
+            CountTokensRequest,
         ],
         ref_template=_REF,
     )
@@ -69,6 +72,24 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
                 "ResponsesRequest",
                 None,
                 stream="SSE semantic events (event: + data: lines), the last response.completed",
+            )
+        },
+        "/v1/messages": {
+            "post": _generation(
+                "Message (Anthropic's Messages API)",
+                "MessagesRequest",
+                None,
+                stream="Anthropic's SSE events (event: + data: lines), the last message_stop",
+                anthropic=True,
+            )
+        },
+        "/v1/messages/count_tokens": {
+            "post": _generation(
+                "The prompt tokens of a message request (Anthropic's count_tokens)",
+                "CountTokensRequest",
+                None,
+                anthropic=True,
+                streams=False,
             )
         },
         "/v1/models": {
@@ -150,6 +171,14 @@ def _error(description: str) -> dict[str, Any]:
     return _json_response(description, _ref("ErrorResponse"))
 
 
+def _anthropic_error(description: str) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "description": 'Anthropic\'s error body: {"type": "error", "error": {"type", "message"}}',
+    }
+    return _json_response(description, schema)
+
+
 def _json_body(name: str) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
 
@@ -160,16 +189,21 @@ def _generation(
     response: str | None,
     *,
     stream: str = "SSE chunks, then data: [DONE]",
+    anthropic: bool = False,
+    streams: bool = True,
 ) -> dict[str, Any]:
-    """A generation route; ``response``: the whole body's schema (None: an object)."""
+    """A generation route; ``response``: the whole body's schema (None: an object);
+    ``anthropic``: errors have Anthropic's body."""
     schema = _ref(response) if response else {"type": "object"}
-    ok = _json_response(f"{summary} (not streamed)", schema)
-    ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": stream}}
+    ok = _json_response(f"{summary} (not streamed)" if streams else summary, schema)
+    if streams:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": stream}}
+    error = _anthropic_error if anthropic else _error
     return {
         "summary": f"{summary}, streamed (SSE) or not",
         "requestBody": _json_body(request),
         "responses": {
             "200": ok,
-            **{status: _error(why) for status, why in _GENERATION_ERRORS.items()},
+            **{status: error(why) for status, why in _GENERATION_ERRORS.items()},
         },
     }

@@ -91,6 +91,7 @@ class StreamDecoder:
         "_stops",
         "cached_tokens",
         "finish_reason",
+        "matched_stop",
         "num_output_tokens",
         "num_prompt_tokens",
         "step",
@@ -129,6 +130,8 @@ class StreamDecoder:
         self.num_output_tokens = 0
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
+        #: The stop string that ended the stream, if one did (Anthropic's ``stop_sequence``).
+        self.matched_stop: str | None = None
         #: Process one engine output (the new ids since the previous one). Requests that
         #: asked for alternatives take a wrapper that carries them; the rest pay nothing.
         self.step = self._step_with_alternatives if request.output_options.logprobs else self._step
@@ -276,6 +279,7 @@ class StreamDecoder:
                 i = buf.find(s)
                 if i >= 0 and (cut < 0 or i < cut):
                     cut = i
+                    self.matched_stop = s
             if cut >= 0:
                 self._held = ""
                 return buf[:cut], True
