@@ -268,3 +268,19 @@ def test_the_writer_orders_thinking_text_and_tool_use() -> None:
     assert message.content[3].text == '{"city": "Nice"'  # type: ignore[union-attr]
     assert message.stop_reason == "tool_use" and message.usage.cache_read_input_tokens == 3
     assert kinds.count("content_block_start") == 4 and kinds[-1] == "message_stop"
+
+
+async def test_a_tool_round_trip_renders_with_the_models_own_template(echo_stack: Stack) -> None:
+    api = anthropic.AsyncAnthropic(base_url=echo_stack.url, api_key="x", max_retries=0)
+    out = await api.messages.create(
+        model="echo", max_tokens=5,
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+        ],
+    )  # fmt: skip
+    assert out.type == "message"
+    await api.close()

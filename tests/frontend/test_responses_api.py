@@ -265,3 +265,18 @@ def test_the_writer_orders_reasoning_text_and_calls() -> None:
     assert events.count("response.output_item.added") == 4
     assert events.count("response.function_call_arguments.delta") == 3
     assert response.usage is not None and response.usage.input_tokens_details.cached_tokens == 2
+
+
+async def test_a_tool_round_trip_renders_with_the_models_own_template(echo_stack: Stack) -> None:
+    """SmolLM2's template concatenates message content: a replayed call must not be null."""
+    async with httpx.AsyncClient(base_url=echo_stack.url) as http:
+        r = await http.post("/v1/responses", json={
+            "model": "echo", "max_output_tokens": 5,
+            "input": [
+                {"role": "user", "content": "Weather?"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                 "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+        })  # fmt: skip
+    assert r.status_code == 200, r.text

@@ -131,7 +131,7 @@ def _message(message: InputMessage) -> list[ChatMessage]:
     if texts or calls:
         out.append(
             ChatMessage(
-                role=role, content="".join(texts) if texts else None, tool_calls=calls or None
+                role=role, content="".join(texts), tool_calls=calls or None
             )
         )
     return out

@@ -130,7 +130,8 @@ def _messages(items: list[dict[str, Any]]) -> list[ChatMessage]:
             ):
                 last.tool_calls.append(call)  # parallel calls of one turn
             else:
-                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                # Empty text rather than null: templates (SmolLM2's) concatenate content.
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         elif kind == "function_call_output":
             output = item.get("output")
             out.append(
