@@ -6,11 +6,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from turnout.engines.base import Engine
 from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker
 from turnout.frontend.service import Frontend, FrontendConfig, free_port
-from turnout.protocols.model import EndpointId
+from turnout.protocols.model import EndpointId, ModelDeploymentCard
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.discovery.memory import MemoryStore
 
@@ -70,3 +72,19 @@ async def make_stack(**config: object) -> Stack:
 
 def echo_engine(gguf_path: str, **kwargs: object) -> EchoEngine:
     return EchoEngine(gguf_path, **kwargs)  # type: ignore[arg-type]
+
+
+#: Every message as "role: content", then the end-of-sequence token: the echo answers with
+#: the whole conversation and stops (SmolLM2's own template ends its system turn with that
+#: token first, and the Responses API has no ``ignore_eos`` to go past it).
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}{{ eos_token }}"
+)
+
+
+class WholePromptEcho(EchoEngine):
+    """An echo whose chat template writes the whole conversation, then the end token."""
+
+    def model_card_template(self) -> ModelDeploymentCard:
+        return msgspec.structs.replace(super().model_card_template(), chat_template=TEMPLATE)

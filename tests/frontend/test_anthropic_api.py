@@ -12,20 +12,16 @@ from typing import Any
 
 import anthropic
 import httpx
-import msgspec
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from tests.frontend.stack import Stack, make_stack
-from tests.frontend.test_http import RecordingEcho
-from tests.frontend.test_responses_api import TEMPLATE, WholePromptEcho
+from tests.frontend.stack import Stack, WholePromptEcho, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.frontend.anthropic_api import MessageWriter
 from turnout.frontend.choice_output import ChoicePiece
 from turnout.frontend.responses import make_usage
 from turnout.llm.parsers import ToolCallDelta
-from turnout.protocols.model import ModelDeploymentCard
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOL: Any = {
@@ -204,38 +200,6 @@ async def test_the_client_raises_its_own_errors(stack: Stack) -> None:
             model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
         )
     await api.close()
-
-
-async def test_a_client_that_leaves_stops_the_worker(gguf_path: str) -> None:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-
-    class SlowWholeEcho(RecordingEcho):
-        def model_card_template(self) -> ModelDeploymentCard:
-            card = super().model_card_template()
-            return msgspec.structs.replace(card, chat_template=TEMPLATE)
-
-    engine = SlowWholeEcho(gguf_path, delay_ms=20)
-    await stack.add_worker(engine)
-    await stack.wait_for_model("echo")
-    try:
-        async with httpx.AsyncClient(base_url=stack.url) as http:
-            body = {"model": "echo", "max_tokens": 500, "stream": True,
-                    "messages": [{"role": "user", "content": "word " * 200}]}  # fmt: skip
-            async with http.stream("POST", "/v1/messages", json=body) as r:
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += line.startswith("data:")
-                    if seen == 5:
-                        break
-        for _ in range(200):
-            if engine.open_streams == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert engine.open_streams == 0 and engine.cancelled == 1
-    finally:
-        await stack.close()
-    await assert_no_leaked_tasks(before)
 
 
 def test_the_writer_orders_thinking_text_and_tool_use() -> None:

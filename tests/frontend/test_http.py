@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
-from tests.frontend.stack import Stack, echo_engine, make_stack
+from tests.frontend.stack import Stack, WholePromptEcho, echo_engine, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.echo import EchoEngine
@@ -212,21 +212,36 @@ async def test_body_over_limit_is_413(stack: Stack) -> None:
         assert r.status_code == 405
 
 
-async def test_client_disconnect_cancels_worker(gguf_path: str) -> None:
+class SlowWholePromptEcho(RecordingEcho, WholePromptEcho):
+    """A recording echo that answers with the whole conversation (no early end token)."""
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "word " * 200, "max_tokens": 500}),
+        ("/v1/responses", {"input": "word " * 200}),
+        ("/v1/messages", {"max_tokens": 500,
+                          "messages": [{"role": "user", "content": "word " * 200}]}),
+    ],
+)  # fmt: skip
+async def test_client_disconnect_cancels_worker(
+    gguf_path: str, path: str, body: dict[str, object]
+) -> None:
     before = set(asyncio.all_tasks())
     stack = await make_stack()
-    engine = RecordingEcho(gguf_path, delay_ms=20)
+    engine = SlowWholePromptEcho(gguf_path, delay_ms=20)
     await stack.add_worker(engine)
     await stack.wait_for_model("echo")
     try:
         async with httpx.AsyncClient(base_url=stack.url) as http:
-            body = {"model": "echo", "prompt": "word " * 200, "max_tokens": 500, "stream": True}
-            async with http.stream("POST", "/v1/completions", json=body) as r:
+            request = {"model": "echo", "stream": True, **body}
+            async with http.stream("POST", path, json=request) as r:
                 seen = 0
                 async for line in r.aiter_lines():
                     if line.startswith("data:"):
                         seen += 1
-                    if seen == 3:
+                    if seen == 6:
                         break
         for _ in range(200):
             if engine.open_streams == 0:

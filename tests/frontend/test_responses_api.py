@@ -10,20 +10,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import msgspec
 import openai
 import pytest
-from tests.frontend.stack import Stack, make_stack
-from tests.frontend.test_http import RecordingEcho
+from tests.frontend.stack import Stack, WholePromptEcho, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
-from turnout.engines.echo import EchoEngine
 from turnout.frontend.choice_output import ChoicePiece
 from turnout.frontend.responses import make_usage
 from turnout.frontend.responses_api import ResponseWriter
 from turnout.frontend.responses_request import ResponsesRequest
 from turnout.llm.parsers import ToolCallDelta
-from turnout.protocols.model import ModelDeploymentCard
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOL = {
@@ -32,22 +28,6 @@ TOOL = {
     "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
-
-
-#: Every message as "role: content", then the end-of-sequence token: the echo answers with
-#: the whole conversation and stops (SmolLM2's own template ends its system turn with that
-#: token first, and the Responses API has no ``ignore_eos`` to go past it).
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
-    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}{{ eos_token }}"
-)
-
-
-class WholePromptEcho(EchoEngine):
-    """An echo whose chat template writes the whole conversation, then the end token."""
-
-    def model_card_template(self) -> ModelDeploymentCard:
-        return msgspec.structs.replace(super().model_card_template(), chat_template=TEMPLATE)
 
 
 @pytest.fixture
@@ -199,31 +179,6 @@ async def test_unknown_model_is_a_404(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError):
         await api.responses.create(model="nope", input="hi")
     await api.close()
-
-
-async def test_a_client_that_leaves_stops_the_worker(gguf_path: str) -> None:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    engine = RecordingEcho(gguf_path, delay_ms=20)
-    await stack.add_worker(engine)
-    await stack.wait_for_model("echo")
-    try:
-        async with httpx.AsyncClient(base_url=stack.url) as http:
-            body = {"model": "echo", "input": "word " * 200, "stream": True}
-            async with http.stream("POST", "/v1/responses", json=body) as r:
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += line.startswith("data:")
-                    if seen == 6:
-                        break
-        for _ in range(200):
-            if engine.open_streams == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert engine.open_streams == 0 and engine.cancelled == 1
-    finally:
-        await stack.close()
-    await assert_no_leaked_tasks(before)
 
 
 def test_the_writer_orders_reasoning_text_and_calls() -> None:

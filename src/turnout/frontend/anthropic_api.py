@@ -27,13 +27,13 @@ from turnout.protocols.openai import Usage
 from turnout.runtime.context import RequestContext
 
 from .anthropic_request import CountTokensRequest, MessagesRequest, to_chat
-from .chat_run import ChatRun
+from .chat_run import ChatRun, write_run
 from .choice_output import ChoicePiece
-from .http_errors import HttpError, request_decode_error, to_http_error
+from .http_errors import HttpError
 from .metrics import FrontendMetrics
 from .pipeline import TextPipeline, TokensPipeline
-from .responses import JSON_HEADERS, SSE_HEADERS, new_request_id
-from .surface import Pipeline, Surface, SurfaceRequest
+from .responses import JSON_HEADERS, new_request_id
+from .surface import Pipeline, Surface, SurfaceRequest, decode_json
 
 _json = msgspec.json.Encoder()
 _messages_decoder = msgspec.json.Decoder(MessagesRequest)
@@ -202,10 +202,7 @@ def messages_surface(metrics: FrontendMetrics) -> Surface:
     """The ``/v1/messages`` route's surface."""
 
     def decode(body: bytes) -> SurfaceRequest:
-        try:
-            request = _messages_decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise request_decode_error(exc) from None
+        request = decode_json(_messages_decoder, body)
         return SurfaceRequest(request.model, request.stream, request)
 
     async def serve(
@@ -218,32 +215,16 @@ def messages_surface(metrics: FrontendMetrics) -> Surface:
     ) -> None:
         request: MessagesRequest = req.request
         tokens = _tokens_pipeline(pipeline, request.model)
-        chat = to_chat(request, tokens.card)
-        run = await ChatRun.start(tokens, chat, ctx, metrics, session_id)
+        run = await ChatRun.start(tokens, to_chat(request, tokens.card), ctx, metrics, session_id)
         try:
             writer = MessageWriter(request.model, stream=request.stream)
-            stop = lambda: run.generation.decoder.matched_stop  # noqa: E731
-            if not request.stream:
-                async for piece in run.pieces():
-                    writer.add(piece)
-                message = writer.finish(run.finish_reason, stop(), run.usage)
-                proto.response_bytes(200, JSON_HEADERS, _json.encode(message))
-                return
-            send = proto.response_stream(200, SSE_HEADERS).send_bytes
-            events = writer.events
-            assert events is not None
-            writer.start(len(run.generation.request.token_ids))
-            try:
-                async for piece in run.pieces():
-                    writer.add(piece)
-                    for event in events:
-                        await send(event)
-                    events.clear()
-                writer.finish(run.finish_reason, stop(), run.usage)
-            except Exception as exc:  # mid-stream failure: tell the client in-band
-                writer.fail(to_http_error(exc))
-            for event in events:
-                await send(event)
+            await write_run(
+                proto, run, writer,
+                start=lambda: writer.start(len(run.generation.request.token_ids)),
+                finish=lambda: writer.finish(
+                    run.finish_reason, run.generation.decoder.matched_stop, run.usage
+                ),
+            )  # fmt: skip
         finally:
             await run.aclose()
 
@@ -255,10 +236,7 @@ def count_tokens_surface() -> Surface:
     model's own template and tokenizer; nothing runs."""
 
     def decode(body: bytes) -> SurfaceRequest:
-        try:
-            request = _count_decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise request_decode_error(exc) from None
+        request = decode_json(_count_decoder, body)
         return SurfaceRequest(request.model, False, request)
 
     async def serve(

@@ -129,11 +129,7 @@ def _message(message: InputMessage) -> list[ChatMessage]:
                 param="messages",
             )
     if texts or calls:
-        out.append(
-            ChatMessage(
-                role=role, content="".join(texts), tool_calls=calls or None
-            )
-        )
+        out.append(ChatMessage(role=role, content="".join(texts), tool_calls=calls or None))
     return out
 
 

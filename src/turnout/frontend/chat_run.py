@@ -16,7 +16,11 @@ Use::
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import msgspec
+from granian.rsgi import HTTPProtocol
 
 from turnout.llm.backend import DecodedDelta
 from turnout.protocols.llm import FinishReason
@@ -25,10 +29,12 @@ from turnout.router.push_router import check_pinned
 from turnout.runtime.context import RequestContext
 
 from .choice_output import ChoiceOutput, ChoicePiece, WholeChoice, choice_output
-from .http_errors import worker_error
+from .http_errors import HttpError, to_http_error, worker_error
 from .metrics import FrontendMetrics, ModelMetrics, StreamTimer
 from .pipeline import Generation, TokensPipeline
-from .responses import make_usage
+from .responses import JSON_HEADERS, SSE_HEADERS, make_usage
+
+_json = msgspec.json.Encoder()
 
 
 class ChatRun:
@@ -132,3 +138,50 @@ class ChatRun:
         if decoder.cached_tokens:
             self._metrics.cached_tokens.inc(decoder.cached_tokens)
         self._metrics.duration.observe(time.perf_counter() - self._timer.start)
+
+
+class EventWriter(Protocol):
+    """A surface's writer: it turns pieces into its own body or events. ``events`` holds the
+    encoded events not sent yet (None: a whole response, no events)."""
+
+    events: list[bytes] | None
+
+    def add(self, piece: ChoicePiece) -> None: ...
+
+    def fail(self, err: HttpError) -> None: ...
+
+
+async def write_run(
+    proto: HTTPProtocol,
+    run: ChatRun,
+    writer: EventWriter,
+    *,
+    start: Callable[[], None],
+    finish: Callable[[], dict[str, Any]],
+) -> None:
+    """Answer with ``run`` through ``writer``: whole, the body ``finish`` returns; streamed,
+    ``start``'s events at once, each piece's as it comes, then ``finish``'s (or, when the run
+    fails midway, ``fail``'s)."""
+    events = writer.events
+    if events is None:
+        async for piece in run.pieces():
+            writer.add(piece)
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(finish()))
+        return
+    send = proto.response_stream(200, SSE_HEADERS).send_bytes
+
+    async def flush() -> None:
+        for event in events:
+            await send(event)
+        events.clear()
+
+    start()
+    await flush()
+    try:
+        async for piece in run.pieces():
+            writer.add(piece)
+            await flush()
+        finish()
+    except Exception as exc:  # mid-stream failure: tell the client in-band
+        writer.fail(to_http_error(exc))
+    await flush()

@@ -39,7 +39,7 @@ from turnout.runtime.context import RequestContext
 from .admission import AdmissionController
 from .anthropic_api import count_tokens_surface, messages_surface
 from .busy_threshold import BusyThresholds
-from .http_errors import HttpError, request_decode_error, to_http_error
+from .http_errors import HttpError, to_http_error
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics
 from .model_manager import ModelManager
 from .openapi import build_openapi
@@ -47,7 +47,7 @@ from .pipeline import TextPipeline, TokensPipeline
 from .responder import Responder
 from .responses import JSON_HEADERS, new_request_id
 from .responses_api import responses_surface
-from .surface import Surface, SurfaceRequest
+from .surface import Surface, SurfaceRequest, decode_json
 
 log = logging.getLogger("turnout.frontend")
 
@@ -256,10 +256,7 @@ class HttpService:
         decoder = _chat_decoder if is_chat else _completion_decoder
 
         def decode(body: bytes) -> SurfaceRequest:
-            try:
-                request = decoder.decode(body)
-            except msgspec.DecodeError as exc:
-                raise request_decode_error(exc) from None
+            request = decode_json(decoder, body)
             nvext = request.nvext
             priority = nvext.priority if nvext is not None else None
             return SurfaceRequest(request.model, request.stream, request, priority or 0)

@@ -27,14 +27,14 @@ from turnout.llm.parsers import ToolCallDelta
 from turnout.protocols.openai import Usage
 from turnout.runtime.context import RequestContext
 
-from .chat_run import ChatRun
+from .chat_run import ChatRun, write_run
 from .choice_output import ChoicePiece
-from .http_errors import HttpError, request_decode_error, to_http_error
+from .http_errors import HttpError
 from .metrics import FrontendMetrics
 from .pipeline import TextPipeline
-from .responses import JSON_HEADERS, SSE_HEADERS, new_request_id
+from .responses import new_request_id
 from .responses_request import ResponsesRequest, to_chat
-from .surface import Pipeline, Surface, SurfaceRequest
+from .surface import Pipeline, Surface, SurfaceRequest, decode_json
 
 _json = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(ResponsesRequest)
@@ -225,10 +225,7 @@ def responses_surface(metrics: FrontendMetrics) -> Surface:
     """The ``/v1/responses`` route's surface."""
 
     def decode(body: bytes) -> SurfaceRequest:
-        try:
-            request = _decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise request_decode_error(exc) from None
+        request = decode_json(_decoder, body)
         return SurfaceRequest(request.model, request.stream, (request, to_chat(request)))
 
     async def serve(
@@ -250,30 +247,11 @@ def responses_surface(metrics: FrontendMetrics) -> Surface:
         run = await ChatRun.start(pipeline, chat, ctx, metrics, session_id)
         try:
             writer = ResponseWriter(request, stream=request.stream)
-            if not request.stream:
-                async for piece in run.pieces():
-                    writer.add(piece)
-                response = writer.finish(run.finish_reason, run.usage)
-                proto.response_bytes(200, JSON_HEADERS, _json.encode(response))
-                return
-            send = proto.response_stream(200, SSE_HEADERS).send_bytes
-            events = writer.events
-            assert events is not None
-            writer.start()
-            for event in events:
-                await send(event)
-            events.clear()
-            try:
-                async for piece in run.pieces():
-                    writer.add(piece)
-                    for event in events:
-                        await send(event)
-                    events.clear()
-                writer.finish(run.finish_reason, run.usage)
-            except Exception as exc:  # mid-stream failure: tell the client in-band
-                writer.fail(to_http_error(exc))
-            for event in events:
-                await send(event)
+            await write_run(
+                proto, run, writer,
+                start=writer.start,
+                finish=lambda: writer.finish(run.finish_reason, run.usage),
+            )  # fmt: skip
         finally:
             await run.aclose()
 

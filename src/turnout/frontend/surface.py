@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 from granian.rsgi import HTTPProtocol
 
 from turnout.runtime.context import RequestContext
 
-from .http_errors import HttpError
+from .http_errors import HttpError, request_decode_error
 from .pipeline import TextPipeline, TokensPipeline
 
 
@@ -39,6 +40,17 @@ Pipeline = TokensPipeline | TextPipeline
 ServeFn = Callable[
     [HTTPProtocol, Pipeline, SurfaceRequest, bytes, RequestContext, str | None], Awaitable[None]
 ]
+
+
+_T = TypeVar("_T")
+
+
+def decode_json(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
+    """``body`` as the decoder's type; a 400 naming the offending field when it is not."""
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise request_decode_error(exc) from None
 
 
 def openai_error_body(err: HttpError) -> bytes:
