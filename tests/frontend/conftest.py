@@ -1,6 +1,6 @@
 """Frontend tests keep their fetched artifacts in a temporary cache, not ``~/.cache``; and
-share plain stacks: a frontend with one echo worker (model ``echo``), or with two mocker
-workers (model ``mock``)."""
+share plain stacks: a frontend with one echo worker (model ``echo``), with two echo workers
+that answer with the whole conversation, or with two mocker workers (model ``mock``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from tests.frontend.stack import Stack, echo_engine, make_stack
+from tests.frontend.stack import Stack, WholePromptEcho, echo_engine, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.mocker import MockerConfig, MockerEngine, make_mocker_engines
@@ -24,6 +24,23 @@ async def echo_stack(gguf_path: str) -> AsyncIterator[Stack]:
     stack = await make_stack()
     await stack.add_worker(echo_engine(gguf_path), model_name="echo")
     await stack.wait_for_model("echo")
+    yield stack
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+@pytest.fixture
+async def whole_prompt_stack(gguf_path: str) -> AsyncIterator[Stack]:
+    """A frontend with two echo workers that answer with the whole conversation (see
+    ``WholePromptEcho``): model ``echo``, and model ``tools`` (hermes tool calls)."""
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    await stack.add_worker(WholePromptEcho(gguf_path), model_name="echo")
+    await stack.add_worker(
+        WholePromptEcho(gguf_path), model_name="tools", tool_call_parser="hermes"
+    )
+    await stack.wait_for_model("echo")
+    await stack.wait_for_model("tools")
     yield stack
     await stack.close()
     await assert_no_leaked_tasks(before)

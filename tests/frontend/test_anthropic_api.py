@@ -5,9 +5,7 @@ the anthropic types by the suite's conformance hook)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -15,8 +13,7 @@ import httpx
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from tests.frontend.stack import Stack, WholePromptEcho, make_stack
-from tests.helpers import assert_no_leaked_tasks
+from tests.frontend.stack import Stack
 
 from turnout.frontend.anthropic_api import MessageWriter
 from turnout.frontend.choice_output import ChoicePiece
@@ -32,18 +29,8 @@ TOOL: Any = {
 
 
 @pytest.fixture
-async def stack(gguf_path: str) -> AsyncIterator[Stack]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    await stack.add_worker(WholePromptEcho(gguf_path), model_name="echo")
-    await stack.add_worker(
-        WholePromptEcho(gguf_path), model_name="tools", tool_call_parser="hermes"
-    )
-    await stack.wait_for_model("echo")
-    await stack.wait_for_model("tools")
-    yield stack
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def stack(whole_prompt_stack: Stack) -> Stack:
+    return whole_prompt_stack
 
 
 def client(stack: Stack) -> anthropic.AsyncAnthropic:

@@ -4,16 +4,13 @@ leaves (every body and event checked strictly by the suite's conformance hook)."
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from tests.frontend.stack import Stack, WholePromptEcho, make_stack
-from tests.helpers import assert_no_leaked_tasks
+from tests.frontend.stack import Stack
 
 from turnout.frontend.choice_output import ChoicePiece
 from turnout.frontend.responses import make_usage
@@ -31,18 +28,8 @@ TOOL = {
 
 
 @pytest.fixture
-async def stack(gguf_path: str) -> AsyncIterator[Stack]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    await stack.add_worker(WholePromptEcho(gguf_path), model_name="echo")
-    await stack.add_worker(
-        WholePromptEcho(gguf_path), model_name="tools", tool_call_parser="hermes"
-    )
-    await stack.wait_for_model("echo")
-    await stack.wait_for_model("tools")
-    yield stack
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def stack(whole_prompt_stack: Stack) -> Stack:
+    return whole_prompt_stack
 
 
 def client(stack: Stack) -> openai.AsyncOpenAI:
