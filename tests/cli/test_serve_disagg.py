@@ -12,7 +12,7 @@ from tests.integration.procs import start_serve, stop_serve, wait_until
 
 from turnout.cli.main import build_parser
 from turnout.cli.serve import ServeTree, prefill_endpoint, worker_argv
-from turnout.errors import TurnoutError
+from turnout.errors import ConfigError, TurnoutError
 from turnout.frontend.service import free_port
 
 
@@ -86,3 +86,13 @@ def test_prefill_workers_need_the_mocker() -> None:
     args = build_parser().parse_args(["serve", "--engine", "echo", "--num-prefill-workers", "1"])
     with pytest.raises(TurnoutError, match="only the mocker engine"):
         ServeTree(args)
+
+
+def test_serve_passes_the_parsers_to_its_workers_and_refuses_unknown_ones() -> None:
+    args = serve_args("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    argv = worker_argv(args, "/s", 1)
+    assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--tool-call-parser" not in worker_argv(serve_args(), "/s", 1)
+    with pytest.raises(ConfigError, match="unknown tool-call parser 'hermez'"):
+        ServeTree(serve_args("--tool-call-parser", "hermez"))

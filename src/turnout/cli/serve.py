@@ -25,8 +25,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from turnout.errors import TurnoutError
+from turnout.errors import ConfigError, TurnoutError
 from turnout.frontend.service import Frontend
+from turnout.llm.parsers import check_parser_names
 from turnout.runtime.discovery import default_file_store_path
 
 from .flags import add_flag, add_runtime_flags
@@ -284,6 +285,10 @@ class ServeTree:
             )
         if prefill and args.num_workers < 1:
             raise TurnoutError("--num-prefill-workers needs decode workers (--num-workers >= 1)")
+        try:  # here, not in every child after it started: one line, at once
+            check_parser_names(args.tool_call_parser, args.reasoning_parser)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.args = args
         # One store per tree (named by its HTTP port), not one per user: two trees on one
         # machine would otherwise serve each other's workers.
