@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +20,7 @@ from turnout.protocols.llm import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
+    StructuredOutput,
 )
 from turnout.runtime.context import RequestContext
 
@@ -227,6 +229,34 @@ async def test_a_cache_salt_is_refused_not_ignored(engine: LlamaCppEngine) -> No
     assert len(outs) == 1 and outs[0].finish_reason is FinishReason.ERROR
     assert outs[0].error_kind == ErrorKind.BAD_REQUEST.value
     assert outs[0].error is not None and "cache_salt" in outs[0].error
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    ['%llguidance {}\nstart: ("a"', 'root ::= "a"', '%llguidance {}\nstart: %json {"type": 3}'],
+)
+async def test_a_grammar_that_does_not_compile_is_refused_not_ignored(
+    engine: LlamaCppEngine, tokenizer: Tokenizer, grammar: str
+) -> None:
+    """llama.cpp samples freely when it cannot compile an llguidance grammar: the engine
+    refuses such a request as a bad request before anything runs."""
+    request = make_request(chat_prompt(tokenizer, "Hi"), 8)
+    request.structured = StructuredOutput(kind="grammar", grammar=grammar)
+    outs = await asyncio.wait_for(collect(engine, request), 30)
+    assert len(outs) == 1 and not outs[0].token_ids
+    assert outs[0].finish_reason is FinishReason.ERROR
+    assert outs[0].error_kind == ErrorKind.BAD_REQUEST.value
+
+
+async def test_a_grammar_is_enforced(engine: LlamaCppEngine, tokenizer: Tokenizer) -> None:
+    request = make_request(chat_prompt(tokenizer, "What year is it?"), 12, temperature=1.0, seed=3)
+    request.structured = StructuredOutput(
+        kind="regex", grammar="%llguidance {}\nstart: /[0-9]{4}-(yes|no)/"
+    )
+    outs = await asyncio.wait_for(collect(engine, request), 60)
+    text = tokenizer.decode(ids_of(outs), skip_special_tokens=True)
+    assert re.fullmatch(r"[0-9]{4}-(yes|no)", text), text
+    assert outs[-1].finish_reason is FinishReason.EOS
 
 
 async def test_invalid_token_ids_are_an_error(engine: LlamaCppEngine) -> None:

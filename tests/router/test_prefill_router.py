@@ -23,6 +23,7 @@ from turnout.protocols.llm import (
     LLMEngineOutput,
     PreprocessedRequest,
     StopConditions,
+    StructuredOutput,
 )
 from turnout.protocols.model import EndpointId, WorkerRole
 from turnout.router.prefill_router import (
@@ -37,6 +38,7 @@ from turnout.runtime.context import DEADLINE_METADATA, RequestContext
 
 PREFILL_EP = EndpointId(namespace="t", component="prefill", name="generate")
 DECODE_EP = EndpointId(namespace="t", component="backend", name="generate")
+GRAMMAR = '%llguidance {}\nstart: "yes" | "no"'
 _transfer_request = msgspec.msgpack.Decoder(KvTransferRequest).decode
 
 
@@ -238,6 +240,10 @@ async def test_two_stages_first_token_from_prefill_rest_from_decode() -> None:
         (request(200, max_tokens=1), LocalReason.ONE_TOKEN),
         (request(200, lora_name="ad"), LocalReason.LORA),
         (request(200, backend_instance_id=5), LocalReason.PINNED),
+        (
+            request(200, structured=StructuredOutput(kind="choice", grammar=GRAMMAR)),
+            LocalReason.STRUCTURED,
+        ),
     ],
 )
 async def test_requests_that_run_whole_on_the_decode_worker(

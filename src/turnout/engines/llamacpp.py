@@ -86,6 +86,7 @@ from typing import Any, Final, Protocol
 import msgspec
 
 from turnout.llm.model_card import default_gguf_path, load_model_card
+from turnout.llm.structured import grammar_problem
 from turnout.protocols.kv import LoadReport, StepSample
 from turnout.protocols.llm import (
     CompletionUsage,
@@ -878,6 +879,15 @@ class LlamaCppEngine(Engine):
                 usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
             )
             return
+        problem = _grammar_problem(request)
+        if problem:
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.ERROR,
+                error=problem,
+                error_kind=ErrorKind.BAD_REQUEST.value,
+                usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
+            )
+            return
         if n_prompt == 0:
             yield LLMEngineOutput(
                 finish_reason=FinishReason.ERROR,
@@ -969,3 +979,22 @@ def _alternatives(entry: _TokenLogprob, k: int) -> list[tuple[int, float]]:
     alts = [(a.id, -math.inf if a.logprob is None else a.logprob) for a in entry.top_logprobs]
     alts.sort(key=lambda a: -a[1])
     return alts[:k]
+
+
+def _grammar_problem(request: PreprocessedRequest) -> str:
+    """Why llama.cpp must not run ``request``'s grammar ("" when it may, or has none).
+
+    llama.cpp, given an llguidance grammar it cannot compile, logs it and samples freely: the
+    answer would be a 200 with text that matches nothing. The frontend checks grammars before
+    sending them; this check, with the same library, covers what reaches the worker another
+    way (another frontend's version, a client of the request plane)."""
+    structured = request.structured
+    if structured is None:
+        return ""
+    if structured.kind not in STRUCTURED_OUTPUTS:
+        return f"llama.cpp cannot enforce {structured.kind} output"
+    if not structured.grammar.startswith("%llguidance"):
+        # llama.cpp would read it as GBNF, which is not what the protocol carries.
+        return "the grammar is not an llguidance grammar (no '%llguidance' header)"
+    problem = grammar_problem(structured.grammar)
+    return f"the {structured.kind} grammar does not compile: {problem}" if problem else ""

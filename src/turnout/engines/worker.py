@@ -253,6 +253,16 @@ class Worker:
         output, so one SSE event, per token. Cancelling this generator cancels the engine.
         """
         request = _request_decoder.decode(payload)
+        refusal = self._refusal(request)
+        if refusal is not None:
+            yield _encode(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=refusal,
+                    error_kind=ErrorKind.BAD_REQUEST.value,
+                )
+            )
+            return
         if self.failure is not None:
             yield _encode(
                 LLMEngineOutput(
@@ -276,6 +286,31 @@ class Worker:
             if not producer.done():
                 producer.cancel()
                 await asyncio.wait([producer])
+
+    def _refusal(self, request: PreprocessedRequest) -> str | None:
+        """Why ``request`` asks for more than this instance's card says its engine does (None:
+        it does not). The frontend refuses such requests before they are sent; this catches
+        the ones that arrive anyway (a frontend that read another instance's card, a client
+        of the request plane), which an engine would otherwise serve ignoring what it cannot
+        do: free text for a grammar, no alternatives for ``top_logprobs``."""
+        caps = self.card.capabilities if self.card is not None else None
+        if caps is None:
+            return None
+        structured = request.structured
+        if structured is not None and structured.kind not in caps.structured_outputs:
+            return (
+                f"this worker cannot enforce {structured.kind} output (its engine enforces: "
+                f"{', '.join(caps.structured_outputs) or 'none'})"
+            )
+        logprobs = request.output_options.logprobs
+        if logprobs is not None and not caps.logprobs:
+            return "this worker cannot return log probabilities (its engine does not report them)"
+        if logprobs is not None and logprobs > caps.max_top_logprobs:
+            return (
+                f"this worker returns at most {caps.max_top_logprobs} alternatives per token, "
+                f"not {logprobs}"
+            )
+        return None
 
     @staticmethod
     def _snapshot_handler(snapshot: Callable[[int], KvSnapshot]) -> Handler:

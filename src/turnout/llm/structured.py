@@ -206,7 +206,7 @@ def _compile(param: str, kind: str, source: Any) -> str:
             param=param,
         )
     grammar = _HEADER + body
-    problem = _check(grammar)
+    problem = grammar_problem(grammar)
     if problem:
         raise RequestError(f"'{param}' does not compile: {problem}", param=param)
     return grammar
@@ -230,8 +230,10 @@ def _grammar_body(source: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _check(grammar: str) -> str:
-    """llguidance's complaint about ``grammar`` ("" when it compiles)."""
+def grammar_problem(grammar: str) -> str:
+    """llguidance's complaint about ``grammar`` ("" when it compiles). Engines that compile
+    grammars with llguidance check what they are sent with it too: the frontend may run
+    another llguidance, or none (a client of the request plane)."""
     import llguidance
 
     return llguidance.LLMatcher.validate_grammar(grammar).strip()

@@ -106,6 +106,9 @@ class LocalReason(enum.StrEnum):
     ONE_TOKEN = "max_tokens_1"
     LORA = "lora"
     PINNED = "pinned"
+    #: A structured output: its grammar must see every token it constrains on one engine (a
+    #: decode worker would start it afresh after the prefill worker's first token).
+    STRUCTURED = "structured_output"
     CARD_MISMATCH = "card_mismatch"
     NO_PREFILL_WORKER = "no_prefill_worker"
     NO_HANDLE = "no_handle"
@@ -376,6 +379,8 @@ class PrefillRouter:
             return LocalReason.LORA
         if request.backend_instance_id is not None:
             return LocalReason.PINNED
+        if request.structured is not None:
+            return LocalReason.STRUCTURED
         if pool.checksum != self._checksum:
             if not self._warned_mismatch:
                 self._warned_mismatch = True
