@@ -24,6 +24,10 @@ def stack(echo_stack: Stack) -> Stack:
         ({"logprobs": True}, "logprobs", None),
         ({"min_tokens": 4}, "min_tokens", None),
         ({"response_format": {"type": "json_object"}}, "response_format", None),
+        ({"guided_choice": ["a", "b"]}, "guided_choice", None),
+        ({"guided_regex": "a+"}, "guided_regex", None),
+        ({"guided_choice": "a"}, "guided_choice", None),
+        ({"guided_regex": ["a"]}, "guided_regex", None),
     ],
 )  # fmt: skip
 async def test_unhonoured_fields_are_400s_naming_them(
@@ -36,6 +40,24 @@ async def test_unhonoured_fields_are_400s_naming_them(
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert error["code"] == code
+
+
+async def test_a_body_nested_too_deeply_is_a_400(stack: Stack) -> None:
+    """A schema (any free-form object) nested deeper than the decoder recurses is the
+    client's error, not the server's."""
+    depth = 5000
+    schema = '{"type": "array", "items": ' * depth + "{}" + "}" * depth
+    body = (
+        '{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "guided_json": '
+        + schema
+        + "}"
+    )
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        r = await http.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert r.status_code == 400, r.text
+    assert "nested" in r.json()["error"]["message"]
 
 
 async def test_the_official_client_gets_a_bad_request_error(stack: Stack) -> None:

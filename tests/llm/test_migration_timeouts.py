@@ -19,6 +19,7 @@ from turnout.protocols.llm import (
     LLMEngineOutput,
     PreprocessedRequest,
     StopConditions,
+    StructuredOutput,
 )
 from turnout.runtime.context import RequestContext
 
@@ -214,3 +215,24 @@ async def test_deadline_stream_passes_a_quick_stream_through() -> None:
             yield i
 
     assert [i async for i in deadline_stream(chunks(), 60, RequestContext("r"))] == [0, 1, 2]
+
+
+async def test_a_structured_output_that_began_does_not_migrate() -> None:
+    """The next worker would start the grammar afresh after the generated prefix, and the
+    whole would match nothing: the broken stream goes to the client instead."""
+    script = Script(
+        [tok(1), err(ErrorKind.ENGINE_FAILED, "died")], [tok(2, finish=FinishReason.STOP)]
+    )
+    req = request()
+    req.structured = StructuredOutput(kind="choice", grammar='%llguidance {}\nstart: "a"')
+    with pytest.raises(StreamBroken, match="died"):
+        await collect(Migration(script, migration_limit=3), req)
+    assert len(script.requests) == 1
+
+
+async def test_a_structured_output_that_has_not_begun_migrates() -> None:
+    script = Script([err(ErrorKind.ENGINE_FAILED)], [tok(2, finish=FinishReason.STOP)])
+    req = request()
+    req.structured = StructuredOutput(kind="choice", grammar='%llguidance {}\nstart: "a"')
+    assert await collect(Migration(script, migration_limit=3), req) == [2]
+    assert script.requests[1].token_ids == [7, 8]

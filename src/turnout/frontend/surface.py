@@ -51,6 +51,10 @@ def decode_json(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         return decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise request_decode_error(exc) from None
+    except RecursionError:
+        # msgspec recurses once per level of a free-form object (a JSON schema, a tool's
+        # parameters): a body nested past the interpreter's limit is the client's error.
+        raise HttpError(400, "request body is nested too deeply") from None
 
 
 def openai_error_body(err: HttpError) -> bytes:
