@@ -35,6 +35,13 @@ def card(gguf_path: Path) -> ModelDeploymentCard:
     return msgspec.structs.replace(card, capabilities=ModelCapabilities(structured_outputs=ALL))
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def chat(**fields: Any) -> ChatCompletionRequest:
     body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], **fields}
     return msgspec.convert(body, ChatCompletionRequest)
@@ -106,9 +113,40 @@ def test_free_text_has_no_constraint(card: ModelDeploymentCard) -> None:
                                  "json_schema": {"name": "x", "schema": {}, "bogus": 1}}},
             "response_format", "bogus",
         ),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "a b", "schema": {}}}},
+            "response_format", "name' must be 1 to 64",
+        ),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+            "response_format", "strict' must be a bool",
+        ),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+            "response_format", "not a valid JSON schema",
+        ),
         ({"guided_json": {"$ref": "#/nowhere"}}, "guided_json", "does not compile"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-        ({"guided_json": {"type": "strnig"}}, "guided_json", "does not compile"),
+        ({"guided_json": {"type": "strnig"}}, "guided_json", r"not a valid JSON schema.*\$\.type"),
+        (
+            {"guided_json": {"$defs": {"x": {"type": "strnig"}}, "type": "string"}},
+            "guided_json", r"not a valid JSON schema: 'strnig' .*\$\['\$defs'\]\.x\.type",
+        ),
+        ({"guided_json": {"description": 5}}, "guided_json", "not a valid JSON schema"),
+        ({"guided_json": {"required": ["a", "a"]}}, "guided_json", "non-unique"),
+        ({"guided_json": {"$schema": ["x"]}}, "guided_json", r"'\$schema' must be a string"),
+        ({"guided_json": {"type": "string", "pattern": "(x"}}, "guided_json", "does not compile"),
+        ({"guided_json": {"type": "string", "format": "bogus"}}, "guided_json", "Unknown format"),
+        ({"guided_json": {"not": {"type": "string"}}}, "guided_json", "Unimplemented keys"),
+        ({"guided_json": _nested(300)}, "guided_json", "nested too deeply"),
+        ({"guided_json": _nested(5000)}, "guided_json", "nested too deeply"),
+        (
+            {"guided_json": {"enum": [f"value {i}" for i in range(8000)]}},
+            "guided_json", "too large",
+        ),
         ({"guided_regex": "(unclosed"}, "guided_regex", "does not compile"),
         ({"guided_regex": ""}, "guided_regex", "must not be empty"),
         ({"guided_choice": []}, "guided_choice", "non-empty strings"),
@@ -134,6 +172,24 @@ def test_bad_constraints_are_refused_naming_the_field(
     with pytest.raises(RequestError, match=message) as info:
         structured_output(card, chat(**fields))
     assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # ECMA-262 patterns Python's re refuses: the meta-schema check leaves them to
+        # llguidance, which compiles them.
+        {"type": "string", "pattern": "^\\p{L}+$"},
+        {"type": "string", "pattern": "(?<year>[0-9]{4})"},
+        {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+         "definitions": {"n": {"type": "integer"}},
+         "properties": {"a": {"$ref": "#/definitions/n"}}},
+        {"type": "string", "format": "email"},
+    ],
+)  # fmt: skip
+def test_valid_schemas_pass(card: ModelDeploymentCard, schema: dict[str, Any]) -> None:
+    out = structured_output(card, completion(guided_json=schema))
+    assert out is not None and out.kind == "json_schema"
 
 
 def test_a_model_that_cannot_enforce_it_refuses(card: ModelDeploymentCard) -> None:

@@ -32,7 +32,7 @@ from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Complet
 
 from .chat_template import ChatTemplate
 from .multimodal_keys import image_urls, multimodal_cache_keys
-from .structured import structured_output
+from .structured import source_chars, structured_output
 from .tokenizer import Tokenizer
 
 #: Prompt text longer than this (characters) is rendered and tokenized off the event loop.
@@ -112,7 +112,7 @@ class Preprocessor:
             param = "top_logprobs" if req.top_logprobs else "logprobs"
             self._require_logprobs(req.top_logprobs or 0, param)
         self._check_chat_features(req)
-        structured = structured_output(self.card, req)
+        structured = await _maybe_offload(source_chars(req), structured_output, self.card, req)
         template = self.template
         if template is None:
             raise RequestError(
@@ -160,7 +160,7 @@ class Preprocessor:
             self._require_logprobs(req.logprobs, "logprobs")
         if req.echo and (req.n or 1) > 1:
             raise RequestError("'echo' with 'n' > 1 is not supported yet", param="echo")
-        structured = structured_output(self.card, req)
+        structured = await _maybe_offload(source_chars(req), structured_output, self.card, req)
         prompt = self._single_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
+
+import msgspec
 
 from turnout.errors import RequestError
 from turnout.protocols.llm import StructuredOutput
@@ -29,6 +32,9 @@ MAX_SOURCE_CHARS = 64 * 1024
 _HEADER = "%llguidance {}\n"
 _RESPONSE_FORMAT_KEYS = {"type", "json_schema"}
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+_encode = msgspec.json.Encoder().encode
+#: What OpenAI allows as a response format's name.
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def structured_output(
@@ -53,6 +59,23 @@ def structured_output(
             param=param,
         )
     return StructuredOutput(kind=kind, grammar=_compile(param, kind, source))
+
+
+def source_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """About how many characters of constraint sources (schemas, regexes, grammars, tools)
+    ``req`` carries: the preprocessor checks large ones off the event loop (a meta-schema
+    check of a schema near ``MAX_SOURCE_CHARS`` takes a few hundred milliseconds)."""
+    size = 0
+    for value in (req.guided_json, req.guided_regex, req.guided_grammar, req.guided_choice):
+        if isinstance(value, str):
+            size += len(value)
+        elif value is not None:
+            size += len(_encode(value))
+    if isinstance(req, ChatCompletionRequest):
+        for value in (req.response_format, req.tools):
+            if value is not None:
+                size += len(_encode(value))
+    return size
 
 
 def _asked(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str, Any]]:
@@ -114,6 +137,17 @@ def _response_format(fmt: dict[str, Any] | None) -> tuple[str, Any] | None:
             f"'response_format.json_schema' has unknown field(s) {sorted(unknown)}",
             param="response_format",
         )
+    if not _NAME.fullmatch(spec["name"]):
+        raise RequestError(
+            "'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'",
+            param="response_format",
+        )
+    for key, kind in (("strict", bool), ("description", str)):
+        if key in spec and not isinstance(spec[key], kind):
+            raise RequestError(
+                f"'response_format.json_schema.{key}' must be a {kind.__name__}",
+                param="response_format",
+            )
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise RequestError(
@@ -183,6 +217,14 @@ def _compile(param: str, kind: str, source: Any) -> str:
     if kind in ("json_object", "json_schema"):
         if not isinstance(source, dict):
             raise RequestError(f"'{param}' must be a JSON schema object", param=param)
+        try:
+            text = json.dumps(source, ensure_ascii=False, sort_keys=True)
+        except RecursionError:
+            raise RequestError(f"'{param}' is nested too deeply", param=param) from None
+        _bound(param, text)
+        problem = _schema_problem(text)
+        if problem:
+            raise RequestError(f"'{param}' is not a valid JSON schema: {problem}", param=param)
         if "x-guidance" not in source:
             # Compact JSON (no white space between tokens), as OpenAI writes it: with free
             # white space, small models fill their token budget with tabs and newlines.
@@ -200,16 +242,20 @@ def _compile(param: str, kind: str, source: Any) -> str:
         body = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in source)
     else:
         body = _grammar_body(source)
-    if len(body) > MAX_SOURCE_CHARS:
-        raise RequestError(
-            f"'{param}' is too large ({len(body)} characters; at most {MAX_SOURCE_CHARS})",
-            param=param,
-        )
+    _bound(param, body)
     grammar = _HEADER + body
     problem = grammar_problem(grammar)
     if problem:
         raise RequestError(f"'{param}' does not compile: {problem}", param=param)
     return grammar
+
+
+def _bound(param: str, text: str) -> None:
+    if len(text) > MAX_SOURCE_CHARS:
+        raise RequestError(
+            f"'{param}' is too large ({len(text)} characters; at most {MAX_SOURCE_CHARS})",
+            param=param,
+        )
 
 
 def _grammar_body(source: str) -> str:
@@ -227,6 +273,31 @@ def _grammar_body(source: str) -> str:
                 f"'guided_grammar' is not valid GBNF: {exc}", param="guided_grammar"
             ) from None
     return text
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(text: str) -> str:
+    """What makes the schema in ``text`` (canonical JSON) invalid against its meta-schema
+    (``$schema``, by default draft 2020-12), with where; "" when it is valid.
+
+    llguidance compiles only what a schema's root reaches and reads only the keywords it
+    enforces, so it passes schemas that are not valid (a misspelt type in an unused
+    ``$defs`` entry, a number as a ``description``, duplicate ``required`` names); the
+    meta-schema catches those. ``format`` is not checked here: the meta-schema's ``regex``
+    format would judge ``pattern`` by Python's ``re``, which refuses valid ECMA-262 patterns
+    (``\\p{L}``, ``(?<name>...)``); llguidance compiles patterns with its own engine."""
+    import jsonschema
+
+    schema = json.loads(text)
+    if not isinstance(schema.get("$schema", ""), str):
+        return "'$schema' must be a string"
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    check = validator(validator.META_SCHEMA, format_checker=None)
+    try:
+        error = jsonschema.exceptions.best_match(check.iter_errors(schema))
+    except RecursionError:
+        return "it is nested too deeply"
+    return "" if error is None else f"{error.message} (at {error.json_path})"
 
 
 @functools.lru_cache(maxsize=256)
