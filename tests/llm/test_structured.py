@@ -4,15 +4,19 @@ request is refused (malformed, not compiling, not enforceable by the model)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnout.errors import RequestError
 from turnout.llm.model_card import load_model_card
 from turnout.llm.structured import forced_tool_schema, structured_output
+from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.model import EndpointId, ModelCapabilities, ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 
@@ -208,3 +212,74 @@ def test_required_tools_schema_lists_each_tool() -> None:
     variants = schema["items"]["anyOf"]
     assert [v["properties"]["name"]["enum"] for v in variants] == [["get_weather"], ["get_time"]]
     assert variants[1]["properties"]["parameters"] == {"type": "object"}
+
+
+# ---------------------------------------------------------------- what a regex grammar accepts
+
+#: Patterns in the common subset (literals, classes, ``.``, ``\d\w\s``, groups, alternation,
+#: ``? * + {m,n}``, anchors, inline flags).
+PATTERNS = [
+    r"\d{4}-\d{2}-\d{2}",
+    r"\(\d{3}\) \d{3}-\d{4}",
+    r"[A-Z][a-z]+( [A-Z][a-z]+){0,3}",
+    r"(yes|no|maybe)",
+    r"\w+@\w+\.(com|org)",
+    r"[^\n]{0,10}",
+    r"a?b*c+d{2,3}",
+    r"\s*x\s*",
+    r"^\d+$",
+    r"(?i)abc",
+    r".{1,5}",
+    r"[\d.,]+|-",
+]
+
+
+@pytest.fixture(scope="module")
+def matcher_tokenizer(smol_tokenizer: Tokenizer) -> Any:
+    import llguidance
+
+    return llguidance.LLTokenizer(smol_tokenizer.inner.to_str())
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_regex_grammar_accepts_what_the_regex_matches(
+    card: ModelDeploymentCard,
+    smol_tokenizer: Tokenizer,
+    matcher_tokenizer: Any,
+    pattern: str,
+) -> None:
+    """Strings that fully match the pattern (by Python's ``re``), as the model's tokens, are
+    accepted whole by the grammar the request becomes. ASCII only: the dialect is Rust's
+    ``regex`` (llguidance's), whose Unicode ``\\s`` and ``\\w`` differ from Python's at the
+    edges (``\\x1c``, ``³``), and SmolLM2's vocabulary cannot spell some 4-byte characters."""
+    import llguidance
+
+    out = structured_output(card, completion(guided_regex=pattern))
+    assert out is not None
+    ascii_text = st.characters(
+        codec="ascii", exclude_categories=["Cc"], include_characters="\t\n\r"
+    )
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(st.from_regex(pattern, fullmatch=True, alphabet=ascii_text))
+    def accepted(text: str) -> None:
+        assert re.fullmatch(pattern, text)
+        matcher = llguidance.LLMatcher(matcher_tokenizer, out.grammar)
+        ids = smol_tokenizer.encode(text, add_special_tokens=False)
+        assert matcher.consume_tokens(ids), matcher.get_error()
+        assert matcher.is_accepting(), text
+
+    accepted()
+
+
+def test_a_regex_grammar_refuses_what_the_regex_does_not_match(
+    card: ModelDeploymentCard, smol_tokenizer: Tokenizer, matcher_tokenizer: Any
+) -> None:
+    import llguidance
+
+    out = structured_output(card, completion(guided_regex=r"\d{4}-\d{2}-\d{2}"))
+    assert out is not None
+    for text in ("2024-1-01", "2024-01-01x", "abcd-ef-gh"):
+        matcher = llguidance.LLMatcher(matcher_tokenizer, out.grammar)
+        ids = smol_tokenizer.encode(text, add_special_tokens=False)
+        assert not (matcher.consume_tokens(ids) and matcher.is_accepting()), text

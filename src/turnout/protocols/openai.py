@@ -76,7 +76,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: str | None = None
     #: vLLM's structured-output extras (at most one, and not with ``response_format``): a
     #: JSON schema (an object, or its JSON text), a regular expression, a list of choices,
-    #: a grammar (llguidance lark, or GBNF).
+    #: a grammar (llguidance lark, or GBNF). The regex is in Rust ``regex`` syntax (what
+    #: llguidance, and vLLM's backends, take): no look-around, back-references or ``\A``/``\Z``
+    #: (a 400); ``\s`` and ``\w`` are Unicode's, which differ from Python's at the edges.
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
