@@ -1,6 +1,7 @@
 """Frontend tests keep their fetched artifacts in a temporary cache, not ``~/.cache``; and
 share plain stacks: a frontend with one echo worker (model ``echo``), with two echo workers
-that answer with the whole conversation, or with two mocker workers (model ``mock``)."""
+that answer with the whole conversation, with two mocker workers (model ``mock``), or with
+one llama.cpp worker running the real SmolLM2 (model ``smol``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from tests.frontend.stack import Stack, WholePromptEcho, echo_engine, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
+from turnout.engines.llamacpp import LlamaCppEngine
 from turnout.engines.mocker import MockerConfig, MockerEngine, make_mocker_engines
 from turnout.frontend.artifacts import CACHE_ENV
 
@@ -58,6 +60,20 @@ async def two_mockers(gguf_path: str) -> AsyncIterator[tuple[Stack, list[MockerE
         await stack.add_worker(engine, model_name="mock")
     await stack.wait_for_model("mock", instances=2)
     yield stack, engines
+    await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+@pytest.fixture
+async def smol_stack(gguf_path: str) -> AsyncIterator[Stack]:
+    """A frontend with one llama.cpp worker on the real SmolLM2 GGUF (model ``smol``, two
+    slots, one thread: the test machine is small and shared)."""
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    engine = LlamaCppEngine(str(gguf_path), n_ctx=2048, n_parallel=2, n_threads=1)
+    await stack.add_worker(engine, model_name="smol")
+    await stack.wait_for_model("smol")
+    yield stack
     await stack.close()
     await assert_no_leaked_tasks(before)
 

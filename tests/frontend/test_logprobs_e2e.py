@@ -121,3 +121,59 @@ async def test_no_logprobs_unless_asked(stack: Stack) -> None:
     )
     assert out.choices[0].logprobs is None
     await api.close()
+
+
+@pytest.mark.slow
+async def test_llamacpp_alternatives_whole_and_streamed(smol_stack: Stack) -> None:
+    """The real model's own alternatives: up to 20 per token, most likely first, the greedy
+    token the most likely; the same whole and streamed; completions' legacy shape too."""
+    api = openai.AsyncOpenAI(base_url=smol_stack.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = await api.chat.completions.create(
+        model="smol", messages=messages, max_tokens=5, temperature=0, logprobs=True,  # type: ignore[arg-type]
+        top_logprobs=20,
+    )  # fmt: skip
+    entries = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert entries is not None and len(entries) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    for e in entries:
+        values = [a.logprob for a in e.top_logprobs]
+        assert len(values) == 20 and values == sorted(values, reverse=True)
+        assert e.top_logprobs[0].token == e.token
+        assert math.isclose(e.top_logprobs[0].logprob, e.logprob, abs_tol=1e-4)
+        assert all(v <= 0 for v in values) and sum(math.exp(v) for v in values) <= 1.0 + 1e-4
+    assert "".join(e.token for e in entries) == whole.choices[0].message.content
+    stream = await api.chat.completions.create(
+        model="smol", messages=messages, max_tokens=5, temperature=0, logprobs=True,  # type: ignore[arg-type]
+        top_logprobs=20, stream=True,
+    )  # fmt: skip
+    streamed = [
+        e
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for e in chunk.choices[0].logprobs.content or []
+    ]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [[a.token for a in e.top_logprobs] for e in streamed] == [
+        [a.token for a in e.top_logprobs] for e in entries
+    ]
+
+    out = await api.completions.create(
+        model="smol", prompt="The sky is", max_tokens=4, temperature=0, logprobs=5
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.text_offset is not None
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    for token, logprob, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(alts) <= 5 and max(alts.values()) == alts[token]
+        assert math.isclose(alts[token], logprob, abs_tol=1e-4)
+    stream = await api.completions.create(
+        model="smol", prompt="The sky is", max_tokens=4, temperature=0, logprobs=5, stream=True
+    )
+    pieces = [c.choices[0].logprobs async for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens or []] == lp.tokens
+    assert [t for p in pieces for t in p.top_logprobs or []] == lp.top_logprobs
+    with pytest.raises(openai.BadRequestError, match="between 0 and 5"):
+        await api.completions.create(model="smol", prompt="x", logprobs=6)
+    await api.close()

@@ -4,19 +4,15 @@ model cannot honour or that does not compile is a 400."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-from tests.frontend.stack import Stack, make_stack
-from tests.helpers import assert_no_leaked_tasks
+from tests.frontend.stack import Stack
 
-from turnout.engines.llamacpp import LlamaCppEngine
 from turnout.engines.mocker import MockerEngine
 
 pytestmark = pytest.mark.slow
@@ -66,15 +62,8 @@ WEATHER = {
 
 
 @pytest.fixture
-async def stack(gguf_path: str) -> AsyncIterator[Stack]:
-    before = set(asyncio.all_tasks())
-    stack = await make_stack()
-    engine = LlamaCppEngine(str(gguf_path), n_ctx=2048, n_parallel=2, n_threads=1)
-    await stack.add_worker(engine, model_name="smol")
-    await stack.wait_for_model("smol")
-    yield stack
-    await stack.close()
-    await assert_no_leaked_tasks(before)
+def stack(smol_stack: Stack) -> Stack:
+    return smol_stack
 
 
 def client(stack: Stack) -> openai.AsyncOpenAI:
@@ -133,6 +122,52 @@ async def test_json_object_choice_and_regex(stack: Stack) -> None:
     await api.close()
 
 
+async def test_streamed_choice_regex_and_json_object(stack: Stack) -> None:
+    api = client(stack)
+
+    async def chat_text(**fields: Any) -> tuple[str, str | None]:
+        stream = await api.chat.completions.create(
+            model="smol", messages=ask(fields.pop("q")), stream=True, **fields
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    choices = ["alpha", "beta gamma", 'say "delta"']
+    for seed in (5, 6):
+        text, finish = await chat_text(
+            q="Pick one.", temperature=1.0, seed=seed, extra_body={"guided_choice": choices}
+        )
+        assert text in choices and finish == "stop"
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    text, finish = await chat_text(
+        q="A phone number?", temperature=1.0, seed=7, extra_body={"guided_regex": phone}
+    )
+    assert re.fullmatch(phone, text) and finish == "stop", text
+    text, finish = await chat_text(
+        q='Reply with the JSON object {"ok": true}.', temperature=0, max_tokens=200,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert isinstance(json.loads(text), dict) and finish == "stop"
+    stream = await api.completions.create(
+        model="smol", prompt="The date is", max_tokens=20, stream=True,
+        extra_body={"guided_regex": r"\d{4}-\d{2}-\d{2}"},
+    )  # fmt: skip
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", text)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    done = await api.completions.create(
+        model="smol", prompt="A JSON object:", max_tokens=30, temperature=0,
+        extra_body={"guided_json": json.dumps(schema)},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(done.choices[0].text), schema)
+    await api.close()
+
+
 async def test_forced_tool_calls(stack: Stack) -> None:
     api = client(stack)
     named: Any = {"type": "function", "function": {"name": "get_weather"}}
@@ -167,6 +202,14 @@ async def test_constraints_that_do_not_compile_are_400s(stack: Stack) -> None:
          "response_format"),
         ({"extra_body": {"guided_regex": "(open"}}, "guided_regex"),
         ({"extra_body": {"guided_choice": ["a"], "guided_regex": "a"}}, "guided_choice"),
+        ({"extra_body": {"guided_json": {"type": "object", "required": "name"}}},
+         "guided_json"),
+        ({"extra_body": {"guided_regex": r"(?=a)b"}}, "guided_regex"),
+        ({"extra_body": {"guided_choice": "a"}}, "guided_choice"),
+        ({"extra_body": {"guided_json": {"type": "string"}},
+          "response_format": {"type": "json_object"}}, "guided_json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "response_format"),
     ]  # fmt: skip
     for fields, param in bad:
         with pytest.raises(openai.BadRequestError) as info:
