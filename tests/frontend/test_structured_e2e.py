@@ -165,6 +165,12 @@ async def test_streamed_choice_regex_and_json_object(stack: Stack) -> None:
         extra_body={"guided_json": json.dumps(schema)},
     )  # fmt: skip
     jsonschema.validate(json.loads(done.choices[0].text), schema)
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    done = await api.completions.create(
+        model="smol", prompt="A JSON object:", max_tokens=30, temperature=0,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(done.choices[0].text), schema)
     await api.close()
 
 

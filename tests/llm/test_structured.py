@@ -99,6 +99,9 @@ def test_free_text_has_no_constraint(card: ModelDeploymentCard) -> None:
     assert structured_output(card, chat(response_format={"type": "text"})) is None
     assert structured_output(card, chat(tools=[TOOL], tool_choice="auto")) is None
     assert structured_output(card, completion(guided_choice=["a"])) is not None
+    assert structured_output(card, completion(response_format={"type": "text"})) is None
+    on_completions = structured_output(card, completion(response_format={"type": "json_object"}))
+    assert on_completions is not None and on_completions.kind == "json_object"
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,15 @@
 """Structured outputs: what a request says its output must match, compiled and checked.
 
-A request may ask for one of: ``response_format`` ``json_object`` / ``json_schema`` (chat),
+A request may ask for one of: ``response_format`` ``json_object`` / ``json_schema``,
 vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (chat and
 completions), or, through ``tool_choice`` ``required`` or a named function, a JSON schema of
 the tool calls (as vLLM forces them). Each becomes one lark grammar in llguidance's dialect
 (:class:`~turnout.protocols.llm.StructuredOutput`), which the engine enforces while sampling.
 
-The grammar is checked here with ``llguidance`` (the library the engines compile it with),
-so a schema that does not compile, a bad regex or a broken grammar is a 400 naming the field
-and the problem before any work is done: llama.cpp, given a grammar it cannot compile, would
+A JSON schema is first checked against its meta-schema (``jsonschema``), then the grammar
+with ``llguidance`` (the library the engines compile it with), so an invalid schema, one that
+does not compile, a bad regex or a broken grammar is a 400 naming the field and the problem
+before any work is done: llama.cpp, given a grammar it cannot compile, would
 otherwise sample freely and answer 200 with text that matches nothing. Checks are cached (by
 grammar text, bounded): clients send the same schema again and again.
 """
@@ -71,20 +72,20 @@ def source_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
             size += len(value)
         elif value is not None:
             size += len(_encode(value))
-    if isinstance(req, ChatCompletionRequest):
-        for value in (req.response_format, req.tools):
-            if value is not None:
-                size += len(_encode(value))
+    if req.response_format is not None:
+        size += len(_encode(req.response_format))
+    if isinstance(req, ChatCompletionRequest) and req.tools is not None:
+        size += len(_encode(req.tools))
     return size
 
 
 def _asked(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str, Any]]:
     """(param, kind, source) of every constraint the request gives."""
     asked: list[tuple[str, str, Any]] = []
+    fmt = _response_format(req.response_format)
+    if fmt is not None:
+        asked.append(("response_format", *fmt))
     if isinstance(req, ChatCompletionRequest):
-        fmt = _response_format(req.response_format)
-        if fmt is not None:
-            asked.append(("response_format", *fmt))
         forced = forced_tool_schema(req)
         if forced is not None:
             asked.append(("tool_choice", "json_schema", forced))

@@ -107,6 +107,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    #: As chat's (vLLM takes it on completions too): ``json_object`` or ``json_schema``.
+    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------- responses
