@@ -7,8 +7,10 @@
   (V3) or right after the separator (V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}``),
   ``<｜tool▁call▁end｜>``; ``<｜tool▁calls▁end｜>`` closes the list.
 * ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (v0.3), or
-  ``NAME[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (tokenizer v11+); the
-  calls run to the end of the output.
+  ``NAME[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (tokenizer v11+; ``NAME{...}``
+  where the text lacks ``[ARGS]``, a ``[CALL_ID]id`` after the name tolerated); the calls run
+  to the end of the output. (vLLM returns v11 calls with broken arguments as calls; here they
+  are text, as in every format.)
 * ``llama3_json`` (Llama 3.1/3.2): the whole output is ``{"name": ..., "parameters": {...}}``
   (``arguments`` accepted too), optionally after ``<|python_tag|>``, several joined by ``;``.
 * ``pythonic`` (Llama 3.2/4): the whole output is a Python list of calls,
@@ -19,8 +21,11 @@ Only calls to a function the request offered are calls. Anything malformed (bad 
 unknown name, unterminated markup) comes back as text, never as an error. Markup that
 delimits a call is held back while streaming until the call is complete, then the call is
 emitted whole (one delta: id, name and all its arguments); text around calls streams as it
-comes. A block left open at the end of the output is a call if its contents parse (models
-often stop on EOS before the closing tag), else text.
+comes. Arguments are not streamed in fragments: a fragment sent cannot be taken back, so a
+call whose JSON then broke would be a call streamed and text whole; waiting for the call's
+end keeps the two the same and lets broken calls be text. A block left open at the end of
+the output is a call if its contents parse (models often stop on EOS before the closing
+tag), else text.
 """
 
 from __future__ import annotations
@@ -151,8 +156,11 @@ class _Blocks(ToolCallParser):
                 if marker == self.START:
                     self._block = ""
             else:
+                # Search only where the end marker can newly be: a long block is not
+                # rescanned on every delta.
+                seen = max(len(self._block) - len(self.END) + 1, 0)
                 block = self._block + buf
-                j = block.find(self.END)
+                j = block.find(self.END, seen)
                 if j == -1:
                     self._block = block
                     return out
@@ -246,7 +254,7 @@ class _Trailing(ToolCallParser):
                 return ParsedDelta()
             for trigger in self.TRIGGERS:
                 if stripped.startswith(trigger):
-                    self._tail = stripped
+                    self._tail = buf  # as written: it is the text if it holds no calls
                     return ParsedDelta()
                 if trigger.startswith(stripped):
                     self._buf = buf
@@ -279,25 +287,50 @@ class MistralParser(_Trailing):
     __slots__ = ()
 
     def _read(self, tail: str) -> list[tuple[str, Any]] | None:
-        parts = [p for p in tail.split("[TOOL_CALLS]") if p.strip()]
         calls: list[tuple[str, Any]] = []
-        for part in parts:
-            if "[ARGS]" in part:  # tokenizer v11+: NAME[ARGS]{...}
-                name, _, args = part.partition("[ARGS]")
-                try:
-                    calls.append((name.strip(), json.loads(args)))
-                except ValueError:
-                    return None
+        for part in tail.split("[TOOL_CALLS]"):
+            part = part.strip()
+            if not part:
                 continue
-            try:
-                items = json.loads(part)
-            except ValueError:
-                return None
-            for item in items if isinstance(items, list) else [items]:
-                if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            if part[0] in "[{":  # v0.3: a JSON list of {"name", "arguments"}
+                items = _json_value(part)
+                if items is None:
                     return None
-                calls.append((item["name"], item.get("arguments", {})))
+                for item in items if isinstance(items, list) else [items]:
+                    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                        return None
+                    calls.append((item["name"], item.get("arguments", {})))
+                continue
+            call = _mistral_v11_call(part)
+            if call is None:
+                return None
+            calls.append(call)
         return calls
+
+
+def _json_value(text: str) -> Any:
+    """The JSON value ``text`` holds (None when it holds none, or more than one)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _mistral_v11_call(part: str) -> tuple[str, Any] | None:
+    """``NAME[ARGS]{...}`` (tokenizer v11+) as (name, arguments). The ``[ARGS]`` token may be
+    missing from the text (a tokenizer that does not have it as a token writes ``NAME{...}``)
+    and a ``[CALL_ID]id`` may sit between name and arguments (v13)."""
+    head, sep, args = part.partition("[ARGS]")
+    if not sep:
+        i = part.find("{")
+        if i <= 0:
+            return None
+        head, args = part[:i], part[i:]
+    name = head.partition("[CALL_ID]")[0].strip()
+    if not name or any(c.isspace() for c in name):
+        return None
+    value = _json_value(args)
+    return None if value is None else (name, value)
 
 
 class Llama3JsonParser(_Trailing):
@@ -307,7 +340,7 @@ class Llama3JsonParser(_Trailing):
     __slots__ = ()
 
     def _read(self, tail: str) -> list[tuple[str, Any]] | None:
-        text = tail.removeprefix("<|python_tag|>").strip()
+        text = tail.strip().removeprefix("<|python_tag|>").strip()
         calls = []
         decoder = json.JSONDecoder()
         pos = 0
@@ -333,7 +366,7 @@ class PythonicParser(_Trailing):
     __slots__ = ()
 
     def _read(self, tail: str) -> list[tuple[str, Any]] | None:
-        text = tail.removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        text = tail.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
         try:
             tree = ast.parse(text, mode="eval")
         except SyntaxError:
