@@ -128,16 +128,19 @@ def make_output_parser(
     """The parser of one response choice; None when there is nothing to parse (plain text).
 
     Tool calls are looked for only when ``tools`` are offered (and only calls to them count).
+    ``harmony`` is one format for reasoning, answer and calls: either name gives the one parser
+    of all three, even without ``tools`` (its channel markup is never the answer; tool calls
+    then come back as text).
     """
     check_parser_names(tool_call_parser, reasoning_parser)
     names = _names(tools)
-    tool_call_parser = tool_call_parser if names else None
-    if tool_call_parser is None and reasoning_parser is None:
-        return None
     if "harmony" in (tool_call_parser, reasoning_parser):
         from .harmony import HarmonyParser
 
         return HarmonyParser(names if tool_call_parser == "harmony" else frozenset())
+    tool_call_parser = tool_call_parser if names else None
+    if tool_call_parser is None and reasoning_parser is None:
+        return None
     reasoning = None
     if reasoning_parser is not None:
         from .reasoning import ThinkTags
