@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from turnout.cli.flags import env_name
 from turnout.cli.main import build_parser
+from turnout.protocols.model import MDC_ROOT, ModelDeploymentCard
+from turnout.runtime.discovery import FileStore
 
 
 def run(
@@ -41,6 +46,14 @@ def run(
         ),
         (["worker", "--engine", "mocker", "--kv-transfer-bandwidth", "0"], "bandwidth_gbps"),
         (["worker", "--endpoint", "just-one-part"], "namespace/component/endpoint"),
+        (
+            ["worker", "--engine", "mocker", "--tool-call-parser", "hermez"],
+            "unknown tool-call parser 'hermez' (known: deepseek_v3, harmony, hermes, ",
+        ),
+        (
+            ["worker", "--reasoning-parser", "r2"],
+            "unknown reasoning parser 'r2' (known: deepseek_r1, harmony, qwen3)",
+        ),
         (
             ["frontend", "--store", "etcd", "--store-endpoints", "http://127.0.0.1:1"],
             "cannot reach etcd at",
@@ -99,3 +112,34 @@ def test_readme_documents_every_flag() -> None:
                 if flag.startswith("--") and flag != "--help" and f"`{flag}" not in readme:
                     missing.append(f"{name} {flag}")
     assert not missing, f"README lacks: {missing}"
+
+
+@pytest.mark.slow
+def test_the_worker_command_announces_its_parsers_in_the_card(tmp_path: Path) -> None:
+    """Read back from the store by another process, as a frontend would."""
+    store = tmp_path / "s.sqlite"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "turnout", "worker", "--engine", "mocker", "--model-name", "m",
+         "--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1",
+         "--store", "file", "--store-path", str(store), "--log-level", "warning"],
+    )  # fmt: skip
+
+    async def cards() -> list[ModelDeploymentCard]:
+        s = FileStore(store)
+        try:
+            kvs = await s.get_prefix(f"{MDC_ROOT}/")
+        finally:
+            await s.close()
+        return [msgspec.json.decode(kv.value, type=ModelDeploymentCard) for kv in kvs]
+
+    try:
+        deadline = time.monotonic() + 60
+        while not (found := asyncio.run(cards())):
+            assert worker.poll() is None, "the worker exited"
+            assert time.monotonic() < deadline, "no card within a minute"
+            time.sleep(0.2)
+        caps = found[0].capabilities
+        assert (caps.tool_call_parser, caps.reasoning_parser) == ("mistral", "deepseek_r1")
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
