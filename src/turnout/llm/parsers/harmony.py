@@ -17,8 +17,11 @@ them); ``<|end|>`` and the next ``<|start|>`` end a message too.
 
 This reads the decoded text (special tokens kept), not token ids: ``openai-harmony``'s token
 parser needs its o200k vocabulary, which it downloads on first use, and nothing here may
-download at run time. Text that never reaches a message body (output without harmony
-markup) is answer text, released at the end.
+download at run time (offline, ``load_harmony_encoding(HARMONY_GPT_OSS)`` of openai-harmony
+0.0.8 fails at once with ``HarmonyError: error downloading or loading vocab file``; a local
+copy would have to be put in place and named by ``TIKTOKEN_ENCODINGS_BASE``). Text that
+never reaches a message body (output without harmony markup) is answer text, released at
+the end.
 """
 
 from __future__ import annotations

@@ -6,7 +6,16 @@
   model was cut off while thinking).
 * ``qwen3``: Qwen3 writes ``<think>`` itself when it thinks (with thinking disabled, its
   template puts an empty ``<think></think>`` in the prompt); output that does not start with
-  the tag (after white space) is all answer.
+  the tag (after white space) is all answer, streamed as it comes.
+
+  vLLM's newer ``qwen3`` parser also reads text before a ``</think>`` that was never opened as
+  reasoning, for the Thinking-2507 models whose template opens the tag in the prompt. It can
+  only do so whole: streamed, text before the ``</think>`` has gone out already, and vLLM's
+  stream and whole answer then disagree (its stream calls it reasoning, its whole answer
+  content when no ``</think>`` follows). Here a stream and a whole answer always agree, and a
+  plain answer must not wait for the end to know it has no ``</think>``; so ``qwen3`` keeps
+  to the opening tag, and models whose template opens it (Qwen3-*-Thinking-2507, QwQ) take
+  ``deepseek_r1``, which starts inside the reasoning.
 
 Streamed, a tag split across deltas is held back until it is known to be one.
 """
