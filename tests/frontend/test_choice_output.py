@@ -106,3 +106,19 @@ def test_reasoning_and_content_pieces_become_delta_fields() -> None:
     data: dict[str, Any] = json.loads(raw[6:])
     assert data["choices"][0]["delta"] == {"reasoning_content": "hmm"}
     _chunk(raw)
+
+
+def test_harmony_parses_channels_even_without_tools() -> None:
+    from turnout.frontend.choice_output import output_parser
+    from turnout.protocols.model import ModelCapabilities
+
+    caps = ModelCapabilities(tool_call_parser="harmony")
+    parser = output_parser(caps, None, None)
+    assert parser is not None
+    text = (
+        "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>hi"
+    )
+    out = parser.feed(text)
+    tail = parser.finish()
+    assert (out.reasoning + tail.reasoning, out.content + tail.content) == ("think", "hi")
+    assert output_parser(ModelCapabilities(tool_call_parser="hermes"), None, None) is None

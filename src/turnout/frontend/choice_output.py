@@ -78,8 +78,11 @@ def output_parser(
     if tools and isinstance(tool_choice, dict):
         return NamedToolOutput(named_tool(tool_choice))
     parse_tools = bool(tools) and tool_choice != "none"
+    # gpt-oss writes every answer in harmony's channels: its parser always runs (without
+    # tools its calls are text), or the analysis markup would become the answer.
+    keep = parse_tools or capabilities.tool_call_parser == "harmony"
     return make_output_parser(
-        tool_call_parser=capabilities.tool_call_parser if parse_tools else None,
+        tool_call_parser=capabilities.tool_call_parser if keep else None,
         reasoning_parser=capabilities.reasoning_parser,
         tools=tools if parse_tools else None,
     )
