@@ -1,11 +1,27 @@
 """Anthropic's Messages API request (``POST /v1/messages``, ``/v1/messages/count_tokens``)
 and its translation into the chat request that runs it.
 
-Every field is honoured or refused with a 400 naming it (unknown fields by the struct).
-Assistant ``thinking`` blocks in the history are dropped, as chat templates drop earlier
-turns' reasoning; ``tool_use`` / ``tool_result`` blocks become the chat template's tool calls
-and tool messages. ``anthropic-version`` and ``x-api-key`` headers are accepted and not
-checked: authentication belongs to the gateway in front of turnout.
+Every field is honoured or refused with a 400 naming it, at every depth: content blocks,
+``tool_choice``, ``thinking`` and ``metadata`` are structs that refuse unknown fields, and a
+block of an unknown ``type`` is refused by its tag. Client tools are checked the same way once
+told apart from server tools (``web_search_...``, refused by name).
+
+Translation:
+
+* ``system`` (a string or text blocks) is the first, ``system`` message.
+* Assistant ``thinking`` / ``redacted_thinking`` blocks in the history are dropped, as chat
+  templates drop earlier turns' reasoning (and their signatures are Claude's).
+* ``tool_use`` / ``tool_result`` blocks become the chat template's tool calls and tool
+  messages; ``is_error`` prefixes the result with ``Error: ``.
+* ``cache_control`` (on blocks and tools) is accepted: the engines cache every prompt prefix
+  by themselves, so the prefix a breakpoint marks is cached without it.
+* ``thinking`` ``disabled`` sets the template's ``enable_thinking`` (Qwen3's switch) on a
+  model that reasons; a reasoning model whose template has no such switch cannot stop, so the
+  request is refused. ``enabled`` is refused: a reasoning budget cannot be held to.
+* Tools with ``strict: true`` are refused: nothing holds a call's input to its schema.
+
+``anthropic-version`` and ``x-api-key`` headers are accepted and not checked: authentication
+belongs to the gateway in front of turnout.
 """
 
 from __future__ import annotations
@@ -19,56 +35,160 @@ from turnout.errors import RequestError
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, ChatMessage
 
+#: The options of every tagged request struct: strict, told apart by `type`.
+_TAGGED: dict[str, Any] = {"kw_only": True, "forbid_unknown_fields": True, "tag_field": "type"}
+
+
+class CacheControlEphemeral(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A prompt-cache breakpoint (served by the engines' automatic prefix caching)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlockParam(msgspec.Struct, tag="text", **_TAGGED):
+    text: str
+    cache_control: CacheControlEphemeral | None = None
+    #: Only null or empty: there are no documents to cite.
+    citations: list[Any] | None = None
+
+
+class ImageBlockParam(msgspec.Struct, tag="image", **_TAGGED):
+    """Decoded so it is refused with its reason (no model served here takes images)."""
+
+    source: dict[str, Any]
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ToolUseBlockParam(msgspec.Struct, tag="tool_use", **_TAGGED):
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ToolResultBlockParam(msgspec.Struct, tag="tool_result", **_TAGGED):
+    tool_use_id: str
+    content: str | list[TextBlockParam | ImageBlockParam] = ""
+    is_error: bool | None = None
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ThinkingBlockParam(msgspec.Struct, tag="thinking", **_TAGGED):
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingBlockParam(
+    msgspec.Struct,
+    tag="redacted_thinking",
+    **_TAGGED,
+):
+    data: str
+
+
+ContentBlockParam = (
+    TextBlockParam
+    | ImageBlockParam
+    | ToolUseBlockParam
+    | ToolResultBlockParam
+    | ThinkingBlockParam
+    | RedactedThinkingBlockParam
+)
+
 
 class InputMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["user", "assistant"]
-    #: A string, or content blocks (``text``, ``tool_use``, ``tool_result``, ``thinking``).
-    content: str | list[dict[str, Any]]
+    content: str | list[ContentBlockParam]
+
+
+class ToolChoiceAuto(msgspec.Struct, tag="auto", **_TAGGED):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(msgspec.Struct, tag="any", **_TAGGED):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(msgspec.Struct, tag="tool", **_TAGGED):
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(msgspec.Struct, tag="none", **_TAGGED):
+    pass
+
+
+ToolChoiceParam = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+class ThinkingEnabled(msgspec.Struct, tag="enabled", **_TAGGED):
+    """Decoded so it is refused with its reason."""
+
+    budget_tokens: int
+
+
+class ThinkingDisabled(msgspec.Struct, tag="disabled", **_TAGGED):
+    pass
+
+
+class ClientTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A client tool; server tools carry a versioned ``type`` and are refused by it."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControlEphemeral | None = None
+    strict: bool | None = None
+
+
+class MessageMetadata(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    #: The end user's id: chat's ``user``.
+    user_id: str | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     messages: list[InputMessage]
-    system: str | list[dict[str, Any]] | None = None
+    system: str | list[TextBlockParam] | None = None
+    #: Loose here so a server tool is refused by its name (client tools: ``ClientTool``).
     tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingEnabled | ThinkingDisabled | None = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    #: Anthropic's range (chat completions' reaches 2).
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    metadata: MessageMetadata | None = None
+    #: One tier here, which serves both.
+    service_tier: Literal["auto", "standard_only"] | None = None
 
 
 def to_chat(
     req: CountTokensRequest, card: ModelDeploymentCard, *, max_tokens: int | None = None
 ) -> ChatCompletionRequest:
-    """The chat request that runs ``req`` on the model of ``card``."""
-    messages: list[ChatMessage] = []
-    if req.system:
-        messages.append(ChatMessage(role="system", content=_text(req.system, "system")))
-    for message in req.messages:
-        messages.extend(_message(message))
+    """The chat request that runs ``req`` on the model of ``card``. A ``CountTokensRequest``
+    renders the same prompt with tool choice ``none``: tools reach the template whatever the
+    choice, and counting needs no tool-call parser."""
     if not req.messages:
         raise RequestError("'messages' must not be empty", param="messages")
+    messages: list[ChatMessage] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else _text(req.system, "system")
+        messages.append(ChatMessage(role="system", content=system))
+    for i, message in enumerate(req.messages):
+        messages.extend(_message(message, f"messages[{i}]", card.display_name))
+    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)] if req.tools else None
+    tool_choice = _tool_choice(req.tool_choice, tools)
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
-        if req.service_tier not in (None, "auto", "standard_only"):
-            raise RequestError(
-                "'service_tier' must be 'auto' or 'standard_only'", param="service_tier"
-            )
-        user = (req.metadata or {}).get("user_id")
-        unknown = set(req.metadata or {}) - {"user_id"}
-        if unknown:
-            raise RequestError(
-                f"'metadata' has unknown field(s) {sorted(unknown)}", param="metadata"
-            )
         fields = {
             "max_tokens": req.max_tokens,
             "stop": req.stop_sequences,
@@ -76,143 +196,155 @@ def to_chat(
             "top_p": req.top_p,
             "top_k": req.top_k,
             "stream": req.stream,
-            "user": user if isinstance(user, str) else None,
+            "user": req.metadata.user_id if req.metadata is not None else None,
         }
-    elif max_tokens is not None:
-        fields["max_tokens"] = max_tokens
-    tools = [_tool(t) for t in req.tools] if req.tools else None
+    else:
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        if tools:
+            tool_choice = "none"
     return ChatCompletionRequest(
         model=req.model,
         messages=messages,
         tools=tools,
-        tool_choice=_tool_choice(req.tool_choice, bool(tools)),
+        tool_choice=tool_choice,
         chat_template_kwargs=_thinking(req.thinking, card),
         **fields,
     )
 
 
-def _message(message: InputMessage) -> list[ChatMessage]:
+def _message(message: InputMessage, where: str, model: str) -> list[ChatMessage]:
     role, content = message.role, message.content
     if isinstance(content, str):
         return [ChatMessage(role=role, content=content)]
     out: list[ChatMessage] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for block in content:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind == "tool_use" and role == "assistant":
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(block, TextBlockParam):
+            if block.citations:
+                raise RequestError("citations are not supported", param=f"{at}.citations")
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlockParam) and role == "assistant":
+            arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
                 {
-                    "id": _string(block, "id"),
+                    "id": block.id,
                     "type": "function",
-                    "function": {
-                        "name": _string(block, "name"),
-                        "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False),
-                    },
+                    "function": {"name": block.name, "arguments": arguments},
                 }
             )
-        elif kind == "tool_result" and role == "user":
-            result = block.get("content", "")
-            text = result if isinstance(result, str) else _text(result, "messages")
-            if block.get("is_error"):
-                text = f"Error: {text}"
+        elif isinstance(block, ToolResultBlockParam) and role == "user":
+            result = block.content
+            if not isinstance(result, str):
+                result = _text(result, f"{at}.content", model)
             out.append(
-                ChatMessage(role="tool", tool_call_id=_string(block, "tool_use_id"), content=text)
+                ChatMessage(
+                    role="tool",
+                    tool_call_id=block.tool_use_id,
+                    content=f"Error: {result}" if block.is_error else result,
+                )
             )
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+        elif isinstance(block, ThinkingBlockParam | RedactedThinkingBlockParam) and (
+            role == "assistant"
+        ):
             continue
+        elif isinstance(block, ImageBlockParam):
+            raise _no_image(model, at)
         else:
+            kind = type(block).__struct_config__.tag
             raise RequestError(
-                f"content blocks of type {kind!r} are not supported in {role} messages",
-                param="messages",
+                f"content blocks of type {kind!r} are not supported in {role} messages", param=at
             )
     if texts or calls:
         out.append(ChatMessage(role=role, content="".join(texts), tool_calls=calls or None))
     return out
 
 
-def _string(block: dict[str, Any], name: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str):
-        raise RequestError(f"{block.get('type')} blocks need a string '{name}'", param="messages")
-    return value
-
-
-def _text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"'{param}' must be a string or a list of text blocks", param=param)
-    texts = []
-    for block in content:
-        if (
-            not isinstance(block, dict)
-            or block.get("type") != "text"
-            or not isinstance(block.get("text"), str)
-        ):
-            kind = block.get("type") if isinstance(block, dict) else None
-            raise RequestError(
-                f"blocks of type {kind!r} are not supported here (text only)", param=param
-            )
-        texts.append(block["text"])
-    return "".join(texts)
-
-
-def _tool(tool: dict[str, Any]) -> dict[str, Any]:
-    if tool.get("type") not in (None, "custom") or not isinstance(tool.get("name"), str):
-        raise RequestError(
-            f"tools of type {tool.get('type')!r} are not supported (client tools with a "
-            "'name' and an 'input_schema' only)",
-            param="tools",
-        )
-    fn: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
-    if tool.get("description"):
-        fn["description"] = tool["description"]
-    return {"type": "function", "function": fn}
-
-
-def _tool_choice(choice: dict[str, Any] | None, has_tools: bool) -> Any:
-    if choice is None:
-        return None
-    if choice.get("disable_parallel_tool_use"):
-        raise RequestError(
-            "'disable_parallel_tool_use' is not supported (a model may call several tools)",
-            param="tool_choice",
-        )
-    kind = choice.get("type")
-    if kind == "none":
-        return "none" if has_tools else None
-    if not has_tools:
-        raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
-    if kind == "auto":
-        return "auto"
-    if kind == "any":
-        return "required"
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise RequestError(
-        '\'tool_choice\' must be {"type": "auto" | "any" | "none"} or '
-        '{"type": "tool", "name": ...}',
-        param="tool_choice",
+def _no_image(model: str, where: str) -> RequestError:
+    return RequestError(
+        f"model '{model}' does not take images (content blocks of type 'image' are refused)",
+        param=where,
     )
 
 
-def _thinking(thinking: dict[str, Any] | None, card: ModelDeploymentCard) -> dict[str, Any] | None:
-    """``thinking``: ``disabled`` asks the template not to think (Qwen3's ``enable_thinking``)
-    on a model that reasons; ``enabled`` is refused, since a token budget for the reasoning
-    cannot be held to (a model with a reasoning parser returns its thinking regardless)."""
+def _text(blocks: list[Any], param: str, model: str = "") -> str:
+    texts = []
+    for k, block in enumerate(blocks):
+        if isinstance(block, ImageBlockParam):
+            raise _no_image(model, f"{param}[{k}]")
+        if block.citations:
+            raise RequestError("citations are not supported", param=f"{param}[{k}].citations")
+        texts.append(block.text)
+    return "".join(texts)
+
+
+def _tool(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    kind = raw.get("type")
+    if kind not in (None, "custom"):
+        raise RequestError(
+            f"tools of type {kind!r} are not supported (client tools with a 'name' and an "
+            "'input_schema' only)",
+            param=where,
+        )
+    try:
+        tool = msgspec.convert(raw, ClientTool)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"invalid tool: {exc}", param=where) from None
+    if tool.strict:
+        raise RequestError(
+            "'strict' tools are not supported: nothing holds a call's input to its schema",
+            param=f"{where}.strict",
+        )
+    fn: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description:
+        fn["description"] = tool.description
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: ToolChoiceParam | None, tools: list[dict[str, Any]] | None) -> Any:
+    if choice is None:
+        return None
+    if isinstance(choice, ToolChoiceNone):
+        return "none" if tools else None
+    if choice.disable_parallel_tool_use:
+        raise RequestError(
+            "'disable_parallel_tool_use' is not supported (a model may call several tools)",
+            param="tool_choice.disable_parallel_tool_use",
+        )
+    if not tools:
+        raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
+    if isinstance(choice, ToolChoiceAuto):
+        return "auto"
+    if isinstance(choice, ToolChoiceAny):
+        return "required"
+    if choice.name not in {t["function"]["name"] for t in tools}:
+        raise RequestError(
+            f"'tool_choice' names '{choice.name}', which is not one of the tools",
+            param="tool_choice.name",
+        )
+    return {"type": "function", "function": {"name": choice.name}}
+
+
+def _thinking(
+    thinking: ThinkingEnabled | ThinkingDisabled | None, card: ModelDeploymentCard
+) -> dict[str, Any] | None:
+    """``thinking`` (see the module docstring)."""
     if thinking is None:
         return None
-    kind = thinking.get("type")
-    if kind == "disabled":
-        reasons = card.capabilities.reasoning_parser is not None
-        return {"enable_thinking": False} if reasons else None
-    if kind == "enabled":
+    if isinstance(thinking, ThinkingEnabled):
         raise RequestError(
             "'thinking' budgets are not enforced by turnout; a model with a reasoning parser "
             "returns its thinking blocks without this field",
             param="thinking",
         )
-    raise RequestError("'thinking.type' must be 'enabled' or 'disabled'", param="thinking")
+    if card.capabilities.reasoning_parser is None:
+        return None  # it does not reason: disabled already
+    if "enable_thinking" not in (card.chat_template or ""):
+        raise RequestError(
+            f"model '{card.display_name}' always reasons (its chat template has no "
+            "'enable_thinking' switch): thinking cannot be disabled",
+            param="thinking",
+        )
+    return {"enable_thinking": False}
