@@ -5,16 +5,20 @@ the anthropic types by the suite's conformance hook)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from tests.frontend.stack import Stack
+from tests.frontend.stack import Stack, WholePromptEcho, make_stack
+from tests.helpers import assert_no_leaked_tasks
 
+from turnout.engines.mocker import MockerConfig, make_mocker_engines
 from turnout.frontend.anthropic_api import MessageWriter
 from turnout.frontend.choice_output import ChoicePiece
 from turnout.frontend.responses import make_usage
@@ -167,6 +171,27 @@ async def test_count_tokens_matches_the_usage(stack: Stack) -> None:
          "invalid_request_error", "messages[0].role"),
         ({"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
          404, "not_found_error", "nope"),
+        # Unknown fields are refused at every depth, never accepted and ignored.
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi", "bogus": 1}]}]},
+         400, "invalid_request_error", "messages[0].content[0].bogus"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "r", "whatever": 2}]}]},
+         400, "invalid_request_error", "whatever"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+          "tools": [{**TOOL, "defer_loading": True}], "tool_choice": {"type": "none"}},
+         400, "invalid_request_error", "defer_loading"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+          "tools": [{**TOOL, "strict": True}], "tool_choice": {"type": "none"}},
+         400, "invalid_request_error", "strict"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+          "tool_choice": {"type": "none", "extra": 1}},
+         400, "invalid_request_error", "tool_choice.extra"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+          "metadata": {"user_id": "u", "session": "s"}},
+         400, "invalid_request_error", "metadata.session"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+          "temperature": 1.5}, 400, "invalid_request_error", "temperature"),
     ],
 )  # fmt: skip
 async def test_refusals_have_anthropic_errors(
@@ -235,3 +260,135 @@ async def test_a_tool_round_trip_renders_with_the_models_own_template(echo_stack
     )  # fmt: skip
     assert out.type == "message"
     await api.close()
+
+
+async def test_count_tokens_with_tools_needs_no_tool_call_parser(stack: Stack) -> None:
+    """Counting runs nothing, so a model that could not parse a call still counts a prompt
+    with tools: what the same request, tools passed as context, reports."""
+    api = client(stack)
+    messages: Any = [{"role": "user", "content": "Weather in Oslo?"}]
+    counted = await api.messages.count_tokens(model="echo", tools=[TOOL], messages=messages)
+    out = await api.messages.create(
+        model="echo", max_tokens=5, tools=[TOOL], tool_choice={"type": "none"}, messages=messages
+    )
+    assert counted.input_tokens == out.usage.input_tokens > 0
+    await api.close()
+
+
+async def test_cached_prompt_tokens_are_not_counted_twice(gguf_path: str) -> None:
+    """Anthropic's accounting: input + cache read = the prompt (what count_tokens says)."""
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=0)
+    await stack.add_worker(
+        make_mocker_engines(config, 1, model_path=gguf_path)[0], model_name="mock"
+    )
+    await stack.wait_for_model("mock")
+    api = client(stack)
+    try:
+        messages: Any = [{"role": "user", "content": "word " * 200}]
+        prompt = (await api.messages.count_tokens(model="mock", messages=messages)).input_tokens
+        first = await api.messages.create(model="mock", max_tokens=4, messages=messages)
+        assert first.usage.input_tokens == prompt
+        async with api.messages.stream(model="mock", max_tokens=4, messages=messages) as again:
+            second = await again.get_final_message()
+        usage = second.usage
+        assert usage.cache_read_input_tokens and usage.cache_read_input_tokens > 0
+        assert usage.input_tokens + usage.cache_read_input_tokens == prompt
+    finally:
+        await api.close()
+        await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+async def test_thinking_blocks_from_a_reasoning_model(gguf_path: str) -> None:
+    """A model with a reasoning parser answers with a thinking block (empty signature) then
+    text, whole and streamed; it cannot be told not to think when its template has no
+    switch for it."""
+    before = set(asyncio.all_tasks())
+    stack = await make_stack()
+    await stack.add_worker(
+        WholePromptEcho(gguf_path), model_name="r1", reasoning_parser="deepseek_r1"
+    )
+    await stack.wait_for_model("r1")
+    api = client(stack)
+    try:
+        messages: Any = [{"role": "user", "content": "ponder</think>The answer."}]
+        out = await api.messages.create(model="r1", max_tokens=200, messages=messages)
+        assert [b.type for b in out.content] == ["thinking", "text"]
+        thinking = out.content[0]
+        assert thinking.type == "thinking" and "user: ponder" in thinking.thinking
+        assert thinking.signature == ""
+        assert text_of(out).startswith("The answer.") and out.stop_reason == "end_turn"
+        kinds = []
+        stream = await api.messages.create(
+            model="r1", max_tokens=200, messages=messages, stream=True
+        )
+        async for event in stream:
+            delta = event.delta.type if event.type == "content_block_delta" else None
+            kinds.append((event.type, delta))
+        assert kinds[:3] == [
+            ("message_start", None), ("content_block_start", None),
+            ("content_block_delta", "thinking_delta"),
+        ]  # fmt: skip
+        assert ("content_block_delta", "signature_delta") in kinds
+        with pytest.raises(anthropic.BadRequestError, match="always reasons"):
+            await api.messages.create(
+                model="r1", max_tokens=20, messages=messages, thinking={"type": "disabled"}
+            )
+    finally:
+        await api.close()
+        await stack.close()
+    await assert_no_leaked_tasks(before)
+
+
+def stream_of(writer: MessageWriter) -> list[dict[str, Any]]:
+    assert writer.events is not None
+    adapter: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
+    events = []
+    for raw in writer.events:
+        head, data = raw.decode().split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert head == "event: " + event["type"]
+        adapter.validate_python(event, strict=True)
+        events.append(event)
+    return events
+
+
+def test_a_malformed_call_is_text_alike_streamed_and_whole() -> None:
+    """Arguments that are not a JSON object make a text block in the stream as in the whole
+    message (the client's stream helper would raise on a broken call's partial_json), and
+    the message did not stop for a tool."""
+    writer = MessageWriter("m", stream=True)
+    writer.start(5)
+    writer.add(ChoicePiece(content="Calling."))
+    writer.add(ChoicePiece(tool_calls=[ToolCallDelta(0, "c", "get_weather", "{city: Oslo}")]))
+    final = writer.finish("tool_calls", None, make_usage(5, 9, 0))
+    snapshot = None
+    buffers: dict[int, bytes] = {}
+    for event in stream_of(writer):
+        parsed = TypeAdapter(RawMessageStreamEvent).validate_python(event)
+        snapshot = accumulate_event(event=parsed, current_snapshot=snapshot, json_bufs=buffers)
+    assert snapshot is not None
+    message = Message.model_validate(final, strict=True)
+    assert [b.type for b in message.content] == ["text", "text"]
+    assert message.content[1].text == "{city: Oslo}"  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn" == snapshot.stop_reason
+    assert [b.model_dump() for b in snapshot.content] == [b.model_dump() for b in message.content]
+
+
+def test_a_call_streams_whole_once_its_arguments_are_in() -> None:
+    writer = MessageWriter("m", stream=True)
+    writer.start(5)
+    writer.add(ChoicePiece(tool_calls=[ToolCallDelta(0, "c", "get_weather", '{"city": ')]))
+    assert writer.events is not None and len(writer.events) == 1  # message_start only
+    writer.add(ChoicePiece(tool_calls=[ToolCallDelta(0, arguments='"Rome"}')]))
+    writer.finish("tool_calls", None, make_usage(5, 9, 0))
+    events = stream_of(writer)
+    assert [e["type"] for e in events] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+    assert events[1]["content_block"]["type"] == "tool_use"
+    assert json.loads(events[2]["delta"]["partial_json"]) == {"city": "Rome"}
+    assert events[4]["delta"]["stop_reason"] == "tool_use"

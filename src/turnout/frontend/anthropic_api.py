@@ -13,6 +13,17 @@ Anthropic's events::
 
 and an ``error`` event for a failure after streaming started. Errors on these routes have
 Anthropic's body, ``{"type": "error", "error": {"type", "message"}}``.
+
+A tool call's block is sent once its arguments are complete (start, one ``input_json_delta``
+with the whole input, stop): arguments that are not a JSON object (cut by the token limit, or
+malformed) make a ``text`` block instead, streamed as whole, so the stream and the whole
+message agree and the client's stream helper, which parses ``partial_json`` as it comes,
+never meets a broken call. The parsers hand arguments over whole anyway, so nothing is
+delayed in practice. ``stop_reason`` is ``tool_use`` only when a ``tool_use`` block remains.
+
+Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens not read from
+the prefix cache, ``cache_read_input_tokens`` those that were (their sum is the prompt, what
+``count_tokens`` answers).
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ _ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -85,12 +97,13 @@ class MessageWriter:
         for call in piece.tool_calls:
             if call.id is not None or call.index != self._call_index:
                 self._close()
-                self._begin({"type": "tool_use", "id": "toolu_" + new_request_id(),
-                             "name": call.name or "", "input": {}})  # fmt: skip
+                # Held until its arguments are complete (see the module docstring).
+                self._open = {"type": "tool_use", "id": "toolu_" + new_request_id(),
+                              "name": call.name or "", "input": {}}  # fmt: skip
+                self._parts = []
                 self._call_index = call.index
             if call.arguments:
                 self._parts.append(call.arguments)
-                self._delta({"type": "input_json_delta", "partial_json": call.arguments})
 
     def finish(self, finish_reason: str, stop_sequence: str | None, usage: Usage) -> dict[str, Any]:
         """Close the open block; the whole message (and, streamed, its last events)."""
@@ -98,8 +111,11 @@ class MessageWriter:
         reason = _STOP_REASONS.get(finish_reason, "end_turn")
         if stop_sequence is not None and finish_reason == "stop":
             reason = "stop_sequence"
+        if reason == "tool_use" and not any(b["type"] == "tool_use" for b in self.blocks):
+            reason = "end_turn"  # its only calls were not calls (see the module docstring)
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        usage_body = _usage_of(usage.prompt_tokens, usage.completion_tokens, cached or 0)
+        cached = cached or 0
+        usage_body = _usage_of(usage.prompt_tokens - cached, usage.completion_tokens, cached)
         self._emit(
             "message_delta",
             delta={"stop_reason": reason, "stop_sequence": stop_sequence},
@@ -127,6 +143,7 @@ class MessageWriter:
             self._delta({"type": "text_delta", "text": text})
 
     def _begin(self, block: dict[str, Any]) -> None:
+        """Send ``block``'s ``content_block_start`` (its index: the blocks before it)."""
         self._open = block
         self._parts = []
         self._emit("content_block_start", index=len(self.blocks), content_block=block)
@@ -150,9 +167,15 @@ class MessageWriter:
             except ValueError:
                 arguments = None
             if isinstance(arguments, dict):
+                self._begin(block)
                 block = {**block, "input": arguments}
-            else:  # arguments cut short (the token limit): text, not a call
+                self._delta(
+                    {"type": "input_json_delta", "partial_json": _json.encode(arguments).decode()}
+                )
+            else:  # arguments cut short (the token limit) or malformed: text, not a call
                 block = {"type": "text", "text": text}
+                self._begin({"type": "text", "text": ""})
+                self._delta({"type": "text_delta", "text": text})
         self._emit("content_block_stop", index=len(self.blocks))
         self.blocks.append(block)
         self._open = None
