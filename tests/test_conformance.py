@@ -87,3 +87,18 @@ def test_responses_and_messages_bodies_are_checked_too() -> None:
     fetch(conformance, 400, json.dumps(openai_shaped).encode(), "application/json",
           "/v1/messages")  # fmt: skip
     assert len(conformance.violations) == 5, conformance.violations
+
+
+@pytest.mark.no_conformance
+def test_anthropic_error_types_are_checked() -> None:
+    """Anthropic's documented 413 type passes; an unknown type, or request_too_large on
+    another status, does not."""
+    conformance = Conformance()
+    for status, kind in ((413, "request_too_large"), (529, "overloaded_error")):
+        body = {"type": "error", "error": {"type": kind, "message": "no"}}
+        fetch(conformance, status, json.dumps(body).encode(), "application/json", "/v1/messages")
+    assert conformance.violations == []
+    for status, kind in ((400, "request_too_large"), (500, "server_error")):
+        body = {"type": "error", "error": {"type": kind, "message": "no"}}
+        fetch(conformance, status, json.dumps(body).encode(), "application/json", "/v1/messages")
+    assert len(conformance.violations) == 2, conformance.violations

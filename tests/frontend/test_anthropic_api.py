@@ -392,3 +392,21 @@ def test_a_call_streams_whole_once_its_arguments_are_in() -> None:
     assert events[1]["content_block"]["type"] == "tool_use"
     assert json.loads(events[2]["delta"]["partial_json"]) == {"city": "Rome"}
     assert events[4]["delta"]["stop_reason"] == "tool_use"
+
+
+async def test_a_body_too_large_and_a_wrong_method_have_anthropic_errors(gguf_path: str) -> None:
+    before = set(asyncio.all_tasks())
+    stack = await make_stack(max_body_bytes=4096)
+    try:
+        async with httpx.AsyncClient(base_url=stack.url) as http:
+            big = {"model": "echo", "max_tokens": 5,
+                   "messages": [{"role": "user", "content": "x" * 8192}]}  # fmt: skip
+            r = await http.post("/v1/messages", json=big)
+            assert r.status_code == 413
+            assert r.json()["error"]["type"] == "request_too_large"
+            r = await http.get("/v1/messages/count_tokens")
+            assert r.status_code == 405
+            assert r.json()["type"] == "error", r.text
+    finally:
+        await stack.close()
+    await assert_no_leaked_tasks(before)

@@ -122,6 +122,8 @@ class HttpService:
             self._routes[("GET", "/busy_threshold")] = self._busy_threshold_get
             self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
         self._paths = {path for _, path in self._routes}
+        #: Each surface's error body by path (OpenAI's elsewhere): its 405s have its shape too.
+        self._error_bodies: dict[str, Callable[[HttpError], bytes]] = {}
         self.add_surface("POST", "/v1/responses", responses_surface(metrics))
         self.add_surface("POST", "/v1/messages", messages_surface(metrics))
         self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
@@ -148,12 +150,12 @@ class HttpService:
                 )
             else:
                 err = HttpError(404, f"no route for {scope.method} {path}", code="unknown_url")
-            self._send_error(proto, err)
+            self._send_error(proto, err, self._error_bodies.get(path))
             return
         try:
             await handler(scope, proto)
         except HttpError as exc:
-            self._send_error(proto, exc)
+            self._send_error(proto, exc, self._error_bodies.get(path))
 
     def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
         pass
@@ -162,8 +164,13 @@ class HttpService:
         pass
 
     @staticmethod
-    def _send_error(proto: HTTPProtocol, err: HttpError) -> None:
-        proto.response_bytes(err.status, JSON_HEADERS + err.headers, err.body())
+    def _send_error(
+        proto: HTTPProtocol,
+        err: HttpError,
+        error_body: Callable[[HttpError], bytes] | None = None,
+    ) -> None:
+        body = error_body(err) if error_body is not None else err.body()
+        proto.response_bytes(err.status, JSON_HEADERS + err.headers, body)
 
     async def _read_body(self, scope: Scope, proto: HTTPProtocol) -> bytes:
         declared = scope.headers.get("content-length")
@@ -245,6 +252,7 @@ class HttpService:
         """Serve another generation route (another API's shapes over the same pipelines)."""
         self._routes[(method, path)] = self._bind(surface)
         self._paths.add(path)
+        self._error_bodies[path] = surface.error_body
 
     def _bind(self, surface: Surface) -> Any:
         async def handler(scope: Scope, proto: HTTPProtocol) -> None:
