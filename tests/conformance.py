@@ -11,6 +11,10 @@ One leniency, OpenAI's own: a legacy completions stream sends ``finish_reason: n
 its last chunk, while ``openai.types.Completion`` (shared by the whole body and the chunks)
 types it non-null; such chunks are checked with the null read as "not finished yet".
 
+``/v1/embeddings`` bodies are checked as ``CreateEmbeddingResponse``, with a base64 vector
+(``encoding_format: base64``, the client's default) read as the little-endian float32s the
+client decodes it into (a string that is not such base64 is a violation).
+
 ``/v1/responses`` bodies are checked as ``Response``, its stream events as
 ``ResponseStreamEvent`` (the union the client parses them into); Anthropic's
 ``/v1/messages`` and ``/v1/messages/count_tokens`` against the ``anthropic`` client's
@@ -21,8 +25,11 @@ which the client's error union lacks; a 413 with it is checked as the union's sh
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import json
+import struct
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
@@ -31,7 +38,7 @@ import httpx
 import pydantic
 from anthropic.types import ErrorResponse as AnthropicError
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
-from openai.types import Completion, ErrorObject, Model
+from openai.types import Completion, CreateEmbeddingResponse, ErrorObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 
@@ -41,6 +48,7 @@ MODELS = "/v1/models"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
+EMBEDDINGS = "/v1/embeddings"
 _MESSAGE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(RawMessageStreamEvent)
 _RESPONSE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 
@@ -82,6 +90,8 @@ class Conformance:
             self._validate(path, Completion, data)
         elif path == RESPONSES:
             self._validate(path, Response, data)
+        elif path == EMBEDDINGS:
+            self._validate(path, CreateEmbeddingResponse, self._base64_as_floats(path, data))
         elif path == MODELS:
             if not isinstance(data, dict) or data.get("object") != "list":
                 self._fail(path, f"a model list without object 'list': {str(data)[:200]}")
@@ -113,6 +123,21 @@ class Conformance:
             self._validate(path, Completion, _unfinished_as_stop(data))
         elif path == RESPONSES:
             self._adapt(path, _RESPONSE_EVENT, "ResponseStreamEvent", data)
+
+    def _base64_as_floats(self, path: str, data: Any) -> Any:
+        for item in data.get("data") or [] if isinstance(data, dict) else []:
+            vector = item.get("embedding") if isinstance(item, dict) else None
+            if not isinstance(vector, str):
+                continue
+            try:
+                raw = base64.b64decode(vector, validate=True)
+            except binascii.Error:
+                raw = b"?"
+            if len(raw) % 4:
+                self._fail(path, f"an embedding that is not base64 float32s: {vector[:60]!r}")
+                continue
+            item["embedding"] = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+        return data
 
     def _adapt(self, path: str, adapter: pydantic.TypeAdapter[Any], name: str, data: Any) -> None:
         try:

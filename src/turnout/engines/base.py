@@ -1,6 +1,13 @@
 """The engine contract: what a worker runs behind its ``generate`` endpoint.
 
-An engine turns one ``PreprocessedRequest`` into a stream of ``LLMEngineOutput`` deltas.
+Two kinds of engine share one lifecycle (``EngineBase``: start, stop, card, failure):
+
+* ``Engine`` (LLMs) turns one ``PreprocessedRequest`` into a stream of ``LLMEngineOutput``
+  deltas, as described below.
+* ``UnaryEngine`` (embedding and tensor models) answers one request with one reply
+  (``protocols.unary``); it raises ``UnaryFailure`` to answer with an error instead.
+
+LLM engines:
 
 Contract:
 
@@ -26,14 +33,17 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Callable
+from typing import Any, ClassVar, Generic, TypeVar
 
-from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.llm import ErrorKind, LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
+from turnout.protocols.unary import UnaryReply
 from turnout.runtime.context import RequestContext
 
 
-class Engine(abc.ABC):
-    """One model replica (or, for the mocker, one simulated worker)."""
+class EngineBase(abc.ABC):
+    """One model replica (or, for the mocker, one simulated worker): what every engine
+    shares, whatever its requests."""
 
     #: Set by the worker (``on_failure``): called once with the reason the engine broke.
     _failure_handler: Callable[[str], None] | None = None
@@ -61,11 +71,6 @@ class Engine(abc.ABC):
         every few seconds; must not block."""
         return self.failure
 
-    @abc.abstractmethod
-    def generate(
-        self, request: PreprocessedRequest, ctx: RequestContext
-    ) -> AsyncIterator[LLMEngineOutput]: ...
-
     async def start(self) -> None:
         """Load weights, start background loops. Called once before ``generate``."""
 
@@ -83,3 +88,39 @@ class Engine(abc.ABC):
         Tokenizer, chat template, context length, block size and runtime config come from
         the engine, which knows its model.
         """
+
+
+class Engine(EngineBase):
+    """An LLM engine: a stream of token deltas per request (see the module doc)."""
+
+    @abc.abstractmethod
+    def generate(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]: ...
+
+
+class UnaryFailure(Exception):
+    """A unary engine's refusal or failure; the worker replies with ``error`` / ``error_kind``
+    (``ErrorKind``: ``BAD_REQUEST`` 400, ``OVERLOADED`` 503, ``ENGINE_FAILED`` retried
+    elsewhere)."""
+
+    def __init__(self, message: str, kind: ErrorKind) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+Req = TypeVar("Req")
+Reply = TypeVar("Reply", bound=UnaryReply)
+
+
+class UnaryEngine(EngineBase, Generic[Req, Reply]):
+    """An engine that answers each request with one reply (embeddings, tensors)."""
+
+    #: The msgpack types of its requests and replies (the worker decodes and encodes them).
+    request_type: ClassVar[type[Any]]
+    reply_type: ClassVar[type[UnaryReply]]
+
+    @abc.abstractmethod
+    async def run(self, request: Req, ctx: RequestContext) -> Reply:
+        """The reply to ``request``; raises ``UnaryFailure`` to refuse it. Cancelling the
+        call (client gone) must drop the work if it has not started."""

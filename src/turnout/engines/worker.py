@@ -10,6 +10,10 @@ Engines that take part in disaggregated serving (``serve_kv_transfer``) also ser
 The card names its artifacts (the tokenizer) by content only; the worker serves their bytes
 through the ``artifact`` side handler, in chunks, to any frontend that asks by sha256.
 
+Embedding and tensor engines (``UnaryEngine``) answer each request with one reply: the worker
+decodes the request as the engine's ``request_type`` and sends its reply, or an error reply
+(a refusal, a failure, a request that does not decode).
+
 Engine failure: when the engine reports that it broke (``Engine.report_failure``) or its
 ``health()`` probe, run every ``health_interval`` seconds, returns a reason, the worker
 (1) ends every in-flight stream with an ``ERROR`` output of kind ``engine_failed`` (the
@@ -27,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from turnout.engines.base import Engine
+from turnout.engines.base import Engine, EngineBase, UnaryEngine, UnaryFailure
 from turnout.engines.events import EventPlaneSink
 from turnout.engines.kv_transfer import RequestPlaneKvTransport
 from turnout.engines.lora_cards import LoraCardPublisher
@@ -71,7 +75,7 @@ class Worker:
     def __init__(
         self,
         runtime: DistributedRuntime,
-        engine: Engine,
+        engine: EngineBase,
         endpoint: EndpointId,
         *,
         model_name: str | None = None,
@@ -91,6 +95,11 @@ class Worker:
             check_parser_names(tool_call_parser, reasoning_parser)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if (tool_call_parser or reasoning_parser) and not isinstance(engine, Engine):
+            raise ConfigError(
+                "--tool-call-parser and --reasoning-parser read generated text; this engine "
+                "generates none"
+            )
         self.parsers = {
             name: value
             for name, value in (
@@ -116,6 +125,9 @@ class Worker:
         #: Set once the engine failed (``failure`` says why) and the instance left discovery.
         self.failed = asyncio.Event()
         self.failure: str | None = None
+        #: Set with ``failure``, at once (``failed`` waits until the instance has left):
+        #: unary requests in flight answer ``engine_failed`` when it is set.
+        self._failing = asyncio.Event()
         #: The output buffers of the streams in flight (failed at once if the engine breaks).
         self._buffers: set[_OutputBuffer] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -183,8 +195,9 @@ class Worker:
             self._kv_transport = RequestPlaneKvTransport(self.runtime)
             self.engine.bind_kv_transport(self._kv_transport, self.endpoint)  # type: ignore[attr-defined]
             handlers[KV_TRANSFER_HANDLER] = self._kv_transfer_handler(serve_kv_transfer)
+        handle = self._handle if isinstance(self.engine, Engine) else self._unary_handler()
         self.serving = await self.runtime.endpoint(self.endpoint).serve(
-            self._handle, records=records, handlers=handlers
+            handle, records=records, handlers=handlers
         )
         log.info(
             "worker %x serving model %r at %s",
@@ -224,6 +237,7 @@ class Worker:
         if self.failure is not None:
             return
         self.failure = reason
+        self._failing.set()
         instance = self.serving.instance_id if self.serving is not None else 0
         log.error("worker %x: engine failed (%s); leaving discovery", instance, reason)
         final = LLMEngineOutput(
@@ -241,6 +255,59 @@ class Worker:
                 await self.serving.stop(FAILURE_DRAIN_SECONDS)
         finally:
             self.failed.set()
+
+    def _unary_handler(self) -> Handler:
+        engine = self.engine
+        assert isinstance(engine, UnaryEngine)
+        decoder = msgspec.msgpack.Decoder(engine.request_type)
+        reply_type = engine.reply_type
+
+        async def handle(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+            if self.failure is not None:
+                yield _encode(
+                    reply_type(
+                        error=f"engine failed: {self.failure}",
+                        error_kind=ErrorKind.ENGINE_FAILED.value,
+                    )
+                )
+                return
+            try:
+                request = decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                yield _encode(
+                    reply_type(error=f"invalid request: {exc}", error_kind=ErrorKind.BAD_REQUEST)
+                )
+                return
+            yield _encode(await self._run_unary(engine, request, ctx))
+
+        return handle
+
+    async def _run_unary(
+        self, engine: UnaryEngine[Any, Any], request: object, ctx: RequestContext
+    ) -> object:
+        """The engine's reply, or an error reply; ``engine_failed`` as soon as the engine
+        breaks, even if its call never returns. Cancelled (client gone): the call is too."""
+        task = asyncio.ensure_future(engine.run(request, ctx))
+        failing = asyncio.ensure_future(self._failing.wait())
+        try:
+            await asyncio.wait({task, failing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failing.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+        if task.cancelled():
+            return engine.reply_type(
+                error=f"engine failed: {self.failure}", error_kind=ErrorKind.ENGINE_FAILED.value
+            )
+        exc = task.exception()
+        if exc is None:
+            return task.result()
+        if isinstance(exc, UnaryFailure):
+            return engine.reply_type(error=str(exc), error_kind=exc.kind.value)
+        # A failure of this request, not of the engine: a 500, not retried elsewhere.
+        log.error("request %s: engine raised", ctx.request_id, exc_info=exc)
+        return engine.reply_type(error=f"engine raised {type(exc).__name__}: {exc}")
 
     async def _handle(self, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
         """Run one request on the engine and stream its outputs, merging bursts.
@@ -274,7 +341,7 @@ class Worker:
             return
         buffer = _OutputBuffer()
         producer = buffer.producer = asyncio.get_running_loop().create_task(
-            buffer.fill(self.engine.generate(request, ctx))
+            buffer.fill(self.engine.generate(request, ctx))  # type: ignore[attr-defined]
         )
         self._buffers.add(buffer)
         try:

@@ -42,6 +42,7 @@ from .chat_run import ChatRun, write_run
 from .choice_output import ChoicePiece
 from .http_errors import HttpError
 from .metrics import FrontendMetrics
+from .model_manager import ModelKind
 from .pipeline import TextPipeline, TokensPipeline
 from .responses import JSON_HEADERS, new_request_id
 from .surface import Pipeline, Surface, SurfaceRequest, decode_json
@@ -251,7 +252,7 @@ def messages_surface(metrics: FrontendMetrics) -> Surface:
         finally:
             await run.aclose()
 
-    return Surface("messages", True, decode, serve, anthropic_error_body)
+    return Surface("messages", ModelKind.CHAT, decode, serve, anthropic_error_body)
 
 
 def count_tokens_surface() -> Surface:
@@ -275,4 +276,4 @@ def count_tokens_surface() -> Surface:
         pre = await tokens.preprocess(to_chat(request, tokens.card, max_tokens=1))
         proto.response_bytes(200, JSON_HEADERS, _json.encode({"input_tokens": len(pre.token_ids)}))
 
-    return Surface("count_tokens", True, decode, serve, anthropic_error_body)
+    return Surface("count_tokens", ModelKind.CHAT, decode, serve, anthropic_error_body)

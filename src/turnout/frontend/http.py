@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP service, as an RSGI application for granian.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``
+(``embeddings``), ``POST /v1/responses``, ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (surfaces of their own), ``GET /v1/models``,
 ``GET /health``, ``GET /live``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``),
 ``GET``/``POST /busy_threshold`` (``busy_threshold``). This module decodes, resolves, admits
 and accounts for requests; ``responder`` writes a generation's response.
@@ -39,9 +41,10 @@ from turnout.runtime.context import RequestContext
 from .admission import AdmissionController
 from .anthropic_api import count_tokens_surface, messages_surface
 from .busy_threshold import BusyThresholds
+from .embeddings import embeddings_surface
 from .http_errors import HttpError, to_http_error
 from .metrics import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics
-from .model_manager import ModelManager
+from .model_manager import KIND_ROUTES, ModelKind, ModelManager
 from .openapi import build_openapi
 from .pipeline import TextPipeline, TokensPipeline
 from .responder import Responder
@@ -127,6 +130,7 @@ class HttpService:
         self.add_surface("POST", "/v1/responses", responses_surface(metrics))
         self.add_surface("POST", "/v1/messages", messages_surface(metrics))
         self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
+        self.add_surface("POST", "/v1/embeddings", embeddings_surface())
         self._openapi_body = _json.encode(
             build_openapi(busy_thresholds=busy_thresholds is not None)
         )
@@ -203,12 +207,23 @@ class HttpService:
     async def _models(self, scope: Scope, proto: HTTPProtocol) -> None:
         manager = self.manager
         models = [
-            ModelObject(id=name, created=manager.created(name), root=name)
+            ModelObject(
+                id=name,
+                created=manager.created(name),
+                root=name,
+                endpoints=[KIND_ROUTES[kind] for kind in manager.kinds(name)],
+            )
             for name in manager.list_models()
         ]
         if manager.lora is not None:  # loaded LoRA adapters, vLLM's way
             models += [
-                ModelObject(id=name, created=manager.created(base), root=name, parent=base)
+                ModelObject(
+                    id=name,
+                    created=manager.created(base),
+                    root=name,
+                    parent=base,
+                    endpoints=[KIND_ROUTES[kind] for kind in manager.kinds(base)],
+                )
                 for name, base in manager.lora.listed()
             ]
         proto.response_bytes(200, JSON_HEADERS, _json.encode(ModelList(data=models)))
@@ -283,7 +298,9 @@ class HttpService:
                 await self._responder.serve_tokens(proto, pipeline, req.request, ctx, session_id)
 
         endpoint = "chat_completions" if is_chat else "completions"
-        return Surface(endpoint, is_chat, decode, serve)
+        return Surface(
+            endpoint, ModelKind.CHAT if is_chat else ModelKind.COMPLETIONS, decode, serve
+        )
 
     async def _generate(self, scope: Scope, proto: HTTPProtocol, surface: Surface) -> None:
         endpoint = surface.endpoint
@@ -312,11 +329,7 @@ class HttpService:
             body = await self._read_body(scope, proto)
             request = surface.decode(body)
             stream = request.stream
-            pipeline = (
-                self.manager.get_chat_completions_engine(request.model)
-                if surface.is_chat
-                else self.manager.get_completions_engine(request.model)
-            )
+            pipeline = self.manager.get_engine(surface.serves, request.model)
             model = request.model
             metrics = self.metrics.model(model)
             ticket = None

@@ -18,6 +18,7 @@ to the others and no lock is needed.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -30,13 +31,31 @@ if TYPE_CHECKING:
     from turnout.frontend.lora import LoraModels
     from turnout.runtime.component import EndpointClient
 
-__all__ = ["ModelAlreadyExists", "ModelManager"]
+__all__ = ["ModelAlreadyExists", "ModelKind", "ModelManager"]
 
 log = logging.getLogger(__name__)
 
 
 class ModelAlreadyExists(TurnoutError):
     """A model name was registered twice for the same kind of request (a bug in the caller)."""
+
+
+class ModelKind(enum.StrEnum):
+    """A kind of request, with its registry of engines (what an HTTP route resolves in)."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+    TENSOR = "tensor"
+
+
+#: The route that serves each kind (``/v1/models`` lists them per model).
+KIND_ROUTES = {
+    ModelKind.CHAT: "/v1/chat/completions",
+    ModelKind.COMPLETIONS: "/v1/completions",
+    ModelKind.EMBEDDINGS: "/v1/embeddings",
+    ModelKind.TENSOR: "/v1/tensor",
+}
 
 
 class _EngineRegistry:
@@ -85,6 +104,7 @@ class ModelManager:
         self._embeddings = _EngineRegistry("embeddings", clock)
         self._tensor = _EngineRegistry("tensor requests", clock)
         self._registries = (self._chat, self._completions, self._embeddings, self._tensor)
+        self._by_kind = dict(zip(ModelKind, self._registries, strict=True))
         # key -> card, and model name -> {key -> card}. Both change only in
         # save_model_entry / remove_model_entry, so they always agree.
         self._entries: dict[str, ModelDeploymentCard] = {}
@@ -151,6 +171,26 @@ class ModelManager:
 
     def get_tensor_engine(self, name: str) -> object:
         return self._get(self._tensor, name)
+
+    def add_engine(self, kind: ModelKind, name: str, engine: object) -> None:
+        """Serve ``name`` for ``kind`` requests; ``ModelAlreadyExists`` if it already is."""
+        self._by_kind[kind].add(name, engine)
+
+    def remove_engine(self, kind: ModelKind, name: str) -> None:
+        """Stop serving ``name`` for ``kind``; ``ModelNotFound`` if it was not."""
+        self._by_kind[kind].remove(name)
+
+    def list_models_of(self, kind: ModelKind) -> list[str]:
+        """Names served for ``kind`` requests, sorted."""
+        return self._by_kind[kind].names()
+
+    def get_engine(self, kind: ModelKind, name: str) -> object:
+        """The engine serving ``kind`` requests for ``name``; ``ModelNotFound`` (404) if none."""
+        return self._get(self._by_kind[kind], name)
+
+    def kinds(self, name: str) -> list[ModelKind]:
+        """The kinds of request ``name`` is served for (what ``/v1/models`` reports)."""
+        return [kind for kind, registry in self._by_kind.items() if name in registry]
 
     def _get(self, registry: _EngineRegistry, name: str) -> object:
         if name in registry:

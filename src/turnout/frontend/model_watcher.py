@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 import msgspec
 
 from turnout.errors import ModelNotFound
-from turnout.frontend.model_manager import ModelManager
+from turnout.frontend.model_manager import ModelKind, ModelManager
 from turnout.frontend.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.llm.artifacts import ArtifactError
 from turnout.protocols.model import (
@@ -86,8 +86,6 @@ if TYPE_CHECKING:
     from turnout.runtime.component import DistributedRuntime, EndpointClient
 
     _Builder = Callable[[ModelDeploymentCard, EndpointClient], Awaitable[object]]
-    _Register = Callable[[str, object], None]
-    _Unregister = Callable[[str], None]
 
 __all__ = [
     "GLOBAL_NAMESPACES",
@@ -113,8 +111,33 @@ WATCH_RETRY_MAX_SECONDS = 10.0
 #: namespace given) and ``"global"``. Any other name serves only its own namespace.
 GLOBAL_NAMESPACES = frozenset({"", "global"})
 
-#: The (ModelInput, ModelType) pairs the watcher can build, as error messages name them.
-SUPPORTED_PAIRS = "Tokens+(Chat|Completions), Text+Chat, Text+Completions"
+#: The (ModelInput, ModelType) pairs the watcher can build, as error messages name them
+#: (Dynamo's words).
+SUPPORTED_PAIRS = (
+    "Tokens+(Chat|Completions), Text+Chat, Text+Completions, Tokens+Embeddings, Tensor+TensorBased"
+)
+
+#: What each served (input, type) pair is built with, and which requests it serves. A card
+#: whose every type pairs with its input is served on each; one type that does not makes
+#: the whole card unsupported (never half-served).
+PAIRS: dict[tuple[ModelInput, ModelType], tuple[str, ModelKind]] = {
+    (ModelInput.Tokens, ModelType.Chat): ("build_chat", ModelKind.CHAT),
+    (ModelInput.Tokens, ModelType.Completions): ("build_completions", ModelKind.COMPLETIONS),
+    (ModelInput.Tokens, ModelType.Embedding): ("build_embeddings", ModelKind.EMBEDDINGS),
+    (ModelInput.Text, ModelType.Chat): ("build_text_chat", ModelKind.CHAT),
+    (ModelInput.Text, ModelType.Completions): ("build_text_completions", ModelKind.COMPLETIONS),
+    (ModelInput.Tensor, ModelType.TensorBased): ("build_tensor", ModelKind.TENSOR),
+}
+#: The request kind of each model type (to say which kinds a model no longer serves).
+TYPE_KINDS = {
+    ModelType.Chat: ModelKind.CHAT,
+    ModelType.Completions: ModelKind.COMPLETIONS,
+    ModelType.Embedding: ModelKind.EMBEDDINGS,
+    ModelType.TensorBased: ModelKind.TENSOR,
+}
+#: Distinct unsupported-card messages remembered so each is logged once (bounded: past it,
+#: forgotten and logged again).
+_MAX_LOGGED_UNSUPPORTED = 1024
 
 
 def is_global_namespace(namespace: str | None) -> bool:
@@ -183,6 +206,14 @@ class PipelineFactory(Protocol):
         """Text + Completions: router only."""
         ...
 
+    async def build_embeddings(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
+        """Tokens + Embedding: tokenizer -> router -> worker (one reply per request)."""
+        ...
+
+    async def build_tensor(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
+        """Tensor + TensorBased: checked against the card's tensors -> router -> worker."""
+        ...
+
     async def release(self, name: str) -> None:
         """The model's last instance left: free what its pipelines hold (e.g. a KV router)."""
         ...
@@ -197,8 +228,8 @@ class _Outcome(enum.Enum):
     REJECTED = "rejected"  # logged and skipped
 
 
-#: One built pipeline: how to register it, how to unregister it, the engine itself.
-_Built = tuple["_Register", "_Unregister", object]
+#: One built pipeline: the kind of request it serves, the engine itself.
+_Built = tuple[ModelKind, object]
 
 
 @dataclass(slots=True, eq=False)
@@ -276,6 +307,8 @@ class ModelWatcher:
         self._model_changed = asyncio.Event()
         # Keys whose PUT was refused: their DELETE is expected and logged at debug only.
         self._rejected_keys: set[str] = set()
+        # (model, message) of unsupported cards already logged (see ``_first_sight``).
+        self._unsupported_logged: set[tuple[str, str]] = set()
         # Model name -> its groups of cards; key -> the group holding its entry.
         self._models: dict[str, _Model] = {}
         self._groups_by_key: dict[str, _Group] = {}
@@ -433,6 +466,9 @@ class ModelWatcher:
                 raise
             self._register(name, built)
         except Exception as err:
+            if isinstance(err, _Unsupported) and not self._first_sight(name, err):
+                log.debug("unsupported model card again model=%s key=%s", name, key)
+                return _Outcome.REJECTED
             log.error(
                 "error adding model %s from namespace %s: %s",
                 name,
@@ -501,6 +537,9 @@ class ModelWatcher:
                     await _close_client(view)
                 raise
         except Exception as err:
+            if isinstance(err, _Unsupported) and not self._first_sight(name, err):
+                log.debug("unsupported model card again model=%s key=%s", name, key)
+                return _Outcome.REJECTED
             log.error(
                 "model card mismatch, instance not added: model=%s key=%s checksum=%s differs "
                 "from instance=%x checksum=%s, and its pipelines could not be built: %s",
@@ -533,6 +572,17 @@ class ModelWatcher:
         )
         return _Outcome.STANDBY
 
+    def _first_sight(self, name: str, err: Exception) -> bool:
+        """True the first time this refusal of ``name`` is seen (it is then logged as an
+        error; later instances of the same card only at debug level)."""
+        seen = (name, str(err))
+        if seen in self._unsupported_logged:
+            return False
+        if len(self._unsupported_logged) >= _MAX_LOGGED_UNSUPPORTED:
+            self._unsupported_logged.clear()
+        self._unsupported_logged.add(seen)
+        return True
+
     async def _view(self, card: ModelDeploymentCard) -> AcceptedInstances:
         """A new routing view over a new client of ``card``'s endpoint, watched for the
         instances leaving (see ``_on_instances_changed``)."""
@@ -558,63 +608,51 @@ class ModelWatcher:
     async def _build(self, card: ModelDeploymentCard, view: AcceptedInstances) -> list[_Built]:
         """Build every pipeline ``card`` asks for, routed through ``view``; registers nothing.
 
-        The (input, type) table, as in the seed's ``handle_put``:
-
-        ====== ===================== ===============================================
-        input  type                  engines
-        ====== ===================== ===============================================
-        Tokens Chat and/or Compl.    build_chat / build_completions (full pipeline)
-        Text   Chat                  build_text_chat (router only)
-        Text   Completions           build_text_completions (router only)
-        other                        refused, naming ``SUPPORTED_PAIRS``
-        ====== ===================== ===============================================
+        The (input, type) table is ``PAIRS`` (Dynamo's ``handle_put`` serves one pair per
+        card; here a card with several types is served on each, when every one pairs with
+        its input). A card with any other pair is refused, naming ``SUPPORTED_PAIRS``.
         """
-        mt, mi = card.model_type, card.model_input
-        f = self._factory
-        steps: list[tuple[_Builder, _Register, _Unregister]] = []
-        m = self._manager
-        if mi is ModelInput.Tokens and (mt.supports_chat() or mt.supports_completions()):
-            if mt.supports_chat():
-                steps.append((f.build_chat, m.add_chat_model, m.remove_chat_model))
-            if mt.supports_completions():
-                steps.append(
-                    (f.build_completions, m.add_completions_model, m.remove_completions_model)
-                )
-        elif mi is ModelInput.Text and mt.supports_chat():
-            steps.append((f.build_text_chat, m.add_chat_model, m.remove_chat_model))
-        elif mi is ModelInput.Text and mt.supports_completions():
-            steps.append(
-                (f.build_text_completions, m.add_completions_model, m.remove_completions_model)
-            )
-        else:
-            raise _Unsupported(
-                f"unsupported model configuration {mi.name}+{mt.names()} "
-                f"({mt.names()} with {mi.name} input); supported: {SUPPORTED_PAIRS}"
-            )
+        steps = self._steps(card)
         # Typed as the client it stands for: the factory and the manager use it as one.
         client = cast("EndpointClient", view)
-        return [
-            (register, unregister, await build(card, client))
-            for build, register, unregister in steps
-        ]
+        built: list[_Built] = []
+        for method, kind in steps:
+            build: _Builder = getattr(self._factory, method)
+            built.append((kind, await build(card, client)))
+        return built
+
+    @staticmethod
+    def _steps(card: ModelDeploymentCard) -> list[tuple[str, ModelKind]]:
+        """The factory methods and request kinds of ``card``; ``_Unsupported`` if any type of
+        the card does not pair with its input."""
+        mt, mi = card.model_type, card.model_input
+        types = [t for t in ModelType if t in mt]
+        missing = [t for t in types if (mi, t) not in PAIRS]
+        if not types or missing:
+            which = "|".join(t.name or "" for t in missing) or "no type"
+            raise _Unsupported(
+                f"Unsupported model configuration: {mt.names()} with {mi.value} input "
+                f"({which} cannot be served with {mi.value} input). Supported combinations: "
+                f"{SUPPORTED_PAIRS}"
+            )
+        return [PAIRS[(mi, t)] for t in types]
 
     def _register(self, name: str, built: list[_Built]) -> None:
         """Register every pipeline of ``built`` under ``name``, or none (no await: atomic)."""
-        done: list[_Unregister] = []
+        done: list[ModelKind] = []
         try:
-            for register, unregister, engine in built:
-                register(name, engine)
-                done.append(unregister)
+            for kind, engine in built:
+                self._manager.add_engine(kind, name, engine)
+                done.append(kind)
         except BaseException:
-            for unregister in done:
-                unregister(name)
+            for kind in done:
+                self._manager.remove_engine(kind, name)
             raise
 
-    @staticmethod
-    def _unregister(name: str, built: list[_Built]) -> None:
-        for _, unregister, _ in built:
+    def _unregister(self, name: str, built: list[_Built]) -> None:
+        for kind, _ in built:
             with contextlib.suppress(ModelNotFound):
-                unregister(name)
+                self._manager.remove_engine(kind, name)
 
     # -- switching cards ------------------------------------------------------------------------
 
@@ -665,13 +703,9 @@ class ModelWatcher:
             self._drop_view(model, old)
         self._notify_model_changed()
         updates: list[ModelUpdate] = [ModelUpdate.Added(new.card.model_type)]
-        lists = {
-            ModelType.Chat: m.list_chat_models,
-            ModelType.Completions: m.list_completions_models,
-        }
-        for kind, list_names in lists.items():
-            if kind in old.card.model_type and not list_names():
-                updates.append(ModelUpdate.Removed(kind))
+        for model_type, kind in TYPE_KINDS.items():
+            if model_type in old.card.model_type and not m.list_models_of(kind):
+                updates.append(ModelUpdate.Removed(model_type))
         return updates
 
     def _on_instances_changed(self, name: str) -> None:
@@ -763,20 +797,14 @@ class ModelWatcher:
         name = model.served.name
         del self._models[name]
         m = self._manager
-        per_kind = (
-            (ModelType.Chat, m.remove_chat_model, m.list_chat_models),
-            (ModelType.Completions, m.remove_completions_model, m.list_completions_models),
-            (ModelType.Embedding, m.remove_embeddings_model, m.list_embeddings_models),
-            (ModelType.TensorBased, m.remove_tensor_model, m.list_tensor_models),
-        )
         emptied: list[ModelType] = []
-        for kind, remove, list_names in per_kind:
+        for model_type, kind in TYPE_KINDS.items():
             try:
-                remove(name)
+                m.remove_engine(kind, name)
             except ModelNotFound:
                 continue  # the model did not serve this kind
-            if not list_names():
-                emptied.append(kind)
+            if not m.list_models_of(kind):
+                emptied.append(model_type)
         m.take_model_clients(name)
         views = {id(g.view): g.view for g in model.groups()}
         for view in views.values():

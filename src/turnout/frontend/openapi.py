@@ -17,6 +17,8 @@ from turnout.protocols.openai import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
     ErrorResponse,
     ModelList,
 )
@@ -54,6 +56,8 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
             ResponsesRequest,
             MessagesRequest,
             CountTokensRequest,
+            EmbeddingsRequest,
+            EmbeddingsResponse,
         ],
         ref_template=_REF,
     )
@@ -89,6 +93,14 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
                 "CountTokensRequest",
                 None,
                 anthropic=True,
+                streams=False,
+            )
+        },
+        "/v1/embeddings": {
+            "post": _generation(
+                "Embeddings of one or more inputs",
+                "EmbeddingsRequest",
+                "EmbeddingsResponse",
                 streams=False,
             )
         },
@@ -200,7 +212,7 @@ def _generation(
         ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": stream}}
     error = _anthropic_error if anthropic else _error
     return {
-        "summary": f"{summary}, streamed (SSE) or not",
+        "summary": f"{summary}, streamed (SSE) or not" if streams else summary,
         "requestBody": _json_body(request),
         "responses": {
             "200": ok,

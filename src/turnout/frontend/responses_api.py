@@ -31,6 +31,7 @@ from .chat_run import ChatRun, write_run
 from .choice_output import ChoicePiece
 from .http_errors import HttpError
 from .metrics import FrontendMetrics
+from .model_manager import ModelKind
 from .pipeline import TextPipeline
 from .responses import new_request_id
 from .responses_request import ResponsesRequest, to_chat
@@ -255,4 +256,4 @@ def responses_surface(metrics: FrontendMetrics) -> Surface:
         finally:
             await run.aclose()
 
-    return Surface("responses", True, decode, serve)
+    return Surface("responses", ModelKind.CHAT, decode, serve)

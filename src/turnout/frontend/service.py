@@ -29,7 +29,7 @@ from .lora import LoraModels
 from .metrics import FrontendMetrics
 from .model_manager import ModelManager
 from .model_watcher import ModelWatcher
-from .pipeline import PipelineFactory
+from .pipeline_factory import PipelineFactory
 
 log = logging.getLogger("turnout.frontend")
 

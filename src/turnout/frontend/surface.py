@@ -18,6 +18,7 @@ from granian.rsgi import HTTPProtocol
 from turnout.runtime.context import RequestContext
 
 from .http_errors import HttpError, request_decode_error
+from .model_manager import ModelKind
 from .pipeline import TextPipeline, TokensPipeline
 
 
@@ -33,8 +34,9 @@ class SurfaceRequest:
     priority: int = 0
 
 
-#: Either kind of model pipeline a request may resolve to.
-Pipeline = TokensPipeline | TextPipeline
+#: The pipeline a request resolves to (a generation route's: tokens or text; other routes'
+#: surfaces take their own).
+Pipeline = TokensPipeline | TextPipeline | Any
 
 #: Writes the response of an admitted request: (proto, pipeline, request, body, ctx, session).
 ServeFn = Callable[
@@ -67,8 +69,8 @@ class Surface:
 
     #: The ``endpoint`` label of the request metrics.
     endpoint: str
-    #: Served by the model's chat pipeline (else its completions pipeline).
-    is_chat: bool
+    #: Which of the model's pipelines serves it.
+    serves: ModelKind
     #: The body as this surface's request; raises ``HttpError`` (400) when it is not one.
     decode: Callable[[bytes], SurfaceRequest]
     serve: ServeFn

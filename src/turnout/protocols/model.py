@@ -14,6 +14,8 @@ from typing import Annotated
 
 import msgspec
 
+from turnout.protocols.unary import EmbeddingSpec, TensorModelSpec
+
 INSTANCES_ROOT = "v1/instances"
 MDC_ROOT = "v1/mdc"
 
@@ -233,6 +235,10 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     worker_role: WorkerRole = WorkerRole.AGGREGATED
     #: What the engine can do beyond plain sampling (see ``ModelCapabilities``).
     capabilities: ModelCapabilities = msgspec.field(default_factory=ModelCapabilities)
+    #: Embedding models: their vectors' length and properties (``ModelType.Embedding``).
+    embedding: EmbeddingSpec | None = None
+    #: Tensor models: their named inputs and outputs (``ModelType.TensorBased``).
+    tensor: TensorModelSpec | None = None
 
     def artifacts(self) -> list[ArtifactRef]:
         """Every artifact this card names (what its worker must serve)."""
@@ -253,6 +259,8 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
             str(self.kv_cache_block_size),
             ",".join(map(str, self.eos_token_ids)),
             self.model_input.value,
+            msgspec.json.encode(self.embedding).decode(),
+            msgspec.json.encode(self.tensor).decode(),
         ):
             h.update(part.encode())
             h.update(b"\0")

@@ -240,6 +240,9 @@ class ModelObject(msgspec.Struct, kw_only=True):
     #: ``parent`` the base model of an adapter (None for a base model).
     root: str | None = None
     parent: str | None = None
+    #: turnout's: the routes that serve the model (``/v1/chat/completions``,
+    #: ``/v1/embeddings``, ...), from the types its workers' cards announce.
+    endpoints: list[str] | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -259,3 +262,46 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorDetail
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+class EmbeddingsNvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``nvext`` fields that mean something to an embedding request."""
+
+    backend_instance_id: int | None = None
+    priority: int | None = None
+    request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+
+class EmbeddingsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/embeddings``."""
+
+    model: str
+    #: A string, a list of strings, a list of token ids, or a list of token-id lists (typed
+    #: loosely, as ``CompletionRequest.prompt``; the pipeline checks the forms).
+    input: str | list[str | int | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: str | None = None
+    nvext: EmbeddingsNvExt | None = None
+
+
+class Embedding(msgspec.Struct, kw_only=True):
+    index: int
+    #: Floats, or (``encoding_format: base64``) the base64 of their little-endian float32s.
+    embedding: list[float] | str
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingsUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(msgspec.Struct, kw_only=True):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingsUsage
+    object: Literal["list"] = "list"
