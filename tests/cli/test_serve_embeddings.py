@@ -1,0 +1,78 @@
+"""``turnout serve --engine embeddings``: with no other flag, a real all-MiniLM-L6-v2 worker
+process behind the frontend, reached with the official openai client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from tests.integration.procs import health, start_serve, stop_serve, wait_until
+
+from turnout.cli.main import build_parser
+from turnout.cli.serve import worker_argv
+from turnout.cli.worker import make_engines
+from turnout.engines.embeddings import EmbeddingEngine
+from turnout.engines.embeddings.model import DEFAULT_MODEL_NAME
+from turnout.engines.worker import Worker
+from turnout.errors import ConfigError
+from turnout.frontend.service import free_port
+from turnout.protocols.model import EndpointId
+
+REFERENCE = json.loads((Path(__file__).parents[1] / "data" / "minilm_reference.json").read_text())
+
+
+@pytest.mark.slow
+def test_serve_embeddings_needs_no_setup(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_serve(tmp_path, port, "--engine", "embeddings")
+    log_path = tmp_path / "serve.log"
+
+    def logs() -> str:
+        return log_path.read_text(errors="replace")[-4000:]
+
+    try:
+        wait_until(
+            lambda: len(health(url).get(DEFAULT_MODEL_NAME, [])) == 1, 90, "the worker", logs
+        )
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.embeddings.create(model=DEFAULT_MODEL_NAME, input=REFERENCE["sentences"][:4])
+        got = np.array([d.embedding for d in out.data])
+        want = np.array(REFERENCE["embeddings"][:4])
+        cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        assert cos.min() >= 0.999
+        (model,) = client.models.list().data
+        assert model.model_extra is not None
+        assert model.model_extra["endpoints"] == ["/v1/embeddings"]
+        with pytest.raises(openai.NotFoundError, match="does not serve chat"):
+            client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}]
+            )
+        client.close()
+    finally:
+        stop_serve(proc)
+
+
+def test_embeddings_flags_are_checked() -> None:
+    args = build_parser().parse_args(["worker", "--engine", "embeddings", "--num-workers", "2"])
+    with pytest.raises(ConfigError, match="one model per process"):
+        make_engines(args, 2)
+    args = build_parser().parse_args(
+        ["serve", "--engine", "embeddings", "--max-batch-size", "8", "--threads", "1"]
+    )
+    argv = worker_argv(args, "/tmp/store", threads=2)
+    assert argv[argv.index("--max-batch-size") + 1] == "8"
+    assert argv[argv.index("--threads") + 1] == "1"
+
+
+async def test_parsers_are_refused_for_an_engine_that_generates_no_text() -> None:
+    with pytest.raises(ConfigError, match="generates none"):
+        Worker(
+            object(),  # type: ignore[arg-type]
+            EmbeddingEngine(),
+            EndpointId.parse("a/b/c"),
+            tool_call_parser="hermes",
+        )
