@@ -16,6 +16,7 @@ import pytest
 from tests.frontend.stack import Stack
 
 from turnout.engines.embeddings import EmbeddingEngine
+from turnout.engines.tensor import NumericEngine
 from turnout.frontend.openapi import build_openapi
 from turnout.protocols.model import EndpointId
 
@@ -53,7 +54,10 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
     assert SCHEMATHESIS is not None, "schemathesis missing: run scripts/setup.sh (test extra)"
     embedder = EndpointId(namespace="test", component="embed", name="generate")
     await stack.add_worker(EmbeddingEngine(threads=1), model_name="minilm", endpoint=embedder)
+    tensors = EndpointId(namespace="test", component="tensor", name="generate")
+    await stack.add_worker(NumericEngine(), model_name="numeric", endpoint=tensors)
     await stack.wait_for_model("minilm")
+    await stack.wait_for_model("numeric")
     async with httpx.AsyncClient(base_url=stack.url) as http:
         document = (await http.get("/openapi.json")).json()
     # Realistic data: requests name the served model, so they reach the pipeline
@@ -69,10 +73,18 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
     document["components"]["schemas"]["EmbeddingsRequest"]["properties"]["model"] = {
         "const": "minilm"
     }
+    tensor = document["components"]["schemas"]["TensorInferRequest"]["properties"]
+    tensor["model"] = {"const": "numeric"}
+    # Random tensors almost never fit the card (their 400s are tested elsewhere): one that
+    # does, so the other fields' variations reach the worker.
+    tensor["inputs"] = {
+        "const": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.5, -2]}]
+    }
     # A deadline of a few nanoseconds is a 504 (a server-side status, as it should be),
     # which schemathesis's not_a_server_error check would count: keep generated ones real.
-    timeout = document["components"]["schemas"]["NvExt"]["properties"]["request_timeout"]
-    timeout["anyOf"][0] = {"type": "number", "minimum": 30}
+    for nvext in ("NvExt", "EmbeddingsNvExt"):
+        timeout = document["components"]["schemas"][nvext]["properties"]["request_timeout"]
+        timeout["anyOf"][0] = {"type": "number", "minimum": 30}
     schema = tmp_path / "openapi.json"
     schema.write_text(json.dumps(document))
     process = await asyncio.create_subprocess_exec(
@@ -91,7 +103,7 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
     async with httpx.AsyncClient(base_url=stack.url) as http:
         metrics = (await http.get("/metrics")).text
     served = re.findall(
-        r'turnout_requests_total\{([^}]*model="(?:echo|minilm)"[^}]*)\} (\S+)', metrics
+        r'turnout_requests_total\{([^}]*model="(?:echo|minilm|numeric)"[^}]*)\} (\S+)', metrics
     )
     answered = {
         re.sub(r'.*endpoint="(\w+)".*', r"\1", labels)
@@ -105,4 +117,5 @@ async def test_schemathesis_finds_no_server_error_or_undocumented_status(
         "messages",
         "count_tokens",
         "embeddings",
+        "tensor",
     }, served

@@ -103,13 +103,15 @@ def worker_argv(
         "llamacpp": ("n_ctx", "n_parallel", "threads", "max_waiting"),
         "echo": ("echo_delay_ms",),
         "embeddings": ("max_batch_size", "max_batch_tokens", "threads", "max_waiting"),
+        "onnx": ("threads", "max_waiting"),
+        "numeric": ("max_waiting",),
         "mocker": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                    "speedup_ratio", "seed", "dp_size", "no_prefix_caching", "no_chunked_prefill",
                    "max_waiting", "fail_after_steps", "lora_adapters", "lora_load_ms",
                    "max_loras"),
     }[args.engine]  # fmt: skip
     values = {name: getattr(args, name) for name in engine_flags}
-    if args.engine in ("llamacpp", "embeddings"):
+    if args.engine in ("llamacpp", "embeddings", "onnx"):
         values["threads"] = args.threads or threads
     for name in ("model_path", "model_name", "context_length", "tool_call_parser",
                  "reasoning_parser"):  # fmt: skip

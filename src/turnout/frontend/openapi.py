@@ -26,6 +26,7 @@ from turnout.protocols.openai import (
 from .anthropic_request import CountTokensRequest, MessagesRequest
 from .busy_threshold import BusyThresholdRequest
 from .responses_request import ResponsesRequest
+from .tensor import TensorInferRequest, TensorInferResponse
 
 _REF = "#/components/schemas/{name}"
 #: Statuses every generation route may answer besides 200 (see ``http_errors``).
@@ -58,6 +59,8 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
             CountTokensRequest,
             EmbeddingsRequest,
             EmbeddingsResponse,
+            TensorInferRequest,
+            TensorInferResponse,
         ],
         ref_template=_REF,
     )
@@ -101,6 +104,14 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
                 "Embeddings of one or more inputs",
                 "EmbeddingsRequest",
                 "EmbeddingsResponse",
+                streams=False,
+            )
+        },
+        "/v1/tensor": {
+            "post": _generation(
+                "Named output tensors of a tensor model (KServe v2's inference request)",
+                "TensorInferRequest",
+                "TensorInferResponse",
                 streams=False,
             )
         },

@@ -20,7 +20,7 @@ from turnout.llm.migration import Migration
 from turnout.llm.preprocessor import Preprocessor
 from turnout.protocols.llm import LLMEngineOutput
 from turnout.protocols.model import ModelDeploymentCard
-from turnout.protocols.unary import EmbeddingOutput
+from turnout.protocols.unary import EmbeddingOutput, TensorOutput
 from turnout.router.instance_load import InstanceLoad
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.push import KvPushRouter
@@ -39,6 +39,7 @@ from .disagg_metrics import DisaggMetrics
 from .embeddings import EmbeddingsPipeline
 from .metrics import FrontendMetrics
 from .pipeline import TextPipeline, TokensPipeline, WorkerGate
+from .tensor import TensorPipeline
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 #: Router modes that read the push router's in-flight counts.
@@ -47,6 +48,7 @@ LOAD_MODES = frozenset(
 )
 _output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
 _embedding_decoder = msgspec.msgpack.Decoder(EmbeddingOutput)
+_tensor_decoder = msgspec.msgpack.Decoder(TensorOutput)
 
 
 def _identity(raw: bytes) -> bytes:
@@ -408,17 +410,32 @@ class PipelineFactory:
             bos_token=card.bos_token,
             eos_token=card.eos_token,
         )
-        router = self._router(
-            card, client, encode=_msgpack_encode, decode=_embedding_decoder.decode
+        caller = self._unary_caller(card, client, _embedding_decoder.decode)
+        return EmbeddingsPipeline(
+            card.display_name, card, tokenizer, caller, client, gate=self._gate(client)
         )
+
+    async def build_tensor(self, card: ModelDeploymentCard, client: Any) -> TensorPipeline:
+        """Tensor + TensorBased: checked against the card's tensors, routed, one reply."""
+        if card.tensor is None:
+            raise ValueError(
+                f"tensor model {card.display_name!r} does not declare its tensors "
+                "(card field 'tensor')"
+            )
+        caller = self._unary_caller(card, client, _tensor_decoder.decode)
+        return TensorPipeline(card.display_name, card, caller, client, gate=self._gate(client))
+
+    def _unary_caller(
+        self, card: ModelDeploymentCard, client: Any, decode: Callable[[bytes], Any]
+    ) -> UnaryCaller[Any, Any]:
+        """Routes a one-reply request (no KV routing: nothing is cached), sent again to
+        another instance when one fails, under ``--request-timeout``."""
+        router = self._router(card, client, encode=_msgpack_encode, decode=decode)
         retries = self.metrics.migrations.labels(card.display_name) if self.metrics else None
-        caller: UnaryCaller[Any, EmbeddingOutput] = UnaryCaller(
+        return UnaryCaller(
             router.generate,
             retries=self.migration_limit,
             request_timeout=self.request_timeout,
             report_down=getattr(client, "report_instance_down", None),
             on_retry=retries.inc if retries is not None else None,
-        )
-        return EmbeddingsPipeline(
-            card.display_name, card, tokenizer, caller, client, gate=self._gate(client)
         )

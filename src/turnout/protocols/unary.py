@@ -123,3 +123,49 @@ class TensorRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class TensorOutput(UnaryReply, kw_only=True, omit_defaults=True):
     outputs: list[Tensor] = msgspec.field(default_factory=list)
+
+
+def tensor_problem(spec: TensorModelSpec, inputs: list[Tensor]) -> tuple[str, str] | None:
+    """Why ``inputs`` do not fit the model's declared inputs, as (the field at fault, the
+    reason); None when they fit. Checked by the frontend (a 400 naming the field) and again
+    by the worker (for requests that reach it another way)."""
+    declared = {t.name: t for t in spec.inputs}
+    seen: set[str] = set()
+    for i, tensor in enumerate(inputs):
+        where = f"inputs[{i}]"
+        want = declared.get(tensor.name)
+        if want is None:
+            names = ", ".join(sorted(declared))
+            return f"{where}.name", f"the model has no input {tensor.name!r} (inputs: {names})"
+        if tensor.name in seen:
+            return f"{where}.name", f"input {tensor.name!r} is given twice"
+        seen.add(tensor.name)
+        if tensor.datatype != want.datatype:
+            return (
+                f"{where}.datatype",
+                f"input {tensor.name!r} is {want.datatype.value}, not {tensor.datatype.value}",
+            )
+        if len(tensor.shape) != len(want.shape) or any(
+            d != w and w != -1 for d, w in zip(tensor.shape, want.shape, strict=True)
+        ):
+            return (
+                f"{where}.shape",
+                f"input {tensor.name!r} has shape {tensor.shape}; the model takes "
+                f"{want.shape} (-1: any length)",
+            )
+        if any(d < 0 for d in tensor.shape):
+            return f"{where}.shape", f"input {tensor.name!r} has a negative dimension"
+        count = 1
+        for d in tensor.shape:
+            count *= d
+        itemsize = int(NUMPY_DTYPES[tensor.datatype][-1])
+        if len(tensor.data) != count * itemsize:
+            return (
+                f"{where}.data",
+                f"input {tensor.name!r} of shape {tensor.shape} needs {count} elements "
+                f"({count * itemsize} bytes), got {len(tensor.data)} bytes",
+            )
+    missing = sorted(set(declared) - seen)
+    if missing:
+        return "inputs", f"missing input(s): {', '.join(missing)}"
+    return None

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from turnout.engines.ort import cpu_session
 from turnout.errors import ConfigError
 
 from .bert_onnx import BertShape, build_bert_embedding_graph, read_safetensors
@@ -71,7 +72,10 @@ class SentenceEmbeddingModel:
     """One loaded model: its tokenizer (as served to frontends), its vector properties, and
     ``embed`` (synchronous; ONNX Runtime releases the GIL while it computes)."""
 
-    def __init__(self, path: str | Path | None = None, *, threads: int | None = None) -> None:
+    def __init__(
+        self, path: str | Path | None = None, *, threads: int | None = None, run: bool = True
+    ) -> None:
+        """``run``: load it into ONNX Runtime (False: only build ``graph``)."""
         source = Path(path) if path is not None else default_model_path()
         if not source.exists():
             raise ConfigError(f"embedding model {source} does not exist")
@@ -123,16 +127,9 @@ class SentenceEmbeddingModel:
         graph = build_bert_embedding_graph(
             read_safetensors(weights), shape, pooling=pooling, normalize=self.normalized
         )
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # ONNX Runtime's threads spin between runs by default: on a small machine they take
-        # the cores the frontend and the request plane need between two batches.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        #: The serialized ONNX model (kept only when not run here: it is the weights' size).
+        self.graph = b"" if run else graph
+        self._session = cpu_session(graph, threads) if run else None
 
     def embed(self, sequences: list[list[int]]) -> np.ndarray:
         """float32 ``[len(sequences), dimensions]``, in order.
@@ -166,5 +163,6 @@ class SentenceEmbeddingModel:
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = seq
             mask[row, : len(seq)] = 1
+        assert self._session is not None, "built with run=False"
         (out,) = self._session.run(None, {"input_ids": ids, "attention_mask": mask})
         return np.asarray(out, dtype=np.float32)

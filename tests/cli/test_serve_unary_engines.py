@@ -1,11 +1,13 @@
-"""``turnout serve --engine embeddings``: with no other flag, a real all-MiniLM-L6-v2 worker
-process behind the frontend, reached with the official openai client."""
+"""``turnout serve --engine embeddings`` and ``--engine numeric``: with no other flag, a real
+worker process behind the frontend (all-MiniLM-L6-v2 reached with the official openai client;
+the numeric tensor model over ``/v1/tensor``), and the flags these engines refuse."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -35,9 +37,7 @@ def test_serve_embeddings_needs_no_setup(tmp_path: Path) -> None:
         return log_path.read_text(errors="replace")[-4000:]
 
     try:
-        wait_until(
-            lambda: len(health(url).get(DEFAULT_MODEL_NAME, [])) == 1, 90, "the worker", logs
-        )
+        wait_until(lambda: health(url).get(DEFAULT_MODEL_NAME), 90, "the worker", logs)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         out = client.embeddings.create(model=DEFAULT_MODEL_NAME, input=REFERENCE["sentences"][:4])
         got = np.array([d.embedding for d in out.data])
@@ -76,3 +76,29 @@ async def test_parsers_are_refused_for_an_engine_that_generates_no_text() -> Non
             EndpointId.parse("a/b/c"),
             tool_call_parser="hermes",
         )
+
+
+@pytest.mark.slow
+def test_serve_numeric_tensor_model(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_serve(tmp_path, port, "--engine", "numeric")
+    try:
+        wait_until(lambda: bool(health(url).get("numeric")), 60, "a worker")
+        x = {"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}
+        r = httpx.post(url + "/v1/tensor", json={"model": "numeric", "inputs": [x]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"][0]["data"] == [3, 5]
+    finally:
+        stop_serve(proc)
+
+
+def test_tensor_engines_refuse_flags_they_cannot_honour() -> None:
+    for argv, words in [
+        (["--engine", "numeric", "--model-path", "x.onnx"], "no model file"),
+        (["--engine", "onnx", "--context-length", "8"], "reads no tokens"),
+        (["--engine", "numeric", "--num-workers", "2"], "one model per process"),
+    ]:
+        args = build_parser().parse_args(["worker", *argv])
+        with pytest.raises(ConfigError, match=words):
+            make_engines(args, args.num_workers)
