@@ -125,13 +125,20 @@ def chat_body(model: str, *, parsed: bool) -> dict[str, Any]:
     }
 
 
-PLANES = ("file+tcp+zmq", "etcd+tcp+zmq", "etcd+nats+nats")
+#: ``turnout serve --in-process``: the echo engines inside the frontend's process, so no
+#: planes at all (what they cost: compare its rows with file+tcp+zmq's).
+IN_PROCESS = "in-process"
+#: Store+request plane+event plane stacks, and the in-process deployment.
+PLANES = ("file+tcp+zmq", "etcd+tcp+zmq", "etcd+nats+nats", IN_PROCESS)
 
 
 @contextlib.contextmanager
 def plane_services(planes: str, tmp: Path) -> Iterator[list[str]]:
     """Start what ``planes`` needs (etcd, nats-server) on free ports; yield the flags every
     process of the stack takes."""
+    if planes == IN_PROCESS:
+        yield ["--log-level", "warning"]
+        return
     store, request_plane, event_plane = planes.split("+")
     flags = ["--request-plane", request_plane, "--event-plane", event_plane,
              "--log-level", "warning"]  # fmt: skip
@@ -270,10 +277,16 @@ def run_stack(
     front_cmd = [py, "-m", "turnout", *front_args]
     if args.profile == "cprofile":
         front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
-    procs = [subprocess.Popen(front_cmd, start_new_session=True)]
     paced = "paced_stream" in args.scenarios
     parsed = "chat_stream_parsed" in args.scenarios
-    for _ in range(args.workers):
+    if planes == IN_PROCESS:
+        if paced or parsed:
+            raise SystemExit("in-process: the paced and parsed scenarios need more models")
+        front_cmd = [py, "-m", "turnout", "serve", "--in-process", "--engine", "echo",
+                     "--model-name", "echo", "--num-workers", str(args.workers),
+                     "--port", str(port), *common]  # fmt: skip
+    procs = [subprocess.Popen(front_cmd, start_new_session=True)]
+    for _ in range(args.workers if planes != IN_PROCESS else 0):
         procs.append(subprocess.Popen(
             [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name", "echo", *common],
             start_new_session=True,

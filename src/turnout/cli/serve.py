@@ -46,9 +46,16 @@ def register(sub: Any) -> None:
     add_flag(
         p,
         "--num-workers",
-        default=2,
         type=int,
-        help="workers to start (processes; the mocker simulates all in one)",
+        help="workers to start (processes; the mocker simulates all in one; default 2, "
+        "or 1 with --in-process)",
+    )
+    add_flag(
+        p,
+        "--in-process",
+        action="store_true",
+        help="run the engine inside the frontend's process: no worker processes, in-memory "
+        "discovery, no request-plane sockets (the smallest deployment; what the planes cost)",
     )
     add_flag(
         p,
@@ -61,6 +68,13 @@ def register(sub: Any) -> None:
     add_runtime_flags(p, planes=False)
     p.set_defaults(store="file", request_plane="tcp", event_plane="zmq")
     p.set_defaults(run=run)
+
+
+def worker_count(args: argparse.Namespace) -> int:
+    """``--num-workers``, or its default: 2 worker processes, 1 engine ``--in-process``."""
+    if args.num_workers is not None:
+        return int(args.num_workers)
+    return 1 if getattr(args, "in_process", False) else 2
 
 
 def prefill_endpoint(endpoint: str) -> str:
@@ -96,7 +110,7 @@ def worker_argv(
         argv += ["--device-type", args.device_type]
     if args.engine == "mocker":
         # One process simulates every worker: the mocker is built for many per process.
-        argv += ["--num-workers", str(args.num_workers if count is None else count)]
+        argv += ["--num-workers", str(worker_count(args) if count is None else count)]
     if role != "aggregated":
         argv += ["--role", role]
     engine_flags = {
@@ -271,12 +285,13 @@ def _ordinal(n: int) -> str:
 
 
 def num_worker_processes(args: argparse.Namespace) -> int:
-    return 1 if args.engine == "mocker" and args.num_workers > 0 else args.num_workers
+    workers = worker_count(args)
+    return 1 if args.engine == "mocker" and workers > 0 else workers
 
 
 class ServeTree:
     def __init__(self, args: argparse.Namespace) -> None:
-        if args.num_workers < 0:
+        if worker_count(args) < 0:
             raise TurnoutError("--num-workers must be 0 or more")
         prefill = getattr(args, "num_prefill_workers", 0)
         if prefill < 0:
@@ -286,7 +301,7 @@ class ServeTree:
                 f"--num-prefill-workers: only the mocker engine runs disaggregated roles so far, "
                 f"not {args.engine}"
             )
-        if prefill and args.num_workers < 1:
+        if prefill and worker_count(args) < 1:
             raise TurnoutError("--num-prefill-workers needs decode workers (--num-workers >= 1)")
         try:  # here, not in every child after it started: one line, at once
             check_parser_names(args.tool_call_parser, args.reasoning_parser)
@@ -309,7 +324,7 @@ class ServeTree:
         return [s.process for s in self.supervisors if s.process is not None]
 
     async def start(self) -> None:
-        threads = max(1, (os.cpu_count() or 2) // max(1, self.args.num_workers))
+        threads = max(1, (os.cpu_count() or 2) // max(1, worker_count(self.args)))
         prefill = getattr(self.args, "num_prefill_workers", 0)
         role = "decode" if prefill else "aggregated"
         argv = worker_argv(self.args, self.store_path, threads, role=role)
@@ -322,7 +337,7 @@ class ServeTree:
         log.info(
             "serving on %s with %d %s worker(s); Ctrl-C stops everything",
             self.frontend.url,
-            self.args.num_workers,
+            worker_count(self.args),
             self.args.engine,
         )
 
@@ -373,7 +388,11 @@ class ServeTree:
 
 def run(args: argparse.Namespace) -> int:
     async def main() -> None:
-        tree = ServeTree(args)
+        from .serve_in_process import InProcessServe  # it imports this module
+
+        tree: ServeTree | InProcessServe = (
+            InProcessServe(args) if args.in_process else ServeTree(args)
+        )
         await run_until_signal(tree.start, tree.stop, tree.wait)
 
     return run_command(args, main)
