@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
-from granian.rsgi import HTTPProtocol
 
 from turnout.errors import RequestError, WorkerProtocolError
 from turnout.llm.preprocessor import OFFLOAD_THRESHOLD_CHARS
@@ -34,20 +33,19 @@ from turnout.protocols.openai import (
     EmbeddingsUsage,
 )
 from turnout.protocols.unary import EmbeddingOutput, EmbeddingRequest, EmbeddingSpec
-from turnout.router.push_router import PIN_METADATA, InstanceSource
+from turnout.router.push_router import InstanceSource
 from turnout.router.unary import UnaryCaller
 from turnout.runtime.context import RequestContext
 
 from .model_manager import ModelKind
 from .pipeline import WorkerGate
-from .responses import JSON_HEADERS
-from .surface import Surface, SurfaceRequest, decode_json
+from .surface import Surface
+from .unary import apply_nvext, unary_surface
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048
 
 _decoder = msgspec.json.Decoder(EmbeddingsRequest)
-_json = msgspec.json.Encoder()
 
 
 @dataclass(slots=True)
@@ -138,12 +136,7 @@ class EmbeddingsPipeline:
         sequences = await self.token_ids(request)
         if self.gate is not None:
             self.gate.check()
-        nvext = request.nvext
-        timeout = None
-        if nvext is not None:
-            timeout = nvext.request_timeout
-            if nvext.backend_instance_id is not None:
-                ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
+        timeout = apply_nvext(request.nvext, ctx)
         reply = await self.caller.call(EmbeddingRequest(token_ids=sequences), ctx, timeout)
         vectors = _vectors(reply, len(sequences))
         if request.dimensions is not None and request.dimensions < vectors.shape[1]:
@@ -179,21 +172,4 @@ def _vectors(reply: EmbeddingOutput, count: int) -> np.ndarray:
 
 
 def embeddings_surface() -> Surface:
-    def decode(body: bytes) -> SurfaceRequest:
-        request = decode_json(_decoder, body)
-        nvext = request.nvext
-        priority = nvext.priority if nvext is not None else None
-        return SurfaceRequest(request.model, False, request, priority or 0)
-
-    async def serve(
-        proto: HTTPProtocol,
-        pipeline: EmbeddingsPipeline,
-        req: SurfaceRequest,
-        body: bytes,
-        ctx: RequestContext,
-        session_id: str | None,
-    ) -> None:
-        response = await pipeline.embed(req.request, ctx)
-        proto.response_bytes(200, JSON_HEADERS, _json.encode(response))
-
-    return Surface("embeddings", ModelKind.EMBEDDINGS, decode, serve)
+    return unary_surface("embeddings", ModelKind.EMBEDDINGS, _decoder, EmbeddingsPipeline.embed)

@@ -371,25 +371,21 @@ class PipelineFactory:
         return await self._tokens_pipeline(card, client, is_chat=False)
 
     async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
-        router = self._router(card, client, encode=_identity, decode=_identity)
-        return TextPipeline(
-            card.display_name,
-            card,
-            router,
-            client,
-            is_chat=True,
-            gate=self._gate(client),
-            request_timeout=self.request_timeout,
-        )
+        return self._text_pipeline(card, client, is_chat=True)
 
     async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+        return self._text_pipeline(card, client, is_chat=False)
+
+    def _text_pipeline(
+        self, card: ModelDeploymentCard, client: Any, *, is_chat: bool
+    ) -> TextPipeline:
         router = self._router(card, client, encode=_identity, decode=_identity)
         return TextPipeline(
             card.display_name,
             card,
             router,
             client,
-            is_chat=False,
+            is_chat=is_chat,
             gate=self._gate(client),
             request_timeout=self.request_timeout,
         )

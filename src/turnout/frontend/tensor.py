@@ -22,11 +22,10 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
-from granian.rsgi import HTTPProtocol
 
 from turnout.errors import RequestError, WorkerProtocolError
 from turnout.protocols.model import ModelDeploymentCard
-from turnout.protocols.openai import EmbeddingsNvExt
+from turnout.protocols.openai import UnaryNvExt
 from turnout.protocols.unary import (
     NUMPY_DTYPES,
     DataType,
@@ -36,16 +35,14 @@ from turnout.protocols.unary import (
     TensorRequest,
     tensor_problem,
 )
-from turnout.router.push_router import PIN_METADATA, InstanceSource
+from turnout.router.push_router import InstanceSource
 from turnout.router.unary import UnaryCaller
 from turnout.runtime.context import RequestContext
 
 from .model_manager import ModelKind
 from .pipeline import WorkerGate
-from .responses import JSON_HEADERS
-from .surface import Surface, SurfaceRequest, decode_json
-
-_json = msgspec.json.Encoder()
+from .surface import Surface
+from .unary import apply_nvext, unary_surface
 
 
 class InputTensor(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -72,7 +69,7 @@ class TensorInferRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     outputs: list[RequestedOutput] | None = None
     #: Echoed in the response (KServe's request id).
     id: str | None = None
-    nvext: EmbeddingsNvExt | None = None
+    nvext: UnaryNvExt | None = None
 
 
 class OutputTensor(msgspec.Struct, kw_only=True):
@@ -159,13 +156,7 @@ class TensorPipeline:
         wire = self.check(request)
         if self.gate is not None:
             self.gate.check()
-        nvext = request.nvext
-        timeout = None
-        if nvext is not None:
-            timeout = nvext.request_timeout
-            if nvext.backend_instance_id is not None:
-                ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
-        reply = await self.caller.call(wire, ctx, timeout)
+        reply = await self.caller.call(wire, ctx, apply_nvext(request.nvext, ctx))
         binary = {
             o.name for o in request.outputs or [] if o.parameters and o.parameters.binary_data
         }
@@ -195,21 +186,4 @@ class TensorPipeline:
 
 
 def tensor_surface() -> Surface:
-    def decode(body: bytes) -> SurfaceRequest:
-        request = decode_json(_decoder, body)
-        nvext = request.nvext
-        priority = nvext.priority if nvext is not None else None
-        return SurfaceRequest(request.model, False, request, priority or 0)
-
-    async def serve(
-        proto: HTTPProtocol,
-        pipeline: TensorPipeline,
-        req: SurfaceRequest,
-        body: bytes,
-        ctx: RequestContext,
-        session_id: str | None,
-    ) -> None:
-        response = await pipeline.infer(req.request, ctx)
-        proto.response_bytes(200, JSON_HEADERS, _json.encode(response))
-
-    return Surface("tensor", ModelKind.TENSOR, decode, serve)
+    return unary_surface("tensor", ModelKind.TENSOR, _decoder, TensorPipeline.infer)

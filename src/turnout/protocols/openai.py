@@ -267,8 +267,9 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------- embeddings
 
 
-class EmbeddingsNvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``nvext`` fields that mean something to an embedding request."""
+class UnaryNvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``nvext`` fields that mean something to a one-reply request (embeddings,
+    tensors): no sampling, no streaming, no cache."""
 
     backend_instance_id: int | None = None
     priority: int | None = None
@@ -285,7 +286,7 @@ class EmbeddingsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: str | None = None
-    nvext: EmbeddingsNvExt | None = None
+    nvext: UnaryNvExt | None = None
 
 
 class Embedding(msgspec.Struct, kw_only=True):
