@@ -126,7 +126,13 @@ async def test_unknown_adapter_is_404_and_the_first_request_loads_on_the_rendezv
         assert worker_of(r.json()) == winner and r.json()["model"] == "ad0"
         await until(lambda: registry.holders("ad0") == {winner})
         models = await listed(http)
-        routes = ["/v1/chat/completions", "/v1/completions"]
+        routes = [
+            "/v1/chat/completions",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/v1/completions",
+        ]
         assert models["ad0"].model_extra == {"root": "ad0", "parent": "base", "endpoints": routes}
         assert models["base"].model_extra == {"root": "base", "parent": None, "endpoints": routes}
         # Different adapters spread over the workers (12 adapters, 3 workers).

@@ -106,3 +106,12 @@ async def test_text_stream_failing_midway_ends_with_an_error_event() -> None:
         await serving.stop(drain_timeout=0.5)
         await stack.close()
     await assert_no_leaked_tasks(before)
+
+
+async def test_a_text_model_lists_only_its_own_route(text_stack: Stack) -> None:
+    api = openai.AsyncOpenAI(base_url=text_stack.url + "/v1", api_key="x", max_retries=0)
+    (model,) = (await api.models.list()).data
+    # Chat only, and not /v1/responses or /v1/messages: the worker templates its requests.
+    assert model.model_extra is not None
+    assert model.model_extra["endpoints"] == ["/v1/chat/completions"]
+    await api.close()

@@ -94,7 +94,13 @@ def test_models_health_and_metrics(echo: Deployment) -> None:
     (model,) = echo.client().models.list().data
     assert model.id == "echo"
     assert model.model_extra is not None
-    assert model.model_extra["endpoints"] == ["/v1/chat/completions", "/v1/completions"]
+    assert model.model_extra["endpoints"] == [
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/completions",
+    ]
     body = httpx.get(echo.url + "/health", timeout=10).json()
     assert body["status"] == "healthy" and len(body["models"][0]["instances"]) == 1
     metrics = httpx.get(echo.url + "/metrics", timeout=10).text

@@ -61,6 +61,9 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: Routes of other APIs that a token-input chat model serves (text-input ones are refused
+#: there: the worker, not the frontend, templates their requests).
+CHAT_SURFACE_ROUTES = ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
 #: Headers that name a conversation, in order of precedence: ours, then those coding agents
 #: send by themselves (Claude Code; Codex, in its current and legacy spelling; OpenCode).
 SESSION_HEADERS = (
@@ -211,10 +214,7 @@ class HttpService:
         manager = self.manager
         models = [
             ModelObject(
-                id=name,
-                created=manager.created(name),
-                root=name,
-                endpoints=[KIND_ROUTES[kind] for kind in manager.kinds(name)],
+                id=name, created=manager.created(name), root=name, endpoints=self._routes_of(name)
             )
             for name in manager.list_models()
         ]
@@ -225,11 +225,23 @@ class HttpService:
                     created=manager.created(base),
                     root=name,
                     parent=base,
-                    endpoints=[KIND_ROUTES[kind] for kind in manager.kinds(base)],
+                    endpoints=self._routes_of(base),
                 )
                 for name, base in manager.lora.listed()
             ]
         proto.response_bytes(200, JSON_HEADERS, _json.encode(ModelList(data=models)))
+
+    def _routes_of(self, name: str) -> list[str]:
+        """The generation routes that serve ``name``: its kinds' own, and for a chat model
+        the other APIs' routes its pipeline serves (token-input models only)."""
+        routes = []
+        for kind in self.manager.kinds(name):
+            routes.append(KIND_ROUTES[kind])
+            if kind is ModelKind.CHAT and isinstance(
+                self.manager.get_engine(kind, name), TokensPipeline
+            ):
+                routes += CHAT_SURFACE_ROUTES
+        return routes
 
     async def _health(self, scope: Scope, proto: HTTPProtocol) -> None:
         models = []
