@@ -62,19 +62,25 @@ import enum
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import msgspec
 
 from turnout.errors import ModelNotFound
+from turnout.frontend.accepted_instances import AcceptedInstances
 from turnout.frontend.model_manager import ModelKind, ModelManager
+from turnout.frontend.model_pairs import (
+    SUPPORTED_PAIRS,
+    TYPE_KINDS,
+    PipelineFactory,
+    UnsupportedModel,
+    pipelines_for,
+)
 from turnout.frontend.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.llm.artifacts import ArtifactError
 from turnout.protocols.model import (
     MDC_ROOT,
-    Instance,
     ModelDeploymentCard,
-    ModelInput,
     ModelType,
 )
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
@@ -110,34 +116,6 @@ WATCH_RETRY_MAX_SECONDS = 10.0
 #: Namespaces whose frontend serves the models of every namespace: the empty one (no
 #: namespace given) and ``"global"``. Any other name serves only its own namespace.
 GLOBAL_NAMESPACES = frozenset({"", "global"})
-
-#: The (ModelInput, ModelType) pairs the watcher can build, as error messages name them
-#: (Dynamo's words).
-SUPPORTED_PAIRS = (
-    "Tokens+(Chat|Completions), Text+Chat, Text+Completions, Tokens+Embeddings, Tensor+TensorBased"
-)
-
-#: What each served (input, type) pair is built with, and which requests it serves. A card
-#: whose every type pairs with its input is served on each; one type that does not makes
-#: the whole card unsupported (never half-served).
-PAIRS: dict[tuple[ModelInput, ModelType], tuple[str, ModelKind]] = {
-    (ModelInput.Tokens, ModelType.Chat): ("build_chat", ModelKind.CHAT),
-    (ModelInput.Tokens, ModelType.Completions): ("build_completions", ModelKind.COMPLETIONS),
-    (ModelInput.Tokens, ModelType.Embedding): ("build_embeddings", ModelKind.EMBEDDINGS),
-    (ModelInput.Text, ModelType.Chat): ("build_text_chat", ModelKind.CHAT),
-    (ModelInput.Text, ModelType.Completions): ("build_text_completions", ModelKind.COMPLETIONS),
-    (ModelInput.Tensor, ModelType.TensorBased): ("build_tensor", ModelKind.TENSOR),
-}
-#: The request kind of each model type (to say which kinds a model no longer serves).
-TYPE_KINDS = {
-    ModelType.Chat: ModelKind.CHAT,
-    ModelType.Completions: ModelKind.COMPLETIONS,
-    ModelType.Embedding: ModelKind.EMBEDDINGS,
-    ModelType.TensorBased: ModelKind.TENSOR,
-}
-#: Distinct unsupported-card messages remembered so each is logged once (bounded: past it,
-#: forgotten and logged again).
-_MAX_LOGGED_UNSUPPORTED = 1024
 
 
 def is_global_namespace(namespace: str | None) -> bool:
@@ -175,48 +153,6 @@ class ModelRemoved(ModelUpdate):
 
 ModelUpdate.Added = ModelAdded
 ModelUpdate.Removed = ModelRemoved
-
-
-# -- pipelines ----------------------------------------------------------------------------------
-
-
-class PipelineFactory(Protocol):
-    """Builds the engine the HTTP service calls for one model and one kind of request.
-
-    Each method gets the model's card and the endpoint client to route through (one client
-    per model, shared by its chat and completions pipelines) and returns the engine to
-    register. Raising refuses the model: the watcher logs the error and serves nothing of it.
-    """
-
-    async def build_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tokens + Chat: preprocessor -> migration -> backend -> router -> worker."""
-        ...
-
-    async def build_completions(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tokens + Completions: the same pipeline, without a chat template."""
-        ...
-
-    async def build_text_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Text + Chat: the worker does its own pre/post-processing; router only."""
-        ...
-
-    async def build_text_completions(
-        self, card: ModelDeploymentCard, client: EndpointClient
-    ) -> object:
-        """Text + Completions: router only."""
-        ...
-
-    async def build_embeddings(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tokens + Embedding: tokenizer -> router -> worker (one reply per request)."""
-        ...
-
-    async def build_tensor(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tensor + TensorBased: checked against the card's tensors -> router -> worker."""
-        ...
-
-    async def release(self, name: str) -> None:
-        """The model's last instance left: free what its pipelines hold (e.g. a KV router)."""
-        ...
 
 
 class _Outcome(enum.Enum):
@@ -274,6 +210,11 @@ class _Model:
 
 
 # -- the watcher --------------------------------------------------------------------------------
+
+
+#: Distinct unsupported-card messages remembered so each is logged once (bounded: past it,
+#: forgotten and logged again).
+_MAX_LOGGED_UNSUPPORTED = 1024
 
 
 class ModelWatcher:
@@ -466,7 +407,7 @@ class ModelWatcher:
                 raise
             self._register(name, built)
         except Exception as err:
-            if isinstance(err, _Unsupported) and not self._first_sight(name, err):
+            if isinstance(err, UnsupportedModel) and not self._first_sight(name, err):
                 log.debug("unsupported model card again model=%s key=%s", name, key)
                 return _Outcome.REJECTED
             log.error(
@@ -475,7 +416,7 @@ class ModelWatcher:
                 namespace,
                 err,
                 # Expected, operational failures carry their whole story in the message.
-                exc_info=not isinstance(err, (_Unsupported, ArtifactError)),
+                exc_info=not isinstance(err, (UnsupportedModel, ArtifactError)),
             )
             return _Outcome.REJECTED
         group = self._new_group(card, view, built)
@@ -537,7 +478,7 @@ class ModelWatcher:
                     await _close_client(view)
                 raise
         except Exception as err:
-            if isinstance(err, _Unsupported) and not self._first_sight(name, err):
+            if isinstance(err, UnsupportedModel) and not self._first_sight(name, err):
                 log.debug("unsupported model card again model=%s key=%s", name, key)
                 return _Outcome.REJECTED
             log.error(
@@ -549,7 +490,7 @@ class ModelWatcher:
                 served.card.instance_id,
                 served.checksum,
                 err,
-                exc_info=not isinstance(err, (_Unsupported, ArtifactError)),
+                exc_info=not isinstance(err, (UnsupportedModel, ArtifactError)),
             )
             return _Outcome.REJECTED
         if self._models.get(name) is not model:
@@ -612,7 +553,7 @@ class ModelWatcher:
         card; here a card with several types is served on each, when every one pairs with
         its input). A card with any other pair is refused, naming ``SUPPORTED_PAIRS``.
         """
-        steps = self._steps(card)
+        steps = pipelines_for(card)
         # Typed as the client it stands for: the factory and the manager use it as one.
         client = cast("EndpointClient", view)
         built: list[_Built] = []
@@ -620,22 +561,6 @@ class ModelWatcher:
             build: _Builder = getattr(self._factory, method)
             built.append((kind, await build(card, client)))
         return built
-
-    @staticmethod
-    def _steps(card: ModelDeploymentCard) -> list[tuple[str, ModelKind]]:
-        """The factory methods and request kinds of ``card``; ``_Unsupported`` if any type of
-        the card does not pair with its input."""
-        mt, mi = card.model_type, card.model_input
-        types = [t for t in ModelType if t in mt]
-        missing = [t for t in types if (mi, t) not in PAIRS]
-        if not types or missing:
-            which = "|".join(t.name or "" for t in missing) or "no type"
-            raise _Unsupported(
-                f"Unsupported model configuration: {mt.names()} with {mi.value} input "
-                f"({which} cannot be served with {mi.value} input). Supported combinations: "
-                f"{SUPPORTED_PAIRS}"
-            )
-        return [PAIRS[(mi, t)] for t in types]
 
     def _register(self, name: str, built: list[_Built]) -> None:
         """Register every pipeline of ``built`` under ``name``, or none (no await: atomic)."""
@@ -828,55 +753,9 @@ class ModelWatcher:
             await self._updates.put(update)
 
 
-class AcceptedInstances:
-    """A model's endpoint client, as its pipelines see it: ``instance_ids()`` and
-    ``instances()`` keep only the instances whose card the watcher ``accepted``.
-
-    Everything else (streaming to an instance, side-handler calls, membership through
-    ``announced_ids``, listeners, ``close``) is the client's own. It compares and hashes as
-    the client it wraps.
-    """
-
-    __slots__ = ("accepted", "client", "listener")
-
-    def __init__(self, client: EndpointClient) -> None:
-        self.client = client
-        #: Instance ids with an accepted card of the model; set by the watcher.
-        self.accepted: set[int] = set()
-        #: The watcher's callback on the client's instance changes (removed at close).
-        self.listener: Callable[[], None] = _nothing
-
-    def instance_ids(self) -> list[int]:
-        accepted = self.accepted
-        return [i for i in self.client.instance_ids() if i in accepted]
-
-    def instances(self) -> list[Instance]:
-        accepted = self.accepted
-        return [inst for inst in self.client.instances() if inst.instance_id in accepted]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, AcceptedInstances):
-            other = other.client
-        return self.client is other
-
-    def __hash__(self) -> int:
-        return hash(self.client)
-
-
-def _nothing() -> None:
-    pass
-
-
 def _routable(group: _Group) -> set[int]:
     """The group's instances its view's client can route to (announced, not set aside)."""
     return group.instance_ids() & set(group.view.client.instance_ids())
-
-
-class _Unsupported(Exception):
-    """A card asks for an (input, type) pair the watcher cannot build."""
 
 
 async def _close_client(client: EndpointClient) -> None:
