@@ -15,7 +15,7 @@ from tests.integration.procs import health, start_serve, stop_serve, wait_until
 
 from turnout.cli.main import build_parser
 from turnout.cli.serve import worker_argv
-from turnout.cli.worker import make_engines
+from turnout.cli.worker import check_engine_flags, make_engines
 from turnout.engines.embeddings import EmbeddingEngine
 from turnout.engines.embeddings.model import DEFAULT_MODEL_NAME
 from turnout.engines.worker import Worker
@@ -96,9 +96,37 @@ def test_serve_numeric_tensor_model(tmp_path: Path) -> None:
 def test_tensor_engines_refuse_flags_they_cannot_honour() -> None:
     for argv, words in [
         (["--engine", "numeric", "--model-path", "x.onnx"], "no model file"),
-        (["--engine", "onnx", "--context-length", "8"], "reads no tokens"),
+        (["--engine", "onnx", "--context-length", "8"], "--context-length is read by"),
         (["--engine", "numeric", "--num-workers", "2"], "one model per process"),
     ]:
         args = build_parser().parse_args(["worker", *argv])
         with pytest.raises(ConfigError, match=words):
             make_engines(args, args.num_workers)
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "words"),
+    [
+        ("worker", ["--engine", "llamacpp", "--echo-delay-ms", "5"], "--echo-delay-ms is read by"),
+        ("worker", ["--engine", "echo", "--speedup-ratio", "0"], "--speedup-ratio is read by"),
+        ("worker", ["--engine", "llamacpp", "--context-length", "64"], "not by llamacpp"),
+        ("serve", ["--engine", "echo", "--threads", "3"], "--threads is read by"),
+        ("serve", ["--engine", "mocker", "--max-batch-size", "8"], "--max-batch-size is read by"),
+        ("serve", ["--engine", "numeric", "--n-ctx", "64"], "--n-ctx is read by"),
+    ],
+)
+def test_a_flag_of_another_engine_is_refused(command: str, argv: list[str], words: str) -> None:
+    args = build_parser().parse_args([command, *argv])
+    with pytest.raises(ConfigError, match=words):
+        check_engine_flags(args)
+
+
+def test_an_engines_own_flags_and_defaults_pass() -> None:
+    for argv in (
+        ["--engine", "mocker", "--speedup-ratio", "0", "--max-waiting", "8"],
+        ["--engine", "embeddings", "--threads", "1", "--max-batch-size", "4"],
+        ["--engine", "echo", "--echo-delay-ms", "1", "--context-length", "64"],
+        ["--engine", "llamacpp", "--n-ctx", "2048", "--threads", "2"],
+        ["--engine", "numeric"],
+    ):
+        check_engine_flags(build_parser().parse_args(["worker", *argv]))

@@ -33,7 +33,7 @@ from turnout.runtime.discovery import default_file_store_path
 from .flags import add_flag, add_runtime_flags
 from .frontend import add_frontend_flags, add_kv_router_flags, frontend_config
 from .lifecycle import run_command, run_until_signal
-from .worker import add_worker_flags
+from .worker import add_worker_flags, check_engine_flags
 
 log = logging.getLogger("turnout.serve")
 
@@ -303,6 +303,7 @@ class ServeTree:
             )
         if prefill and worker_count(args) < 1:
             raise TurnoutError("--num-prefill-workers needs decode workers (--num-workers >= 1)")
+        check_engine_flags(args)  # here too: worker_argv passes only the engine's flags
         try:  # here, not in every child after it started: one line, at once
             check_parser_names(args.tool_call_parser, args.reasoning_parser)
         except ValueError as exc:

@@ -28,6 +28,53 @@ DEFAULT_PREFILL_ENDPOINT = "turnout/prefill/generate"
 ROLES = ("aggregated", "prefill", "decode")
 
 
+_MOCKER = ("mocker",)
+#: The engine flags only some engines read: given to another engine (a value other than its
+#: default), they are refused rather than accepted and ignored (``check_engine_flags``).
+ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
+    "context_length": ("echo", "mocker", "embeddings"),
+    "n_ctx": ("llamacpp",),
+    "n_parallel": ("llamacpp",),
+    "threads": ("llamacpp", "embeddings", "onnx"),
+    "max_waiting": ("mocker", "llamacpp", "embeddings", "onnx", "numeric"),
+    "max_batch_size": ("embeddings",),
+    "max_batch_tokens": ("embeddings",),
+    "echo_delay_ms": ("echo",),
+    **dict.fromkeys(
+        (
+            "num_gpu_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "speedup_ratio",
+            "seed",
+            "dp_size",
+            "no_prefix_caching",
+            "no_chunked_prefill",
+            "fail_after_steps",
+            "lora_adapters",
+            "lora_load_ms",
+            "max_loras",
+        ),
+        _MOCKER,
+    ),
+}
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """``ConfigError`` naming the first flag set for an engine other than ``--engine``."""
+    defaults: dict[str, object] = getattr(args, "engine_flag_defaults", {})
+    for name, engines in ENGINE_FLAGS.items():
+        if args.engine in engines or name not in defaults:
+            continue
+        if getattr(args, name) != defaults[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} is read by the {', '.join(engines)} engine"
+                f"{'s' if len(engines) > 1 else ''}, not by {args.engine}; leave it out"
+            )
+
+
 def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None:
     add_flag(p, "--engine", default=engine_default, choices=ENGINES, help="engine to run")
     add_flag(p, "--model-path",
@@ -89,6 +136,8 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
     add_flag(g, "--max-loras", default=4, type=int,
              help="most adapters loaded at once; the least recently used idle one is "
                   "evicted")  # fmt: skip
+    # What each engine-specific flag is when not given (env included): check_engine_flags.
+    p.set_defaults(engine_flag_defaults={name: p.get_default(name) for name in ENGINE_FLAGS})
 
 
 def add_disagg_flags(p: argparse.ArgumentParser) -> None:
@@ -155,6 +204,7 @@ def make_engines(
     """``count`` engines of ``args.engine`` for one process."""
     if count < 1:
         raise ConfigError(f"--num-workers must be at least 1, got {count}")
+    check_engine_flags(args)
     role = getattr(args, "role", "aggregated")
     if role != "aggregated" and args.engine != "mocker":
         raise ConfigError(
@@ -209,8 +259,6 @@ def make_engines(
 
         if count != 1:
             raise ConfigError(f"the {args.engine} engine runs one model per process")
-        if args.context_length is not None:
-            raise ConfigError(f"--context-length: the {args.engine} engine reads no tokens")
         if args.engine == "numeric":
             if args.model_path is not None:
                 raise ConfigError("--model-path: the numeric engine has no model file")
