@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from turnout.errors import NoInstanceAvailable, RequestTimedOut
+from turnout.errors import NoInstanceAvailable
 from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
 from turnout.llm.migration import Migration, deadline_stream
 from turnout.llm.preprocessor import Preprocessor
@@ -25,8 +25,6 @@ from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.router.push_router import InstanceSource, PushRouter
 from turnout.runtime.context import RequestContext
-
-from .http_errors import timed_out
 
 
 class WorkerGate:
@@ -129,9 +127,6 @@ class TokensPipeline:
             # The worker ended its stream without saying why: report it, don't invent "stop"
             # (``end`` also releases any text held back for a possible stop string).
             yield decoder.end(FinishReason.ERROR, "worker stream ended without a finish reason")
-        except RequestTimedOut as exc:
-            # 504 before streaming starts; an SSE error event (with this body) after.
-            raise timed_out(str(exc)) from exc
         finally:
             await upstream.aclose()  # type: ignore[attr-defined]
 
@@ -154,20 +149,7 @@ class TextPipeline:
         if self.gate is not None:
             self.gate.check()
         if self.request_timeout > 0:
-            return _timed_relay(self.router.generate(body, ctx), self.request_timeout, ctx)
+            # ``RequestTimedOut`` past it: 504 before the first chunk, an SSE error event
+            # after (``http_errors.to_http_error``).
+            return deadline_stream(self.router.generate(body, ctx), self.request_timeout, ctx)
         return self.router.generate(body, ctx)
-
-
-async def _timed_relay(
-    chunks: AsyncIterator[bytes], timeout: float, ctx: RequestContext
-) -> AsyncIterator[bytes]:
-    """A text model's chunks under its deadline: 504 before the first chunk, an SSE error
-    event after (the HTTP layer's mapping of ``HttpError``)."""
-    stream = deadline_stream(chunks, timeout, ctx)
-    try:
-        async for chunk in stream:
-            yield chunk
-    except RequestTimedOut as exc:
-        raise timed_out(str(exc)) from exc
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from turnout.llm.backend import Backend
 from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.migration import Migration
 from turnout.llm.preprocessor import Preprocessor
+from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.llm import LLMEngineOutput
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.unary import EmbeddingOutput, TensorOutput
@@ -288,20 +289,23 @@ class PipelineFactory:
             await router.close()
         self.kv_routers.clear()
 
-    async def _tokens_pipeline(
-        self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
-    ) -> TokensPipeline:
+    async def _tokenizer(self, card: ModelDeploymentCard, client: InstanceSource) -> Tokenizer:
+        """The card's tokenizer, by content from the workers (or the caches), never from a
+        path: ``ArtifactError`` when no instance delivers it (the watcher builds nothing)."""
         if card.tokenizer is None:
             raise ValueError(f"model {card.display_name!r} has Tokens input but no tokenizer")
-        # By content from the workers (or the caches), never from a path: raises
-        # ArtifactError when no instance delivers it, and the watcher builds nothing.
-        tokenizer = await self.artifacts.tokenizer(
+        return await self.artifacts.tokenizer(
             card.tokenizer,
             client,
             prefer=card.instance_id,
             bos_token=card.bos_token,
             eos_token=card.eos_token,
         )
+
+    async def _tokens_pipeline(
+        self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
+    ) -> TokensPipeline:
+        tokenizer = await self._tokenizer(card, client)
         template = None
         if is_chat:
             if not card.chat_template:
@@ -392,20 +396,12 @@ class PipelineFactory:
 
     async def build_embeddings(self, card: ModelDeploymentCard, client: Any) -> EmbeddingsPipeline:
         """Tokens + Embedding: tokenize here, route (no KV routing: nothing is cached), reply."""
-        if card.tokenizer is None:
-            raise ValueError(f"embedding model {card.display_name!r} has no tokenizer")
         if card.embedding is None:
             raise ValueError(
                 f"embedding model {card.display_name!r} does not say its vectors' length "
                 "(card field 'embedding')"
             )
-        tokenizer = await self.artifacts.tokenizer(
-            card.tokenizer,
-            client,
-            prefer=card.instance_id,
-            bos_token=card.bos_token,
-            eos_token=card.eos_token,
-        )
+        tokenizer = await self._tokenizer(card, client)
         caller = self._unary_caller(card, client, _embedding_decoder.decode)
         return EmbeddingsPipeline(
             card.display_name, card, tokenizer, caller, client, gate=self._gate(client)
