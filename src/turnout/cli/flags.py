@@ -9,6 +9,7 @@ from typing import Any
 
 from turnout.runtime.addresses import DEFAULT_HOST
 from turnout.runtime.planes import PlanesConfig
+from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes
 
 
 def env_name(flag: str) -> str:
@@ -81,6 +82,10 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -
                       "for 0.0.0.0, the interface that routes to the store)")  # fmt: skip
     add_flag(parser, "--lease-ttl", default=10.0, type=float,
              help="seconds a dead process's registrations outlive it")  # fmt: skip
+    add_flag(parser, "--max-frame-bytes", default=DEFAULT_MAX_FRAME_BYTES, type=int,
+             help="largest request-plane frame (a request, a reply item) sent or read; a "
+                  "peer announcing more is disconnected. Give every process of a deployment "
+                  "the same value")  # fmt: skip
     add_flag(parser, "--log-level", default="info",
              choices=["debug", "info", "warning", "error"], help="log level")  # fmt: skip
 
@@ -108,6 +113,11 @@ def planes_config(args: argparse.Namespace) -> PlanesConfig:
         bind_host=get("bind_host") or DEFAULT_HOST,
         advertise_host=get("advertise_host"),
         lease_ttl=args.lease_ttl,
+        max_frame_bytes=(
+            DEFAULT_MAX_FRAME_BYTES
+            if get("max_frame_bytes") is None
+            else check_max_frame_bytes(get("max_frame_bytes"))
+        ),
     )
     if config.uses_nats():
         from turnout.runtime.nats import NatsOptions

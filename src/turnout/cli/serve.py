@@ -103,6 +103,7 @@ def worker_argv(
         "--request-plane", "tcp",
         "--event-plane", "zmq",
         "--lease-ttl", str(args.lease_ttl),
+        "--max-frame-bytes", str(args.max_frame_bytes),
         "--drain-timeout", str(args.drain_timeout),
         "--log-level", args.log_level,
     ]  # fmt: skip

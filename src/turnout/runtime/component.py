@@ -38,6 +38,7 @@ from turnout.runtime.event_plane import EventPlane, make_event_plane
 from turnout.runtime.lease import Lease
 from turnout.runtime.request_plane import make_client, make_server
 from turnout.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
+from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     from turnout.runtime.nats import NatsConnection
@@ -85,6 +86,7 @@ class DistributedRuntime:
         *,
         advertise_host: str | None = None,
         nats: NatsConnection | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.store = store
         #: KV events and load reports (``local`` or ``zmq``); closed by ``shutdown``.
@@ -96,6 +98,8 @@ class DistributedRuntime:
         #: The NATS connection the nats planes share (owned: closed by ``shutdown``).
         self.nats = nats
         self.lease_ttl = lease_ttl
+        #: The bound on one request-plane frame, for this process's server and clients.
+        self.max_frame_bytes = max_frame_bytes
         #: Closed last by ``shutdown`` (a store opened for this runtime, see ``own_store``).
         self._owned_store: DiscoveryStore | None = None
         self._server: RequestPlaneServer | None = None
@@ -117,6 +121,7 @@ class DistributedRuntime:
         lease_ttl: float = 10.0,
         event_plane: str | None = None,
         nats: NatsConnection | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> DistributedRuntime:
         """A runtime over ``store`` (owned by the caller unless handed over with
         ``own_store``).
@@ -136,7 +141,14 @@ class DistributedRuntime:
             options = {"nats": nats}
         events = make_event_plane(kind, store, host, **options)
         return cls(
-            store, request_plane, host, lease_ttl, events, advertise_host=advertise_host, nats=nats
+            store,
+            request_plane,
+            host,
+            lease_ttl,
+            events,
+            advertise_host=advertise_host,
+            nats=nats,
+            max_frame_bytes=max_frame_bytes,
         )
 
     def own_store(self) -> None:
@@ -151,7 +163,9 @@ class DistributedRuntime:
         async with self._server_lock:
             if self._server is None:
                 options = _server_options(self.advertise_host, self.nats)
-                server = make_server(self.request_plane, self.host, **options)
+                server = make_server(
+                    self.request_plane, self.host, max_frame_bytes=self.max_frame_bytes, **options
+                )
                 self._address = await server.start()
                 self._server = server
             assert self._address is not None
@@ -162,7 +176,9 @@ class DistributedRuntime:
         client = self._clients.get(kind)
         if client is None:
             options = {"nats": self.nats} if self.nats is not None else {}
-            client = self._clients[kind] = make_client(kind, **options)
+            client = self._clients[kind] = make_client(
+                kind, max_frame_bytes=self.max_frame_bytes, **options
+            )
         return client
 
     async def shutdown(self) -> None:

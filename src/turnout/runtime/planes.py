@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from turnout.runtime.addresses import DEFAULT_HOST, resolve_advertise_host
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.discovery import DiscoveryStore, open_store
+from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     from turnout.runtime.nats import NatsConnection, NatsOptions
@@ -40,6 +41,9 @@ class PlanesConfig:
     advertise_host: str | None = None
     #: Seconds a dead process's registrations outlive it.
     lease_ttl: float = 10.0
+    #: The largest request-plane frame this process sends or reads (requests and reply
+    #: items alike); a peer announcing more is cut off.
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
     def uses_nats(self) -> bool:
         return "nats" in (self.request_plane, self.event_plane)
@@ -72,6 +76,7 @@ async def open_runtime(config: PlanesConfig) -> DistributedRuntime:
             lease_ttl=config.lease_ttl,
             event_plane=config.event_plane,
             nats=nats,
+            max_frame_bytes=config.max_frame_bytes,
         )
     except BaseException:
         if nats is not None:

@@ -27,12 +27,29 @@ import struct
 
 import msgspec
 
+from turnout.errors import ConfigError
+
 #: Items a handler may run ahead of its consumer (the per-stream credit window).
 WINDOW = 64
 #: The client returns credit in batches of this many consumed items.
 CREDIT_BATCH = WINDOW // 4
-#: Larger frames are a protocol error (a corrupt length would otherwise allocate gigabytes).
-MAX_FRAME_BYTES = 256 * 1024 * 1024
+#: The default bound on one frame (``--max-frame-bytes``). A frame announcing more is refused
+#: from its 4-byte header, before any of its bytes is read, and its connection is dropped: an
+#: unauthenticated peer must not make a process buffer what it likes. Sized on the largest
+#: legitimate frames, with room to spare:
+#:
+#: * a request: the token ids of a prompt (bounded by the context length: 5 msgpack bytes a
+#:   token at most, 5 MiB for a 1M-token context) plus what came in the HTTP body (a
+#:   structured-output grammar, a text-mode request, images: the frontend's 16 MiB body cap);
+#: * a reply item: an embeddings reply of 2048 inputs (OpenAI's limit, the frontend's) x 4096
+#:   float32 dimensions is 32 MiB; artifacts travel in 256 KiB chunks (``iter_chunks``), tokens
+#:   in a few bytes each. Items batched into one DATA frame are split at the bound.
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Smaller bounds are refused as a setting: an artifact chunk and its frame must fit.
+MIN_MAX_FRAME_BYTES = 1024 * 1024
+#: Bytes of a DATA frame around its items: the header, the frame's fields, and the msgpack
+#: array and bin headers of up to ``WINDOW`` items (5 bytes each at most).
+FRAME_OVERHEAD = 64 + 5 * WINDOW
 
 HEADER = struct.Struct(">I")
 
@@ -75,6 +92,45 @@ class FrameError(Exception):
     """The byte stream is not a valid frame sequence; the connection must be dropped."""
 
 
+class FrameTooLarge(FrameError):
+    """A frame header announced more than the bound: refused before its bytes are read."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+def check_max_frame_bytes(value: int) -> int:
+    """``value`` if it is a usable frame bound, else ``ConfigError`` naming the flag."""
+    if value < MIN_MAX_FRAME_BYTES:
+        raise ConfigError(
+            f"--max-frame-bytes must be at least {MIN_MAX_FRAME_BYTES} (1 MiB), got {value}"
+        )
+    if value > 0xFFFF_FFFF:
+        raise ConfigError(f"--max-frame-bytes must fit the 4-byte frame length, got {value}")
+    return value
+
+
+def split_items(items: list[bytes], budget: int) -> list[list[bytes]]:
+    """``items`` cut, in order, into runs whose sizes add up to at most ``budget`` each, so
+    that a DATA frame batching a run stays within the frame bound. Every item must be at
+    most ``budget`` itself."""
+    runs: list[list[bytes]] = []
+    run: list[bytes] = []
+    size = 0
+    for item in items:
+        n = len(item)
+        if run and size + n > budget:
+            runs.append(run)
+            run, size = [], 0
+        run.append(item)
+        size += n
+    if run:
+        runs.append(run)
+    return runs
+
+
 class FrameWriter:
     """Accumulates encoded frames in one buffer, taken whole for one ``transport.write``."""
 
@@ -103,13 +159,24 @@ class FrameWriter:
 
 
 class FrameReader:
-    """Cuts frames out of the received byte stream; keeps an incomplete tail for later."""
+    """Cuts frames out of the received byte stream; keeps an incomplete tail for later.
 
-    __slots__ = ("_decode", "_tail")
+    A frame is checked against ``max_frame_bytes`` as soon as its 4-byte header is in
+    (``FrameTooLarge``), and its buffer only ever holds the bytes that arrived: nothing is
+    allocated from an announced length, which a peer may choose to lie about.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_decode", "_tail", "max_frame_bytes")
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
         self._tail = bytearray()
         self._decode = msgspec.msgpack.Decoder(Frame).decode
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and kept for a frame not complete yet."""
+        return len(self._tail)
 
     def feed(self, data: bytes) -> list[Frame]:
         # Common case: the chunk holds whole frames and nothing is pending, so it is parsed
@@ -125,11 +192,12 @@ class FrameReader:
         pos = 0
         end = len(buf)
         decode = self._decode
+        limit = self.max_frame_bytes
         with memoryview(buf) as view:
             while end - pos >= 4:
                 (size,) = HEADER.unpack_from(buf, pos)
-                if size > MAX_FRAME_BYTES:
-                    raise FrameError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} limit")
+                if size > limit:
+                    raise FrameTooLarge(size, limit)
                 if end - pos - 4 < size:
                     break
                 try:

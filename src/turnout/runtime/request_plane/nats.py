@@ -39,6 +39,9 @@ What NATS does not give, the frames add:
   as PART frames and a last DATA frame, and reassembled. A request payload larger than one
   message is refused with ``RequestPlaneError`` (it never reaches a server). The text of an
   ERROR or REJECT frame (a handler's exception message may be anything) is truncated to fit.
+  As on tcp, ``max_frame_bytes`` bounds an item: a larger one ends its stream with an ERROR
+  on the server, and a client stops reassembling PARTs (``StreamBroken``) once they pass it,
+  whatever a server sends; a request message over it is answered with an ERROR, undecoded.
 
 Sends never await in the caller: frames go to an ``_Outbox`` whose writer task publishes them
 in order (and frames each stream's pending items at that moment, so a burst is one message).
@@ -70,7 +73,13 @@ from turnout.runtime.request_plane.base import (
     as_bytes,
     drain_tasks,
 )
-from turnout.runtime.request_plane.framing import CREDIT_BATCH, WINDOW, Frame, Kind
+from turnout.runtime.request_plane.framing import (
+    CREDIT_BATCH,
+    DEFAULT_MAX_FRAME_BYTES,
+    WINDOW,
+    Frame,
+    Kind,
+)
 
 logger = logging.getLogger("turnout.runtime")
 
@@ -229,12 +238,15 @@ class NatsServer(RequestPlaneServer):
         *,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         idle_timeout: float = IDLE_TIMEOUT,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         super().__init__()
         self.conn = conn
         self.subject = SERVER_PREFIX + uuid.uuid4().hex
         self.heartbeat_interval = heartbeat_interval
         self.idle_timeout = idle_timeout
+        #: The largest item a stream may send (as PARTs) or a request may be.
+        self.max_frame_bytes = max_frame_bytes
         self._inflight: set[_ServerStream] = set()
         self._streams: dict[str, _ServerStream] = {}
         self._sub: Subscription | None = None
@@ -354,6 +366,9 @@ class NatsServer(RequestPlaneServer):
         reply = msg.reply
         if not reply:
             return
+        if len(msg.data) > self.max_frame_bytes:
+            self._refuse_oversize(reply, len(msg.data))
+            return
         try:
             frame = _decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -371,6 +386,23 @@ class NatsServer(RequestPlaneServer):
             stream = self._streams.pop(reply, None)
             if stream is not None:
                 stream.cancel()
+
+    def _refuse_oversize(self, reply: str, size: int) -> None:
+        """Answer a message over the frame bound with an ERROR, without decoding it."""
+        logger.warning(
+            "nats request plane: a message of %d bytes on %s is over the limit of %d "
+            "(--max-frame-bytes); refused",
+            size, reply, self.max_frame_bytes,
+        )  # fmt: skip
+        if self._outbox is None or reply in self._streams:
+            return
+        stream = _ServerStream(reply, "", RequestContext(), time.monotonic())
+        self._send(
+            stream,
+            Kind.ERROR,
+            f"a request of {size} bytes is over the request plane's frame limit "
+            f"({self.max_frame_bytes} bytes, --max-frame-bytes)",
+        )
 
     def _open(self, reply: str, frame: Frame) -> None:
         path = frame.text
@@ -410,11 +442,17 @@ class NatsServer(RequestPlaneServer):
 
     async def _run(self, stream: _ServerStream, handler: Handler, payload: bytes) -> None:
         push = self._push
+        limit = self.max_frame_bytes
         items = handler(payload, stream.ctx)
         try:
             async for item in items:
                 if item.__class__ is not bytes:
                     item = as_bytes(item)
+                if len(item) > limit:
+                    raise RequestPlaneError(
+                        f"a reply item of {len(item)} bytes is over the request plane's frame "
+                        f"limit ({limit} bytes, --max-frame-bytes)"
+                    )
                 while stream.sent >= stream.allowed:
                     stream.waiter = asyncio.get_running_loop().create_future()
                     await stream.waiter  # ends with credit, or the cancel of an idle client
@@ -576,10 +614,13 @@ class NatsClient(RequestPlaneClient):
         *,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         idle_timeout: float = IDLE_TIMEOUT,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.conn = conn
         self.heartbeat_interval = heartbeat_interval
         self.idle_timeout = idle_timeout
+        #: The largest request sent, and the largest item reassembled from PARTs.
+        self.max_frame_bytes = max_frame_bytes
         self.prefix = CLIENT_PREFIX + uuid.uuid4().hex + "."
         self._inboxes: dict[int, _Inbox] = {}
         #: Consumed counts to repeat as keep-alive credit, by stream id.
@@ -651,6 +692,11 @@ class NatsClient(RequestPlaneClient):
             raise RequestPlaneError(
                 f"request payload of {len(payload)} bytes exceeds what one NATS message "
                 f"carries ({limit} bytes)"
+            )
+        if len(payload) + _FRAME_OVERHEAD > self.max_frame_bytes:
+            raise RequestPlaneError(
+                f"request payload of {len(payload)} bytes is over the request plane's frame "
+                f"limit ({self.max_frame_bytes} bytes, --max-frame-bytes)"
             )
         if self._outbox is None:
             await self._ensure_started(server)
@@ -725,6 +771,8 @@ class NatsClient(RequestPlaneClient):
             data = frame.data
             if isinstance(data, bytes):
                 if inbox.partial is not None:
+                    if not self._fits(sid, inbox, len(data)):
+                        return
                     inbox.partial += data
                     data = bytes(inbox.partial)
                     inbox.partial = None
@@ -733,10 +781,16 @@ class NatsClient(RequestPlaneClient):
                 inbox.items.extend(data)
             inbox.wake()
         elif kind == _PART:
+            data = frame.data
+            if not isinstance(data, bytes):
+                self._cancel_stream(sid)
+                inbox.finish(inbox.lost("a PART frame that holds no bytes"))
+                return
             if inbox.partial is None:
                 inbox.partial = bytearray()
-            assert isinstance(frame.data, bytes)
-            inbox.partial += frame.data
+            if not self._fits(sid, inbox, len(data)):
+                return
+            inbox.partial += data
         elif kind == Kind.ACK:
             inbox.acked = True
         elif kind == Kind.END:
@@ -747,6 +801,25 @@ class NatsClient(RequestPlaneClient):
             self._end(sid, inbox, PeerUnavailable(f"nats peer {inbox.server}: {frame.text}"))
         else:  # ABORT
             self._end(sid, inbox, StreamBroken(f"nats peer {inbox.server} aborted the stream"))
+
+    def _fits(self, sid: int, inbox: _Inbox, more: int) -> bool:
+        """Whether an item being reassembled may grow by ``more`` bytes; if not, the stream
+        ends (``StreamBroken``) and what was gathered is dropped."""
+        assert inbox.partial is not None
+        size = len(inbox.partial) + more
+        if size <= self.max_frame_bytes:
+            return True
+        logger.warning(
+            "nats request plane: peer %s sent an item of at least %d bytes, over the limit "
+            "of %d (--max-frame-bytes); ending the stream",
+            inbox.server, size, self.max_frame_bytes,
+        )  # fmt: skip
+        inbox.partial = None
+        self._cancel_stream(sid)
+        inbox.finish(
+            inbox.lost(f"a reply item over the frame limit of {self.max_frame_bytes} bytes")
+        )
+        return False
 
     async def _watch(self) -> None:
         """Ends streams whose server fell silent; repeats credit as the client's heartbeat."""

@@ -4,7 +4,10 @@ A stream's frames land in an ``_Inbox`` owned by the connection; the iterator ha
 caller (``_TcpStream``) reads it and returns credit as it consumes, so dropping the iterator
 can cancel the stream. Error mapping: nothing sent or REJECT -> ``PeerUnavailable``;
 connection lost before ACK -> ``PeerUnavailable``, after ACK or ABORT -> ``StreamBroken``;
-ERROR -> ``RemoteError``.
+ERROR -> ``RemoteError``. A request payload over the frame bound (``max_frame_bytes``) is
+refused here with ``RequestPlaneError``, never sent: the server would drop the connection it
+shares with other streams. A peer announcing a reply frame over the bound loses the
+connection (see ``connection``).
 """
 
 from __future__ import annotations
@@ -14,11 +17,17 @@ import collections
 import contextlib
 import itertools
 
-from turnout.errors import PeerUnavailable, RemoteError, StreamBroken
+from turnout.errors import PeerUnavailable, RemoteError, RequestPlaneError, StreamBroken
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane.base import RequestPlaneClient
-from turnout.runtime.request_plane.framing import CREDIT_BATCH, Frame, Kind
+from turnout.runtime.request_plane.framing import (
+    CREDIT_BATCH,
+    DEFAULT_MAX_FRAME_BYTES,
+    FRAME_OVERHEAD,
+    Frame,
+    Kind,
+)
 from turnout.runtime.request_plane.tcp.connection import _CREDIT, _DATA, _Connection, logger
 
 _CONNECT_TIMEOUT = 5.0
@@ -60,7 +69,7 @@ class _Inbox:
 
 class _ClientConnection(_Connection):
     def __init__(self, client: TcpClient, address: str) -> None:
-        super().__init__()
+        super().__init__(client.max_frame_bytes)
         self.client = client
         self.address = address
         self.inboxes: dict[int, _Inbox] = {}
@@ -174,6 +183,7 @@ class _TcpStream:
     async def __anext__(self) -> bytes:
         inbox = self._inbox
         if inbox is None:
+            self._client.check_payload(self._payload, self._path)
             conn = await self._client._connection(self._address)
             self._sid, inbox = conn.open_stream(self._path, self._payload, self._ctx.request_id)
             self._conn, self._inbox = conn, inbox
@@ -232,10 +242,14 @@ class TcpClient(RequestPlaneClient):
 
     kind = "tcp"
 
-    def __init__(self, *, idle_timeout: float = IDLE_TIMEOUT) -> None:
+    def __init__(
+        self, *, idle_timeout: float = IDLE_TIMEOUT, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
         #: Seconds a connection with open streams may hear nothing before it is dropped
         #: (0: never).
         self.idle_timeout = idle_timeout
+        #: The bound on a frame, sent (requests) or read (replies).
+        self.max_frame_bytes = max_frame_bytes
         self._conns: dict[str, _ClientConnection] = {}
         self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
         self._closed = False
@@ -250,6 +264,14 @@ class TcpClient(RequestPlaneClient):
         if address.kind != self.kind:
             raise PeerUnavailable(f"tcp client cannot reach a {address.kind!r} address")
         return _TcpStream(self, address.address, endpoint_path, payload, ctx)
+
+    def check_payload(self, payload: bytes, path: str) -> None:
+        """``RequestPlaneError`` for a request whose frame would pass the bound."""
+        if len(payload) + len(path) + FRAME_OVERHEAD > self.max_frame_bytes:
+            raise RequestPlaneError(
+                f"request payload of {len(payload)} bytes is over the request plane's frame "
+                f"limit ({self.max_frame_bytes} bytes, --max-frame-bytes)"
+            )
 
     async def _connection(self, address: str) -> _ClientConnection:
         conn = self._conns.get(address)

@@ -14,6 +14,10 @@ connection with open streams that heard nothing (no frame at all) for its idle t
 fails those streams (``StreamBroken``, or ``PeerUnavailable`` before their ACK). So a frozen
 peer process, whose kernel still acknowledges TCP, is noticed too. The hot path pays one
 attribute write per read and per write batch.
+
+Size: each end reads with a ``FrameReader`` bounded by ``max_frame_bytes``; a peer announcing a
+larger frame (a client's request, a server's reply alike) is dropped on reading the header,
+with one warning naming it and the size, before a byte of that frame is buffered.
 """
 
 from __future__ import annotations
@@ -22,7 +26,14 @@ import asyncio
 import logging
 import socket
 
-from turnout.runtime.request_plane.framing import Frame, FrameError, FrameReader, FrameWriter, Kind
+from turnout.runtime.request_plane.framing import (
+    Frame,
+    FrameError,
+    FrameReader,
+    FrameTooLarge,
+    FrameWriter,
+    Kind,
+)
 
 logger = logging.getLogger("turnout.runtime")
 
@@ -56,11 +67,11 @@ def set_keepalive(sock: socket.socket) -> None:
 class _Connection(asyncio.Protocol):
     """Frame I/O over one transport: batched writes, incremental reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame_bytes: int) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.get_running_loop().create_future()
         self._writer = FrameWriter()
-        self._reader = FrameReader()
+        self._reader = FrameReader(max_frame_bytes)
         self._flush_scheduled = False
         #: True from close() or connection loss on: frames sent after it are dropped.
         self._closing = False
@@ -106,14 +117,27 @@ class _Connection(asyncio.Protocol):
         self._heard = True
         try:
             frames = self._reader.feed(data)
+        except FrameTooLarge as exc:
+            logger.warning(
+                "tcp request plane: peer %s announced a frame of %d bytes, over the limit of "
+                "%d (--max-frame-bytes); dropping the connection",
+                self._peer(), exc.size, exc.limit,
+            )  # fmt: skip
+            self._drop()
+            return
         except FrameError as exc:
             logger.error("dropping tcp connection %s: %s", self._peer(), exc)
-            assert self.transport is not None
-            self.transport.abort()
+            self._drop()
             return
         on_frame = self.on_frame
         for frame in frames:
             on_frame(frame)
+
+    def _drop(self) -> None:
+        """Abort the connection: nothing more is read from it (buffers are freed)."""
+        self._closing = True
+        assert self.transport is not None
+        self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True

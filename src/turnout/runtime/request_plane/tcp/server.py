@@ -3,13 +3,17 @@
 Each REQUEST runs its handler in a task that spends one credit per DATA frame and waits when it
 has none; the client returns credit as it consumes, so a slow consumer stops its handler at
 most ``WINDOW`` items ahead. Response items of one stream produced within an event-loop
-iteration share one DATA frame.
+iteration share one DATA frame, or several when together they would pass the frame bound
+(``max_frame_bytes``, which the client's reader enforces); a single item over the bound
+ends its stream with an ERROR naming the sizes, and the connection, shared with other
+streams, stays up.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from turnout.errors import RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.addresses import format_host_port
 from turnout.runtime.context import RequestContext
@@ -19,7 +23,14 @@ from turnout.runtime.request_plane.base import (
     as_bytes,
     drain_tasks,
 )
-from turnout.runtime.request_plane.framing import WINDOW, Frame, Kind
+from turnout.runtime.request_plane.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FRAME_OVERHEAD,
+    WINDOW,
+    Frame,
+    Kind,
+    split_items,
+)
 from turnout.runtime.request_plane.tcp.connection import (
     _CREDIT,
     _DATA,
@@ -83,7 +94,7 @@ class _ServerConnection(_Connection):
     within a stream holds."""
 
     def __init__(self, server: TcpServer) -> None:
-        super().__init__()
+        super().__init__(server.max_frame_bytes)
         self.server = server
         self.streams: dict[int, _ServerStream] = {}
         #: Streams with pending items, in the order they got their first one since the flush.
@@ -114,8 +125,17 @@ class _ServerConnection(_Connection):
         pending = stream.pending
         if pending:
             stream.pending = []
-            if not self._closing:
-                data = pending[0] if len(pending) == 1 else pending
+            if self._closing:
+                return
+            if len(pending) == 1:
+                self._writer.append(Frame(_DATA, stream.stream_id, pending[0]))
+                return
+            budget = self.server.item_limit
+            if sum(map(len, pending)) <= budget:
+                self._writer.append(Frame(_DATA, stream.stream_id, pending))
+                return
+            for run in split_items(pending, budget):
+                data = run[0] if len(run) == 1 else run
                 self._writer.append(Frame(_DATA, stream.stream_id, data))
 
     def _flush(self) -> None:
@@ -162,7 +182,9 @@ class TcpServer(RequestPlaneServer):
     bound to a wildcard can tell clients on other hosts where to dial.
 
     ``heartbeat_interval`` (seconds, 0: none) paces the HEARTBEAT frames of silent
-    connections; ``max_streams`` bounds the streams run at once (more get REJECT).
+    connections; ``max_streams`` bounds the streams run at once (more get REJECT);
+    ``max_frame_bytes`` bounds a frame either way: a larger request drops its connection, a
+    larger reply item fails its stream.
     """
 
     kind = "tcp"
@@ -175,10 +197,14 @@ class TcpServer(RequestPlaneServer):
         advertise_host: str | None = None,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         max_streams: int = MAX_STREAMS,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         super().__init__()
         self.heartbeat_interval = heartbeat_interval
         self.max_streams = max_streams
+        self.max_frame_bytes = max_frame_bytes
+        #: The most bytes of items one DATA frame carries (the rest of it is framing).
+        self.item_limit = max_frame_bytes - FRAME_OVERHEAD
         self.host = host
         self.port = port
         self.advertise_host = advertise_host
@@ -257,11 +283,17 @@ class TcpServer(RequestPlaneServer):
         self, conn: _ServerConnection, stream: _ServerStream, handler: Handler, payload: bytes
     ) -> None:
         push = conn.push
+        limit = self.item_limit
         items = handler(payload, stream.ctx)
         try:
             async for item in items:
                 if item.__class__ is not bytes:
                     item = as_bytes(item)
+                if len(item) > limit:
+                    raise RequestPlaneError(
+                        f"a reply item of {len(item)} bytes is over the request plane's frame "
+                        f"limit ({self.max_frame_bytes} bytes, --max-frame-bytes)"
+                    )
                 while stream.credit <= 0:
                     stream.waiter = asyncio.get_running_loop().create_future()
                     await stream.waiter
