@@ -195,6 +195,7 @@ def test_default_path_per_deployment(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     from turnout.runtime.discovery import default_file_store_path
 
     monkeypatch.delenv("TURNOUT_STORE_PATH", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # else preferred to /tmp
     uid = os.getuid()
     assert default_file_store_path() == f"/tmp/turnout-{uid}/discovery.sqlite"
     assert (
@@ -214,6 +215,7 @@ def test_serve_default_store_is_per_port(monkeypatch: pytest.MonkeyPatch, tmp_pa
     from turnout.cli.serve import ServeTree
 
     monkeypatch.delenv("TURNOUT_STORE_PATH", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # else preferred to /tmp
 
     def store_path(*argv: str) -> str:
         args = build_parser().parse_args(["serve", "--engine", "echo", *argv])

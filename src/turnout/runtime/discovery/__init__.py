@@ -22,6 +22,7 @@ from turnout.runtime.discovery.base import (
 )
 from turnout.runtime.discovery.etcd import EtcdStore, open_etcd_store
 from turnout.runtime.discovery.file import FileStore
+from turnout.runtime.discovery.file_path import runtime_folder
 from turnout.runtime.discovery.memory import MemoryStore
 
 __all__ = [
@@ -50,8 +51,10 @@ _OPTIONS: dict[str, frozenset[str]] = {
 
 
 def default_file_store_path(deployment: str | None = None) -> str:
-    """``$TURNOUT_STORE_PATH``, else ``/tmp/turnout-<uid>/discovery.sqlite``, or with a
-    ``deployment`` name ``/tmp/turnout-<uid>/<deployment>/discovery.sqlite``.
+    """``$TURNOUT_STORE_PATH``, else ``<folder>/discovery.sqlite``, or with a ``deployment``
+    name ``<folder>/<deployment>/discovery.sqlite``, where the folder is
+    ``$XDG_RUNTIME_DIR/turnout`` when that is usable, else ``/tmp/turnout-<uid>`` (see
+    ``file_path``: the store is refused unless the folder is this user's alone).
 
     The name keeps unrelated deployments of one user apart: two ``turnout serve`` trees on one
     machine sharing a store would route each other's models and see each other's workers.
@@ -62,8 +65,8 @@ def default_file_store_path(deployment: str | None = None) -> str:
     if deployment is not None:
         if not deployment or "/" in deployment or deployment in (".", ".."):
             raise ConfigError(f"a deployment name is one path component, got {deployment!r}")
-        return f"/tmp/turnout-{os.getuid()}/{deployment}/discovery.sqlite"
-    return f"/tmp/turnout-{os.getuid()}/discovery.sqlite"
+        return os.path.join(runtime_folder(), deployment, "discovery.sqlite")
+    return os.path.join(runtime_folder(), "discovery.sqlite")
 
 
 def _make_memory(path: str | None, options: dict[str, Any]) -> DiscoveryStore:
@@ -121,8 +124,16 @@ def make_store(kind: str, path: str | None = None, **options: Any) -> DiscoveryS
 async def open_store(kind: str, path: str | None = None, **options: Any) -> DiscoveryStore:
     """``make_store``, then check the store is usable: for ``etcd``, one read within the
     connect timeout (and the credentials accepted), else ``ConfigError("cannot reach etcd at
-    [...]: reason")``. The caller closes the store."""
+    [...]: reason")``; for ``file``, the file opened (``ConfigError`` for a folder that is not
+    this user's alone). The caller closes the store."""
     given = _check_options(kind, options)
     if kind == "etcd":
         return await open_etcd_store(**given)
-    return _STORES[kind](path, given)
+    store = _STORES[kind](path, given)
+    if isinstance(store, FileStore):
+        try:
+            await store.open()  # a folder that is not ours: ConfigError now, one line
+        except BaseException:
+            await store.close()
+            raise
+    return store

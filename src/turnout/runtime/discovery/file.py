@@ -60,6 +60,10 @@ sweep does not wait (the next poll sweeps). The price: a process that died holdi
 (SQLite releases it; its transaction is rolled back) leaves the leases of the others a little
 longer, by the time since the last committed transaction began.
 
+**Trust.** Whoever can write the file can register workers that frontends send prompts to:
+the folder is made ``0700`` and the file ``0600`` (with its ``-wal`` and ``-shm``), and a
+folder of another user, or one others may write in, is refused (``file_path``).
+
 **Polling.** A watch poll first asks ``PRAGMA data_version``, which changes when another
 connection commits; with no commit from anyone (this connection's own are counted apart)
 since the last poll that read the log, there is nothing new and the log is not read.
@@ -79,6 +83,7 @@ from typing import TypeVar
 
 from turnout.errors import DiscoveryError
 from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+from turnout.runtime.discovery.file_path import private_file, secure_folder
 
 #: How many past changes the events log keeps for resuming watchers.
 HISTORY_LIMIT = 10_000
@@ -267,9 +272,8 @@ class FileStore(DiscoveryStore):
     def _conn(self) -> sqlite3.Connection:
         """The connection, opened on first use (in the store's thread)."""
         if self._db is None:
-            directory = os.path.dirname(self.path)
-            if directory:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
+            secure_folder(os.path.dirname(os.path.abspath(self.path)))
+            private_file(self.path)
             db = sqlite3.connect(
                 self.path,
                 timeout=_BUSY_TIMEOUT_MS / 1000,
@@ -652,6 +656,12 @@ class FileStore(DiscoveryStore):
             db.execute("UPDATE meta SET value=max(value, ?) WHERE name='compacted'", (revision,))
 
         await self._call(self._write, compact)
+
+    async def open(self) -> None:
+        """Open the file now rather than on first use: its folder is made or checked and the
+        file made private (``file_path``), so a store that is not this user's alone is a
+        ``ConfigError`` at start, not at the first registration."""
+        await self._call(self._conn)
 
     async def close(self) -> None:
         if self._closed:
