@@ -16,6 +16,10 @@ Semantics, per request (``n`` = ``len(token_ids)``):
 * With ``delay_ms > 0`` it sleeps that long before each token: a fake decode step.
 * ``ctx.cancel()`` ends the stream at the next token (or at once, during a delay) with a
   ``CANCELLED`` output; closing the generator ends it too.
+* Back-pressure is the generator's own: each token is made when the consumer asks for it
+  (the pacing delay runs between asks, not ahead of them), so a consumer that stops reading
+  stops the echo, and nothing is buffered here (the worker's output buffer bounds what it
+  pulls ahead).
 
 Every stream ends with ``usage`` (``cached_tokens=0``: there is no cache to hit).
 """

@@ -42,6 +42,23 @@ the failure (the worker leaves discovery and exits). Requests past ``n_parallel`
 plus ``max_waiting`` queued are refused as ``overloaded``. ``min_tokens`` is not supported by
 llama.cpp's server: the card's capabilities say so, and the frontend refuses such requests.
 
+Back-pressure: what a stalled consumer costs, and what bounds it. llama.cpp cannot pause a
+slot: its loop decodes every active slot at each step and queues each result for the
+completion call, whose callback only reads that queue. Blocking the callback (a bounded
+queue here) would not stop generation, only move the backlog into llama.cpp's own queue
+and hold a pool thread past the slot's end, starving a waiting request of a thread while
+its slot is free (measured, SmolLM2 on CPU: with the callback blocked 3 s at token 10 of
+400, 186 of the remaining tokens arrived within 50 ms after it, and the whole request took
+7.1 s against 7.0 s unblocked). Stopping it (the callback's True) frees the slot, but
+resuming would be a new task that re-prefills prompt + output with a fresh sampler state
+(other tokens than the unpaused run), restarts any grammar from its first symbol, and loses
+the tokens llama.cpp holds back mid-character. So a request whose reader stalls runs to its
+end, and its outputs wait in its ``asyncio.Queue`` (unbounded in type, bounded in fact):
+at most ``max_tokens`` outputs, or ``n_ctx`` minus the prompt when unset (``ctx_shift`` is
+off, so a full context ends the stream); its slot is freed at its end as for any request,
+so a stalled client holds no slot longer than its own generation. What the worker keeps
+beyond that is bounded by its output buffer and the request plane's window.
+
 Load reports. Given a sink (``set_event_sink``; the worker wires the event plane) and its
 worker id (``bind_instance``: the instance id, known only once the worker registered; nothing
 is published before), the engine publishes a ``LoadReport`` on every change (a request

@@ -8,19 +8,29 @@ with many workers in one process.
 * ``KvBlockPool``: reference-counted, content-addressed blocks (sync).
 * ``Scheduler``: waiting/running queues, chunked prefill, preemption (sync, ``step(now)``).
 * ``TimingModel`` / ``PolynomialTimingModel``: how long a step takes.
-* ``MockerEngine`` / ``make_mocker_engines``: the async ``Engine`` for the worker.
+* ``MockerEngine`` / ``make_mocker_engines``: the async ``Engine`` for the worker; a request
+  whose stream holds ``STREAM_HIGH_WATER`` unread outputs is paused until it drains to
+  ``STREAM_LOW_WATER``.
 """
 
 from turnout.engines.mocker.config import MockerConfig
 from turnout.engines.mocker.engine import MockerEngine, make_mocker_engines
 from turnout.engines.mocker.kv_pool import KvBlockPool
-from turnout.engines.mocker.rank import KvEventSink, MockerStats, NullEventSink
+from turnout.engines.mocker.rank import (
+    STREAM_HIGH_WATER,
+    STREAM_LOW_WATER,
+    KvEventSink,
+    MockerStats,
+    NullEventSink,
+)
 from turnout.engines.mocker.request import MockRequest, RequestState
 from turnout.engines.mocker.scheduler import Scheduler, SchedulerLoad, StepResult
 from turnout.engines.mocker.timing import PolynomialTimingModel, TimingModel
 from turnout.engines.mocker.tokens import HashTokenSampler, TokenSampler
 
 __all__ = [
+    "STREAM_HIGH_WATER",
+    "STREAM_LOW_WATER",
     "HashTokenSampler",
     "KvBlockPool",
     "KvEventSink",

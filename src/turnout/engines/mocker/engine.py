@@ -14,6 +14,13 @@ Each request has a small stream (a deque and a waiter future: cheaper than an
 ``asyncio.Queue`` per token). A cancelled ``ctx`` is noticed after the current step, and a
 closed generator aborts its request at once; either way the request's blocks go back.
 
+Back-pressure: a stream that nobody reads would otherwise take one output per step for as
+long as its request runs. Once it holds ``STREAM_HIGH_WATER`` outputs the request is paused
+in the scheduler (``Scheduler.pause``: no more steps for it, its blocks kept); the consumer,
+when it has taken the stream down to ``STREAM_LOW_WATER``, resumes it and wakes the loop.
+When every request of a rank is paused the loop parks as when idle; a cancelled ``ctx`` of a
+paused request wakes it (a watcher task per paused stream), so its blocks go back at once.
+
 Disaggregated serving (``engines.mocker.disagg``): a prefill-stage request's blocks are
 parked under a ``KvHandle`` attached to its last output; a decode-stage request first obtains
 its handle's KV (pull, or wait for the push), then runs with those tokens already computed.
@@ -336,6 +343,8 @@ class MockerEngine(Engine):
                     await stream.waiter
                     stream.waiter = None
                 out = stream.items.popleft()
+                if stream.paused and stream.has_drained:
+                    self._resume_stream(rank, rid, stream)
                 if out.finish_reason is not None:
                     finished = True
                 if transfer_s is not None and (out.token_ids or finished):
@@ -347,6 +356,7 @@ class MockerEngine(Engine):
                 if finished:
                     return
         finally:
+            stream.stop_watching()
             if not finished:
                 # A handle its consumer never saw: nobody will claim its blocks.
                 for out in stream.items:
@@ -459,6 +469,9 @@ class MockerEngine(Engine):
                         await rank.wake.wait()
                 except TimeoutError:
                     self._maybe_publish_load(rank, force=True)
+                # Parked with paused requests: the wake may be a paused request's cancel.
+                if self._reap_cancelled(rank):
+                    self._maybe_publish_load(rank, force=False)
                 deadline = clock()
                 continue
             # Simulated time: the sum of step durations so far.
@@ -497,6 +510,7 @@ class MockerEngine(Engine):
         """End every stream of ``rank`` with an ERROR output and drop its requests."""
         for rid, stream in list(rank.streams.items()):
             rank.scheduler.abort(rid)
+            stream.stop_watching()
             stream.push(
                 LLMEngineOutput(
                     finish_reason=FinishReason.ERROR,
@@ -515,6 +529,25 @@ class MockerEngine(Engine):
                 out = self._park(rank, rid, stream, out)
             if stream is not None:
                 stream.push(out)
+                if out.finish_reason is None and stream.is_full and not stream.paused:
+                    self._pause_stream(rank, rid, stream)
+
+    def _pause_stream(self, rank: Rank, rid: str, stream: Stream) -> None:
+        """Nobody reads ``stream``: stop stepping its request until the consumer catches up
+        (``_resume_stream``), so it holds at most ``STREAM_HIGH_WATER`` outputs."""
+        if not rank.scheduler.pause(rid):
+            return
+        stream.paused = True
+        stream.watcher = asyncio.get_running_loop().create_task(
+            _wake_on_cancel(rank, stream.ctx), name=f"mocker-paused-{rid}"
+        )
+
+    def _resume_stream(self, rank: Rank, rid: str, stream: Stream) -> None:
+        """The consumer took ``stream`` down to ``STREAM_LOW_WATER``: step its request again."""
+        stream.paused = False
+        stream.stop_watching()
+        if rank.scheduler.resume(rid):
+            rank.wake.set()
 
     def _park(
         self, rank: Rank, rid: str, stream: Stream | None, out: LLMEngineOutput
@@ -551,14 +584,17 @@ class MockerEngine(Engine):
             await self._sleep(interval)
             self._handles.expire()
 
-    def _reap_cancelled(self, rank: Rank) -> None:
+    def _reap_cancelled(self, rank: Rank) -> bool:
+        """Abort the requests whose ``ctx`` was cancelled; whether there were any."""
         cancelled = [rid for rid, s in rank.streams.items() if s.ctx.is_cancelled]
         for rid in cancelled:
             stream = rank.streams.pop(rid)
+            stream.stop_watching()
             if rank.scheduler.abort(rid):
                 stream.push(LLMEngineOutput(finish_reason=FinishReason.CANCELLED))
         if cancelled:
             self._publish_events(rank)
+        return bool(cancelled)
 
     def _publish_events(self, rank: Rank) -> None:
         events = rank.scheduler.pool.take_events()
@@ -601,6 +637,12 @@ class MockerEngine(Engine):
             self._sink.publish_load(report)
         except Exception:  # a sink's failure must not stop the engine
             log.exception("publishing a load report failed (worker %s)", self._worker_id)
+
+
+async def _wake_on_cancel(rank: Rank, ctx: RequestContext) -> None:
+    """Wake ``rank``'s loop when ``ctx`` is cancelled (a paused request's watcher)."""
+    await ctx.wait_cancelled()
+    rank.wake.set()
 
 
 def make_mocker_engines(

@@ -2,7 +2,11 @@
 requests and its loop's counters; and where a worker's KV events and load reports go.
 
 A stream is a deque and a waiter future (cheaper than an ``asyncio.Queue`` per token), filled
-by the rank's loop and drained by the request's ``generate`` consumer.
+by the rank's loop and drained by the request's ``generate`` consumer. It is bounded by
+back-pressure, not by refusing outputs: once it holds ``STREAM_HIGH_WATER`` undelivered
+outputs the engine pauses the request in its scheduler (no more steps for it), and once the
+consumer has taken it down to ``STREAM_LOW_WATER`` it resumes it and wakes the rank's loop.
+A request's stream thus holds at most ``STREAM_HIGH_WATER`` outputs plus a final one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ from turnout.protocols.disagg import PrefillParams
 from turnout.protocols.kv import KvEventBatch, LoadReport, StepSample
 from turnout.protocols.llm import LLMEngineOutput
 from turnout.runtime.context import RequestContext
+from turnout.runtime.request_plane.framing import WINDOW
+
+#: Undelivered outputs (one token each) at which a request is paused. Behind a stream sit the
+#: worker's output buffer and the request plane's credit window, which hold their own share
+#: when the client stalls; twice the window lets a consumer that reads in window-sized
+#: bursts keep up without ever pausing, while a stalled one costs a few kilobytes.
+STREAM_HIGH_WATER = 2 * WINDOW
+#: Undelivered outputs at or below which a paused request resumes (hysteresis, so that a
+#: reader slightly behind does not pause and resume its request at every token).
+STREAM_LOW_WATER = WINDOW
 
 #: Step timings sent with one load report at most (a uniform sample of the steps since the
 #: previous one): reports go out on every change, so this bounds a report, not the data.
@@ -46,9 +60,14 @@ class NullEventSink:
 
 
 class Stream:
-    """One request's outputs, from the engine loop to its ``generate`` consumer."""
+    """One request's outputs, from the engine loop to its ``generate`` consumer.
 
-    __slots__ = ("ctx", "items", "num_prompt_tokens", "prefill", "waiter")
+    ``items`` and ``waiter`` are shared by the loop (``push``) and the consumer; ``paused``
+    and ``watcher`` are changed only by the engine's pause / resume (see the module
+    docstring).
+    """
+
+    __slots__ = ("ctx", "items", "num_prompt_tokens", "paused", "prefill", "waiter", "watcher")
 
     def __init__(
         self,
@@ -62,6 +81,28 @@ class Stream:
         #: A prefill-stage request: where its KV goes (its blocks are parked when it ends).
         self.prefill = prefill
         self.num_prompt_tokens = num_prompt_tokens
+        #: The request is paused in the scheduler because this stream is full.
+        self.paused = False
+        #: While paused: a task that wakes the rank's loop if ``ctx`` is cancelled (a parked
+        #: loop would not notice otherwise).
+        self.watcher: asyncio.Task[None] | None = None
+
+    @property
+    def is_full(self) -> bool:
+        """At the high-water mark: the request must not be stepped until it drains."""
+        return len(self.items) >= STREAM_HIGH_WATER
+
+    @property
+    def has_drained(self) -> bool:
+        """At or below the low-water mark: a paused request may resume."""
+        return len(self.items) <= STREAM_LOW_WATER
+
+    def stop_watching(self) -> None:
+        """Cancel the cancellation watcher, if any (the pause ended, or the stream did)."""
+        watcher = self.watcher
+        if watcher is not None:
+            self.watcher = None
+            watcher.cancel()
 
     def push(self, out: LLMEngineOutput) -> None:
         self.items.append(out)

@@ -14,6 +14,10 @@ class RequestState(enum.Enum):
     WAITING ──schedule──▶ RUNNING ──finish/abort──▶ FINISHED
        ▲                     │
        └─────preempt─────────┘        (WAITING ──abort──▶ FINISHED too)
+
+    Orthogonal to the state, a request may be *paused* (``MockRequest.paused``): its reader
+    fell behind, so the scheduler gives it no tokens until it is resumed (see
+    ``Scheduler.pause``).
     """
 
     WAITING = "waiting"
@@ -81,6 +85,9 @@ class MockRequest:
     #: Disaggregated serving, decode stage: leading tokens whose KV came from a prefill worker
     #: (stored at first admission instead of computed; 0 once admitted).
     imported_tokens: int = 0
+    #: Its output is not being read: scheduled for nothing (no prefill chunk, no decode)
+    #: until resumed. Set and cleared by ``Scheduler.pause`` / ``Scheduler.resume`` only.
+    paused: bool = False
     finish_reason: FinishReason | None = None
 
     @property

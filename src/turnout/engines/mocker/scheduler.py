@@ -26,6 +26,22 @@ token limit *parks* its blocks under its id instead of freeing them, until
 request (``imported_tokens``) stores the KV it received at admission, as blocks of its own,
 and computes only the rest.
 
+Back-pressure adds a third: a request whose reader fell behind is *paused* (``pause``, by
+the engine, when its stream holds too many undelivered outputs) and *resumed* once the reader
+caught up. vLLM has no such state: a request decodes to its end whether or not its client
+reads (v1's per-request ``RequestOutputCollector`` merges the unread deltas into one growing
+output). The mocker pauses instead, so a stalled client costs neither steps nor memory that
+grows with its output. A paused request:
+
+* keeps its place and its blocks, but is scheduled for nothing: no prefill chunk, no decode
+  token, no share of the token budget, not timed into the step;
+* still counts in ``num_running`` (it holds a batch slot and KV, as a load report should say);
+* is the first victim when blocks run out, and is preempted (recompute style) to make room
+  when a waiting request finds every slot, or the pool, taken: a stalled client never blocks
+  the others. A paused request in the waiting queue is passed over, not admitted;
+* when every request is paused, ``has_work`` is false: the engine's loop parks until a
+  resume (or a new request) wakes it.
+
 Expected failures are values: a request that can never fit is refused at ``add_request``
 with an ERROR output; a request that outgrows the whole pool ends with ``LENGTH``.
 """
@@ -57,6 +73,10 @@ from turnout.protocols.llm import (
 
 #: (request id, output): what a step produced for one request.
 StepOutput = tuple[str, LLMEngineOutput]
+
+#: ``_admit``: the pool cannot hold the request's blocks now (as opposed to 0: it does not
+#: start this step for lack of token budget).
+_NO_BLOCKS = -1
 
 
 @dataclass(slots=True)
@@ -113,6 +133,8 @@ class Scheduler:
         self._parked: dict[str, tuple[list[int], int]] = {}
         # Sum of pending_prefill_tokens over unfinished requests, moved at each change.
         self._pending_prefill = 0
+        # Unfinished requests with ``paused`` set, moved by pause / resume / _finish.
+        self._num_paused = 0
         #: Preemptions since start (a counter for tests and metrics).
         self.num_preemptions = 0
 
@@ -208,6 +230,27 @@ class Scheduler:
     def num_parked(self) -> int:
         return len(self._parked)
 
+    def pause(self, request_id: str) -> bool:
+        """Schedule nothing more for ``request_id`` until ``resume``: its reader fell behind.
+        Its blocks stay held (see the module docstring for what else a pause means). False
+        when it is not here (finished, aborted) or already paused."""
+        req = self._requests.get(request_id)
+        if req is None or req.paused:
+            return False
+        req.paused = True
+        self._num_paused += 1
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Schedule ``request_id`` again, from where it stopped. False when it is not here or
+        not paused."""
+        req = self._requests.get(request_id)
+        if req is None or not req.paused:
+            return False
+        req.paused = False
+        self._num_paused -= 1
+        return True
+
     def abort(self, request_id: str) -> bool:
         """Drop a request (client gone): free its blocks. False when it is not here."""
         req = self._requests.get(request_id)
@@ -229,7 +272,13 @@ class Scheduler:
         return len(self._waiting) >= self._config.max_waiting
 
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        """Whether a step could do anything: some request is waiting or running unpaused."""
+        return len(self._running) + len(self._waiting) > self._num_paused
+
+    @property
+    def num_paused(self) -> int:
+        """Unfinished requests that are paused (running or waiting)."""
+        return self._num_paused
 
     @property
     def num_waiting(self) -> int:
@@ -267,21 +316,28 @@ class Scheduler:
         num_decodes = 0
         decode_context = 0
 
-        # 1. Running requests, oldest first; preempt from the back when the pool runs dry.
+        # 1. Running requests, oldest first, paused ones passed over; when the pool runs dry,
+        #    preempt a paused one, else the newest.
         running = self._running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.paused:
+                i += 1
+                continue
             remaining = len(req.token_ids) - req.num_computed
             n = min(remaining, budget)
             preempted_self = False
             while not self._ensure_blocks(req, req.num_computed + n):
-                victim = running.pop()
+                j = self._victim_index()
+                victim = running.pop(j)
                 self._preempt(victim)
                 result.num_preempted += 1
                 if victim is req:
                     preempted_self = True
                     break
+                if j < i:
+                    i -= 1  # a paused request before this one left the list
             if preempted_self:
                 break
             scheduled.append((req, n))
@@ -293,16 +349,28 @@ class Scheduler:
                 prefill_tokens += n
             i += 1
 
-        # 2. Waiting requests, when nothing was preempted this step.
+        # 2. Waiting requests in order, paused ones passed over, when nothing was preempted
+        #    this step. A request that finds no slot or no room preempts a paused one.
         if result.num_preempted == 0:
             max_seqs = self._config.max_num_seqs
             full_budget = self._config.max_num_batched_tokens
-            while self._waiting and budget > 0 and len(running) < max_seqs:
-                req = self._waiting[0]
-                n = self._admit(req, budget, budget == full_budget)
-                if n == 0:
+            waiting = self._waiting
+            j = 0
+            while j < len(waiting) and budget > 0:
+                req = waiting[j]
+                if req.paused:
+                    j += 1
+                    continue
+                n = _NO_BLOCKS
+                if len(running) < max_seqs:
+                    n = self._admit(req, budget, budget == full_budget)
+                if n == _NO_BLOCKS and self._preempt_paused():
+                    result.num_preempted += 1
+                    j += 1  # the victim went to the front of the queue, before ``req``
+                    continue
+                if n <= 0:
                     break
-                self._waiting.popleft()
+                del waiting[j]
                 req.move_to(RequestState.RUNNING)
                 running.append(req)
                 scheduled.append((req, n))
@@ -329,7 +397,8 @@ class Scheduler:
 
     def _admit(self, req: MockRequest, budget: int, batch_empty: bool) -> int:
         """Take the prefix hit and blocks for a waiting request; the tokens to compute now,
-        or 0 when it cannot start this step (nothing changed then)."""
+        0 when the budget does not let it start this step, ``_NO_BLOCKS`` when the pool
+        cannot hold it (nothing changed in either case)."""
         bs = self._block_size
         total = len(req.token_ids)
         hit = 0
@@ -351,7 +420,7 @@ class Scheduler:
         if not self.pool.allocate(need):
             if hit:
                 self.pool.free(req.seq_hashes[:hit])
-            return 0
+            return _NO_BLOCKS
         req.held_hashes = req.seq_hashes[:hit]
         req.num_private = need
         self._set_computed(req, start)
@@ -371,6 +440,30 @@ class Scheduler:
             return False
         req.num_private += need
         return True
+
+    def _victim_index(self) -> int:
+        """Where in ``_running`` the next preemption victim is: the newest paused request
+        (its reader is not reading, so it loses nothing it would use soon), else the newest."""
+        j = self._last_paused_index()
+        return j if j >= 0 else len(self._running) - 1
+
+    def _preempt_paused(self) -> bool:
+        """Preempt the newest paused running request; False when none runs."""
+        j = self._last_paused_index()
+        if j < 0:
+            return False
+        self._preempt(self._running.pop(j))
+        return True
+
+    def _last_paused_index(self) -> int:
+        """Index in ``_running`` of the newest paused request; -1 when none (no scan when
+        nothing is paused: the hot path)."""
+        running = self._running
+        if self._num_paused:
+            for j in range(len(running) - 1, -1, -1):
+                if running[j].paused:
+                    return j
+        return -1
 
     def _preempt(self, req: MockRequest) -> None:
         self.pool.free(req.held_hashes, req.num_private)
@@ -484,6 +577,9 @@ class Scheduler:
         req.held_hashes = []
         req.num_private = 0
         self._pending_prefill -= req.pending_prefill_tokens
+        if req.paused:
+            req.paused = False
+            self._num_paused -= 1
         req.move_to(RequestState.FINISHED)
         del self._requests[req.request_id]
 
