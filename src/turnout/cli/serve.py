@@ -2,7 +2,9 @@
 
 The frontend runs in this process; each worker is a child process (``turnout worker``) on the
 same file store and TCP request plane. Ctrl-C (or SIGTERM) stops the workers, then the
-frontend.
+frontend. Killed outright (SIGKILL, OOM), serve still takes its workers with it: each holds
+the read end of a pipe whose write end only serve holds, and stops, revoking its lease, when
+that closes (``parent_watch``; on Linux a parent-death signal too).
 
 Supervision: a worker that dies unexpectedly (its exit status is logged) is restarted after
 a backoff of 1 s, 2 s, 4 s ... capped at ``RESTART_MAX_DELAY`` (back to 1 s after a run
@@ -16,13 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from turnout.errors import ConfigError, TurnoutError
@@ -33,6 +36,7 @@ from turnout.runtime.discovery import default_file_store_path
 from .flags import add_flag, add_runtime_flags
 from .frontend import add_frontend_flags, add_kv_router_flags, frontend_config
 from .lifecycle import run_command, run_until_signal
+from .parent_watch import ParentPipe
 from .worker import add_worker_flags, check_engine_flags
 
 log = logging.getLogger("turnout.serve")
@@ -165,8 +169,11 @@ class ChildProcess(Protocol):
 Spawn = Callable[[list[str]], Awaitable[ChildProcess]]
 
 
-async def spawn_child(argv: list[str]) -> ChildProcess:
-    return await asyncio.create_subprocess_exec(*argv, start_new_session=True)
+async def spawn_child(argv: list[str], *, pass_fds: Sequence[int] = ()) -> ChildProcess:
+    """Start ``argv`` in a session of its own, with ``pass_fds`` open in it."""
+    return await asyncio.create_subprocess_exec(
+        *argv, start_new_session=True, pass_fds=tuple(pass_fds)
+    )
 
 
 def describe_exit(code: int) -> str:
@@ -319,6 +326,8 @@ class ServeTree:
         self.supervisors: list[WorkerSupervisor] = []
         self._watchers: list[asyncio.Task[None]] = []
         self._all_dead = asyncio.Event()
+        #: The workers' link to this process (made by ``start``, closed by ``stop``).
+        self._parent_pipe: ParentPipe | None = None
 
     @property
     def children(self) -> list[ChildProcess]:
@@ -344,7 +353,11 @@ class ServeTree:
         )
 
     async def _supervise(self, argv: list[str], name: str) -> None:
-        supervisor = WorkerSupervisor(argv, name)
+        if self._parent_pipe is None:
+            self._parent_pipe = ParentPipe()
+        fd = self._parent_pipe.read_fd
+        spawn = functools.partial(spawn_child, pass_fds=(fd,))
+        supervisor = WorkerSupervisor([*argv, "--parent-fd", str(fd)], name, spawn=spawn)
         await supervisor.start()
         self.supervisors.append(supervisor)
         self._watchers.append(asyncio.create_task(self._watch(supervisor)))
@@ -385,7 +398,12 @@ class ServeTree:
                 await child.wait()
         for task in self._watchers:
             task.cancel()
-        await self.frontend.stop()
+        try:
+            await self.frontend.stop()
+        finally:
+            if self._parent_pipe is not None:  # the workers are gone: nobody reads it
+                self._parent_pipe.close()
+                self._parent_pipe = None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from turnout.runtime.planes import open_runtime
 
 from .flags import add_flag, add_runtime_flags, env_name, planes_config
 from .lifecycle import run_command, run_until_signal
+from .parent_watch import watch_parent
 
 log = logging.getLogger("turnout.cli")
 
@@ -289,11 +290,20 @@ def register(sub: Any) -> None:
     p.set_defaults(endpoint=os.environ.get(env_name("--endpoint")))
     add_flag(p, "--num-workers", default=1, type=int,
              help="workers in this process, each its own instance (echo, mocker)")  # fmt: skip
+    add_flag(p, "--parent-fd", type=int,
+             help="set by turnout serve: the read end of a pipe its parent holds open; when it "
+                  "closes (the parent died), the worker stops (see parent_watch)")  # fmt: skip
     add_runtime_flags(p)
     p.set_defaults(run=run)
 
 
+#: Seconds an orphaned worker may take to stop beyond its drain timeout before it exits hard.
+ORPHAN_STOP_MARGIN = 10.0
+
+
 async def run_worker(args: argparse.Namespace) -> None:
+    if getattr(args, "parent_fd", None) is not None:
+        watch_parent(args.parent_fd, grace=args.drain_timeout + ORPHAN_STOP_MARGIN)
     if args.endpoint is None:
         args.endpoint = DEFAULT_PREFILL_ENDPOINT if args.role == "prefill" else DEFAULT_ENDPOINT
     try:
