@@ -9,6 +9,7 @@ from typing import Any
 from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.http_errors import REJECT_STATUSES
 from turnout.frontend.service import Frontend, FrontendConfig
+from turnout.llm.limits import RequestLimits
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
 
@@ -71,9 +72,46 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--reject-status", default=503, type=int, choices=REJECT_STATUSES,
              help="HTTP status of admission rejections, with Retry-After "
                   "(429, 503, or 529 as Dynamo)")  # fmt: skip
+    add_request_limit_flags(p)
     add_flag(p, "--artifact-cache",
              help="directory caching the tokenizers fetched from workers, by checksum "
                   "(off: none; default ~/.cache/turnout/artifacts)")  # fmt: skip
+
+
+def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What one request may ask for (``llm.limits``): past a bound, a 400 naming the field."""
+    d = RequestLimits()
+    g = p.add_argument_group("request limits (past one: 400 naming the field)")
+    add_flag(g, "--max-stop-strings", default=d.max_stop_strings, type=int,
+             help="stop strings per request (stop, stop_sequences)")  # fmt: skip
+    add_flag(g, "--max-stop-string-chars", default=d.max_stop_string_chars, type=int,
+             help="characters of one stop string")  # fmt: skip
+    add_flag(g, "--max-stop-token-ids", default=d.max_stop_token_ids, type=int,
+             help="stop_token_ids per request")  # fmt: skip
+    add_flag(g, "--max-messages", default=d.max_messages, type=int,
+             help="messages (or input items) per request")  # fmt: skip
+    add_flag(g, "--max-tools", default=d.max_tools, type=int,
+             help="tools per request")  # fmt: skip
+    add_flag(g, "--max-tools-chars", default=d.max_tools_chars, type=int,
+             help="characters of a request's tools, as JSON")  # fmt: skip
+    add_flag(g, "--max-choices", default=d.max_choices, type=int,
+             help="choices per request (n)")  # fmt: skip
+    add_flag(g, "--max-response-items", default=d.max_response_items, type=int,
+             help="n x max_tokens x (1 + top_logprobs): the tokens and alternatives a "
+                  "response may hold; a request without max_tokens is capped to fit")  # fmt: skip
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_messages=args.max_messages,
+        max_tools=args.max_tools,
+        max_tools_chars=args.max_tools_chars,
+        max_choices=args.max_choices,
+        max_response_items=args.max_response_items,
+    )
 
 
 def add_kv_router_flags(p: argparse.ArgumentParser) -> None:
@@ -127,6 +165,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         router_mode=RouterMode.parse(args.router_mode),
         migration_limit=args.migration_limit,
         max_body_bytes=args.max_body_bytes,
+        limits=request_limits(args),
         kv=kv_router_config(args),
         kv_share_active=not args.no_router_replica_sync,
         router_min_initial_workers=args.router_min_initial_workers,

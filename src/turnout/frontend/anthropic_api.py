@@ -239,7 +239,8 @@ def messages_surface(metrics: FrontendMetrics) -> Surface:
     ) -> None:
         request: MessagesRequest = req.request
         tokens = _tokens_pipeline(pipeline, request.model)
-        run = await ChatRun.start(tokens, to_chat(request, tokens.card), ctx, metrics, session_id)
+        chat = to_chat(request, tokens.card, limits=tokens.preprocessor.limits)
+        run = await ChatRun.start(tokens, chat, ctx, metrics, session_id)
         try:
             writer = MessageWriter(request.model, stream=request.stream)
             await write_run(
@@ -273,7 +274,8 @@ def count_tokens_surface() -> Surface:
     ) -> None:
         request: CountTokensRequest = req.request
         tokens = _tokens_pipeline(pipeline, request.model)
-        pre = await tokens.preprocess(to_chat(request, tokens.card, max_tokens=1))
+        chat = to_chat(request, tokens.card, max_tokens=1, limits=tokens.preprocessor.limits)
+        pre = await tokens.preprocess(chat)
         proto.response_bytes(200, JSON_HEADERS, _json.encode({"input_tokens": len(pre.token_ids)}))
 
     return Surface("count_tokens", ModelKind.CHAT, decode, serve, anthropic_error_body)

@@ -32,8 +32,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from turnout.errors import RequestError
+from turnout.llm.limits import RequestLimits
 from turnout.protocols.model import ModelDeploymentCard
-from turnout.protocols.openai import ChatCompletionRequest, ChatMessage
+from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Int64
 
 #: The options of every tagged request struct: strict, told apart by `type`.
 _TAGGED: dict[str, Any] = {"kw_only": True, "forbid_unknown_fields": True, "tag_field": "type"}
@@ -159,12 +160,12 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=True):
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     stop_sequences: list[str] | None = None
     #: Anthropic's range (chat completions' reaches 2).
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     stream: bool = False
     metadata: MessageMetadata | None = None
     #: One tier here, which serves both.
@@ -172,13 +173,25 @@ class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=Tr
 
 
 def to_chat(
-    req: CountTokensRequest, card: ModelDeploymentCard, *, max_tokens: int | None = None
+    req: CountTokensRequest,
+    card: ModelDeploymentCard,
+    *,
+    max_tokens: int | None = None,
+    limits: RequestLimits | None = None,
 ) -> ChatCompletionRequest:
     """The chat request that runs ``req`` on the model of ``card``. A ``CountTokensRequest``
     renders the same prompt with tool choice ``none``: tools reach the template whatever the
-    choice, and counting needs no tool-call parser."""
+    choice, and counting needs no tool-call parser. ``limits``: the bounds checked here,
+    before the translation's work, under this API's field names (the preprocessor checks
+    the chat request's again)."""
     if not req.messages:
         raise RequestError("'messages' must not be empty", param="messages")
+    if limits is not None:
+        limits.check_messages(len(req.messages))
+        if req.tools:
+            limits.check_tools(len(req.tools))
+        if isinstance(req, MessagesRequest):
+            limits.check_stop(req.stop_sequences, param="stop_sequences")
     messages: list[ChatMessage] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _text(req.system, "system")

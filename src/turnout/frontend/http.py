@@ -31,6 +31,7 @@ import msgspec
 from granian.rsgi import HTTPProtocol, Scope
 
 from turnout.errors import FrontendOverloaded
+from turnout.llm.limits import RequestLimits
 from turnout.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -102,7 +103,10 @@ class HttpService:
         reject_status: int = 503,
         busy_thresholds: BusyThresholds | None = None,
         prefill: Callable[[str], dict[str, Any] | None] | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
+        """``limits``: what one request may ask for (the preprocessors check them; surfaces
+        that translate another API's request check the costly parts before translating)."""
         self.manager = manager
         #: A model's disaggregated-serving state for ``/health`` (None: none to report).
         self._prefill_health = prefill
@@ -132,7 +136,7 @@ class HttpService:
         self._paths = {path for _, path in self._routes}
         #: Each surface's error body by path (OpenAI's elsewhere): its 405s have its shape too.
         self._error_bodies: dict[str, Callable[[HttpError], bytes]] = {}
-        self.add_surface("POST", "/v1/responses", responses_surface(metrics))
+        self.add_surface("POST", "/v1/responses", responses_surface(metrics, limits))
         self.add_surface("POST", "/v1/messages", messages_surface(metrics))
         self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
         self.add_surface("POST", "/v1/embeddings", embeddings_surface())

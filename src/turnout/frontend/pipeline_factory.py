@@ -8,6 +8,7 @@ the artifact fetcher). Which pipelines a card gets is the watcher's decision
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ import msgspec
 from turnout.errors import ConfigError
 from turnout.llm.backend import Backend
 from turnout.llm.chat_template import ChatTemplate
+from turnout.llm.limits import RequestLimits
 from turnout.llm.migration import Migration
 from turnout.llm.preprocessor import Preprocessor
 from turnout.llm.tokenizer import Tokenizer
@@ -81,6 +83,7 @@ class PipelineFactory:
         prefill_min_tokens: int = 512,
         decode_fallback: bool = True,
         disagg_metrics: DisaggMetrics | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -92,6 +95,8 @@ class PipelineFactory:
                 f"--router-min-initial-workers must be >= 0, got {min_initial_workers}"
             )
         self.min_initial_workers = min_initial_workers
+        #: What one request may ask for, checked by every model's preprocessor.
+        self.limits = limits if limits is not None else RequestLimits()
         for flag, value in (
             ("--request-timeout", request_timeout),
             ("--ttft-timeout", ttft_timeout),
@@ -306,6 +311,8 @@ class PipelineFactory:
         self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
     ) -> TokensPipeline:
         tokenizer = await self._tokenizer(card, client)
+        # The preprocessor's fit check reads it: computed once per tokenizer, not on the loop.
+        await asyncio.to_thread(lambda: tokenizer.max_token_chars)
         template = None
         if is_chat:
             if not card.chat_template:
@@ -339,7 +346,7 @@ class PipelineFactory:
         return TokensPipeline(
             name=card.display_name,
             card=card,
-            preprocessor=Preprocessor(card, tokenizer, template),
+            preprocessor=Preprocessor(card, tokenizer, template, self.limits),
             backend=Backend(tokenizer),
             migration=migration,
             client=client,

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from granian.rsgi import HTTPProtocol
 
+from turnout.llm.limits import RequestLimits
 from turnout.llm.parsers import ToolCallDelta
 from turnout.protocols.openai import Usage
 from turnout.runtime.context import RequestContext
@@ -222,12 +223,13 @@ def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def responses_surface(metrics: FrontendMetrics) -> Surface:
-    """The ``/v1/responses`` route's surface."""
+def responses_surface(metrics: FrontendMetrics, limits: RequestLimits | None = None) -> Surface:
+    """The ``/v1/responses`` route's surface; ``limits`` bound the request before it is
+    translated (``input`` items, tools)."""
 
     def decode(body: bytes) -> SurfaceRequest:
         request = decode_json(_decoder, body)
-        return SurfaceRequest(request.model, request.stream, (request, to_chat(request)))
+        return SurfaceRequest(request.model, request.stream, (request, to_chat(request, limits)))
 
     async def serve(
         proto: HTTPProtocol,

@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 
 from turnout.errors import RequestError
-from turnout.protocols.openai import ChatCompletionRequest, ChatMessage
+from turnout.llm.limits import RequestLimits
+from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Int64
 
 #: Message roles of input items, and the chat role each becomes.
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -31,7 +32,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
@@ -43,12 +44,19 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that runs ``req``; a 400 naming the field for what it cannot honour."""
+def to_chat(req: ResponsesRequest, limits: RequestLimits | None = None) -> ChatCompletionRequest:
+    """The chat request that runs ``req``; a 400 naming the field for what it cannot honour.
+    ``limits``: the bounds checked here, before the translation's work, under this API's
+    field names (the preprocessor checks the chat request's again)."""
     _refuse_unsupported(req)
+    if limits is not None:
+        if isinstance(req.input, list):
+            limits.check_messages(len(req.input), param="input")
+        if req.tools:
+            limits.check_tools(len(req.tools))
     messages: list[ChatMessage] = []
     if req.instructions:
         messages.append(ChatMessage(role="system", content=req.instructions))

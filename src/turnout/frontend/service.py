@@ -12,6 +12,7 @@ from granian.constants import Interfaces
 from granian.server.embed import Server
 
 from turnout.errors import ConfigError, TurnoutError
+from turnout.llm.limits import RequestLimits
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.lora import LoraRegistry
 from turnout.router.mode import RouterMode, validate_router_mode_for_lora
@@ -44,6 +45,9 @@ class FrontendConfig:
     router_mode: RouterMode = RouterMode.ROUND_ROBIN
     migration_limit: int = 3
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: What one request may ask for: stop strings, messages, tools, choices, the response's
+    #: size (``llm.limits``; the ``--max-*`` flags).
+    limits: RequestLimits = field(default_factory=RequestLimits)
     #: KV routing settings (``--router-mode kv``); ``block_size`` comes from each model card.
     kv: KvRouterConfig = field(default_factory=KvRouterConfig)
     #: Share in-flight request state with other router replicas over the event plane.
@@ -160,6 +164,7 @@ class Frontend:
             cpu_gpu_ratio=cfg.router_cpu_gpu_ratio,
             prefill_min_tokens=cfg.prefill_min_tokens,
             decode_fallback=cfg.decode_fallback,
+            limits=cfg.limits,
             disagg_metrics=DisaggMetrics(self.metrics.registry),
             artifacts=ArtifactFetcher(
                 disk="env"
@@ -183,6 +188,7 @@ class Frontend:
                 self.manager.list_models, factory.kv_routers, cfg.router_mode
             ),
             prefill=self._prefill_health,
+            limits=cfg.limits,
         )
         self.http = service
         self._server = Server(

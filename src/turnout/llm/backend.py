@@ -16,7 +16,11 @@ Mental model: a token goes through three gates, in this order::
 * **Stop strings** are hidden and may span tokens. The *jail* holds the longest suffix of the
   text that is a proper prefix of some stop string; it is released as soon as it can no longer
   match, and flushed when the stream ends any other way. A full match ends the stream with
-  ``STOP`` and drops the match and everything after it.
+  ``STOP`` and drops the match and everything after it (of several matches in one step's
+  text, the one that starts first; on a tie, the first listed). The matching is an
+  Aho-Corasick automaton (``stop_strings``): O(1) per generated character whatever the
+  number and length of the stop strings, O(their total length) to build, once per distinct
+  list (cached).
 * **min_tokens**: while the output has ``<= min_tokens`` tokens, nothing of the above stops it
   (the text of such a would-be stop is emitted like any other).
 * **max_tokens**: the ``max_tokens``-th token ends the stream with ``LENGTH``; tokens an engine
@@ -30,7 +34,7 @@ finish_reason**: the engine may keep generating past a stop string or ``max_toke
 
 ``step`` runs once per token for every stream, so it avoids work on the common path: a dict
 lookup for stop ids, one Rust call to detokenize, and the jail only when stop strings exist
-(with a one-character pre-check before any suffix search).
+(skipped, while nothing is held, for text that holds no stop string's first character).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
 
 from .detokenizer import Detokenizer
+from .stop_strings import StopMatcher, stop_matcher
 from .tokenizer import Tokenizer
 
 
@@ -82,11 +87,12 @@ class StreamDecoder:
     """
 
     __slots__ = (
+        "_armed",
         "_detok",
         "_held",
         "_max_tokens",
         "_min_tokens",
-        "_prefixes_by_last",
+        "_state",
         "_stop_ids",
         "_stops",
         "cached_tokens",
@@ -111,17 +117,15 @@ class StreamDecoder:
         for tid in sc.stop_token_ids_hidden or ():
             stop_ids[tid] = FinishReason.STOP
         self._stop_ids = stop_ids
-        self._stops: tuple[str, ...] = tuple(s for s in (sc.stop or ()) if s)
-        # Every proper prefix of every stop string, keyed by its last character and longest
-        # first: the jail holds the longest of them that ends the text, so one dict lookup
-        # on the text's last character rules out most tokens.
-        by_last: dict[str, list[str]] = {}
-        for s in self._stops:
-            for k in range(1, len(s)):
-                by_last.setdefault(s[k - 1], []).append(s[:k])
-        self._prefixes_by_last = {
-            c: tuple(sorted(set(ps), key=len, reverse=True)) for c, ps in by_last.items()
-        }
+        stops = tuple(s for s in (sc.stop or ()) if s)
+        #: The stop strings' automaton (None: no stop strings, no jail).
+        self._stops: StopMatcher | None = stop_matcher(stops) if stops else None
+        #: The automaton's state after the text so far; ``_held`` is its last
+        #: ``_stops.hold(_state)`` characters.
+        self._state = 0
+        #: Whether a stop may end the stream yet (``min_tokens`` passed): a match completed
+        #: before that is text like any other.
+        self._armed = False
         self._max_tokens = sc.max_tokens if sc.max_tokens is not None else -1
         self._min_tokens = sc.min_tokens or 0
         #: Text held back because it may be the start of a stop string.
@@ -165,7 +169,7 @@ class StreamDecoder:
                 self.num_output_tokens = n
                 text = self._detok.step(tid)
                 lps = output.log_probs
-                if not text or not self._stops:
+                if not text or self._stops is None:
                     return DecodedDelta(text, ids, log_probs=lps)
                 text, matched = self._jail(text, may_stop)
                 if not matched:
@@ -173,7 +177,7 @@ class StreamDecoder:
                 return self._finish([text], ids, FinishReason.STOP, matched=True, log_probs=lps)
         elif (
             len(ids) > 1
-            and not self._stops
+            and self._stops is None
             and self._stop_ids.keys().isdisjoint(ids)
             and (self._max_tokens < 0 or self.num_output_tokens + len(ids) < self._max_tokens)
         ):
@@ -211,7 +215,7 @@ class StreamDecoder:
                     break
             text = detok.step(tid)
             if text:
-                if self._stops:
+                if self._stops is not None:
                     text, matched = self._jail(text, may_stop)
                     if text:
                         pieces.append(text)
@@ -226,7 +230,7 @@ class StreamDecoder:
         else:
             if not ids and output.text:  # an engine that sends text without ids
                 text = output.text
-                if self._stops:
+                if self._stops is not None:
                     text, matched = self._jail(text, self.num_output_tokens >= self._min_tokens)
                 if text:
                     pieces.append(text)
@@ -272,23 +276,33 @@ class StreamDecoder:
 
     def _jail(self, text: str, may_stop: bool) -> tuple[str, bool]:
         """Add ``text`` behind the held text; return (text now safe to emit, matched)."""
-        buf = self._held + text if self._held else text
-        if may_stop:
-            cut = -1
-            for s in self._stops:
-                i = buf.find(s)
-                if i >= 0 and (cut < 0 or i < cut):
-                    cut = i
-                    self.matched_stop = s
-            if cut >= 0:
-                self._held = ""
-                return buf[:cut], True
-        for prefix in self._prefixes_by_last.get(buf[-1], ()):
-            if buf.endswith(prefix):
-                self._held = prefix
-                return buf[: len(buf) - len(prefix)], False
-        self._held = ""
-        return buf, False
+        stops = self._stops
+        assert stops is not None
+        held = self._held
+        if may_stop and not self._armed:
+            # The first step that may stop: a stop string wholly inside the held text counts
+            # from now on, so the held text is scanned again with the new text.
+            self._armed = True
+            if held:
+                text, held = held + text, ""
+                self._held, self._state = "", 0
+        state = self._state
+        if not state and stops.first_chars.isdisjoint(text):
+            return text, False  # nothing held, nothing that could start a stop string
+        state, start, index = stops.scan(state, text, len(held), may_stop)
+        buf = held + text if held else text
+        if start >= 0:
+            self.matched_stop = stops.stops[index]
+            self._held, self._state = "", 0
+            return buf[:start], True
+        self._state = state
+        keep = stops.hold(state)
+        if not keep:
+            self._held = ""
+            return buf, False
+        cut = len(buf) - keep
+        self._held = buf[cut:]
+        return buf[:cut], False
 
 
 __all__ = ["Backend", "DecodedDelta", "StreamDecoder"]

@@ -1,13 +1,18 @@
 """The preprocessor operator: OpenAI request -> ``PreprocessedRequest`` (token ids + options).
 
 Order of work for a request: validate the cheap fields first (no tokenization is wasted on a
-request that is wrong anyway), then render the chat template and tokenize, then check the
-prompt against the context length and derive ``max_tokens``.
+request that is wrong anyway), bounds included (``limits.RequestLimits``: stop strings,
+messages, tools, choices, the response's size); then refuse a prompt that cannot fit however
+it tokenizes (its characters over the most characters one token stands for, the tokenizer's
+``max_token_chars``, already reach the context length: a 15 MB prompt is refused in
+milliseconds, before the template); then render the chat template and tokenize, then check
+the prompt against the context length and derive ``max_tokens``.
 
 Rendering and tokenizing are CPU work that holds the event loop. Short prompts (the usual
 case) are done inline — a thread hop costs more than they do; prompts above
 ``OFFLOAD_THRESHOLD_CHARS`` go to a worker thread (``tokenizers`` releases the GIL while it
-encodes, so other requests keep streaming).
+encodes, so other requests keep streaming). Each message counts ``MESSAGE_COST_CHARS``
+towards that size besides its text: rendering thousands of short messages is slow too.
 
 Every rule that rejects a request raises ``RequestError`` (HTTP 400) with an OpenAI-style
 message and the offending ``param``; a prompt that does not fit raises
@@ -20,6 +25,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgspec
+
 from turnout.errors import ContextLengthExceeded, RequestError
 from turnout.protocols.llm import (
     OutputOptions,
@@ -31,22 +38,24 @@ from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 from .chat_template import ChatTemplate
+from .limits import RequestLimits
 from .multimodal_keys import image_urls, multimodal_cache_keys
 from .structured import source_chars, structured_output
 from .tokenizer import Tokenizer
 
 #: Prompt text longer than this (characters) is rendered and tokenized off the event loop.
 OFFLOAD_THRESHOLD_CHARS = 8 * 1024
+#: What one message weighs in that size besides its text (the template's work per message,
+#: ~20 µs, is about that of tokenizing this many characters).
+MESSAGE_COST_CHARS = 64
 
 _T = TypeVar("_T")
+_json_encode = msgspec.json.Encoder().encode
 _Request = ChatCompletionRequest | CompletionRequest
 #: Variables the server sets for the template; ``chat_template_kwargs`` may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset(
     {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 )
-
-#: Most choices one request may ask for (``n``): the frontend fans out one sub-request each.
-MAX_CHOICES = 16
 
 
 async def _maybe_offload(size: int, fn: Callable[..., _T], *args: Any) -> _T:
@@ -66,7 +75,9 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def _content_size(messages: list[ChatMessage]) -> int:
+def _prompt_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text and tool calls (names and arguments): what any chat
+    template writes at least."""
     size = 0
     for m in messages:
         c = m.content
@@ -77,20 +88,33 @@ def _content_size(messages: list[ChatMessage]) -> int:
                 text = part.get("text") if isinstance(part, dict) else None
                 if isinstance(text, str):
                     size += len(text)
+        for call in m.tool_calls or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                for key in ("name", "arguments"):
+                    value = fn.get(key)
+                    if isinstance(value, str):
+                        size += len(value)
     return size
 
 
 class Preprocessor:
     """Turns OpenAI requests for one model into token-level requests. Stateless per request."""
 
-    __slots__ = ("_mdc_sum", "card", "template", "tokenizer")
+    __slots__ = ("_mdc_sum", "card", "limits", "template", "tokenizer")
 
     def __init__(
-        self, card: ModelDeploymentCard, tokenizer: Tokenizer, template: ChatTemplate | None
+        self,
+        card: ModelDeploymentCard,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.card = card
         self.tokenizer = tokenizer
         self.template = template
+        #: What one request may ask for (the frontend's ``--max-*`` flags).
+        self.limits = limits if limits is not None else RequestLimits()
         self._mdc_sum = card.checksum()
 
     # ---------------------------------------------------------------- chat
@@ -98,6 +122,7 @@ class Preprocessor:
     async def preprocess_chat(self, req: ChatCompletionRequest) -> PreprocessedRequest:
         if not req.messages:
             raise RequestError("'messages' must contain at least one message", param="messages")
+        self.limits.check_messages(len(req.messages))
         max_tokens: int | None
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
@@ -108,9 +133,16 @@ class Preprocessor:
             raise RequestError("'top_logprobs' must be between 0 and 20", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        self._check_response(req, max_tokens, max_param, req.top_logprobs or 0, "messages")
         if req.logprobs or req.top_logprobs is not None:
             param = "top_logprobs" if req.top_logprobs else "logprobs"
             self._require_logprobs(req.top_logprobs or 0, param)
+        tools_chars = 0
+        if req.tools:
+            tools_chars = len(_json_encode(req.tools))
+            self.limits.check_tools(len(req.tools), tools_chars)
+        prompt_chars = _prompt_chars(req.messages)
+        self._check_fits(prompt_chars + tools_chars, max_tokens, max_param, "messages")
         self._check_chat_features(req)
         structured = await _maybe_offload(source_chars(req), structured_output, self.card, req)
         template = self.template
@@ -137,7 +169,8 @@ class Preprocessor:
             # The template writes BOS itself where the model wants one (as HF does).
             return self.tokenizer.encode(text, add_special_tokens=False)
 
-        token_ids = await _maybe_offload(_content_size(req.messages), render_and_encode)
+        size = prompt_chars + tools_chars + MESSAGE_COST_CHARS * len(req.messages)
+        token_ids = await _maybe_offload(size, render_and_encode)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs)
         pre.structured = structured
@@ -156,15 +189,20 @@ class Preprocessor:
             raise RequestError("'suffix' is not supported", param="suffix")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise RequestError("'logprobs' must be between 0 and 5", param="logprobs")
+        self._check_response(req, req.max_tokens, "max_tokens", req.logprobs or 0, "prompt")
         if req.logprobs is not None:
             self._require_logprobs(req.logprobs, "logprobs")
         if req.echo and (req.n or 1) > 1:
             raise RequestError("'echo' with 'n' > 1 is not supported yet", param="echo")
-        structured = await _maybe_offload(source_chars(req), structured_output, self.card, req)
         prompt = self._single_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("'prompt' must not be empty", param="prompt")
+            self._check_fits(len(prompt), req.max_tokens, "max_tokens", "prompt")
+        else:
+            self._check_length(len(prompt), req.max_tokens, "max_tokens", "prompt")
+        structured = await _maybe_offload(source_chars(req), structured_output, self.card, req)
+        if isinstance(prompt, str):
             token_ids = await _maybe_offload(len(prompt), self.tokenizer.encode, prompt, True)
         else:
             token_ids = self._check_ids(prompt)
@@ -251,8 +289,11 @@ class Preprocessor:
             raise RequestError(
                 f"'{max_param}' must be at least 1, got {max_tokens}", param=max_param
             )
-        if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
-            raise RequestError(f"'n' must be between 1 and {MAX_CHOICES}", param="n")
+        limits = self.limits
+        limits.check_choices(req.n)
+        limits.check_seed(req.seed, req.n)
+        limits.check_stop(req.stop)
+        limits.check_stop_token_ids(req.stop_token_ids, self.tokenizer.vocab_size)
         if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
             raise RequestError(
                 f"'temperature' must be between 0 and 2, got {req.temperature}",
@@ -292,6 +333,64 @@ class Preprocessor:
             raise RequestError("'repetition_penalty' must be positive", param="repetition_penalty")
         _cache_salt(req)
 
+    def _check_response(
+        self,
+        req: _Request,
+        max_tokens: int | None,
+        max_param: str,
+        alternatives: int,
+        prompt_param: str,
+    ) -> None:
+        """The response's size within ``max_response_items``, before any expensive step (a
+        request without ``max_tokens`` is capped instead, in ``_build``). A ``max_tokens``
+        that does not fit the context anyway is refused for that, the more telling reason."""
+        limits = self.limits
+        n_tokens = max_tokens or 1
+        if limits.response_items(req.n, n_tokens, alternatives) > limits.max_response_items:
+            self._check_length(1, max_tokens, max_param, prompt_param, at_least=True)
+        limits.check_response(req.n, n_tokens, alternatives, max_param)
+
+    def _check_length(
+        self,
+        n_prompt: int,
+        max_tokens: int | None,
+        max_param: str,
+        prompt_param: str,
+        *,
+        at_least: bool = False,
+    ) -> None:
+        """A prompt of ``n_prompt`` tokens (``at_least``: or more), and ``max_tokens`` more,
+        within the context length."""
+        ctx = self.card.context_length
+        has = f"at least {n_prompt}" if at_least else str(n_prompt)
+        if n_prompt >= ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt "
+                f"has {has} tokens. Please reduce the length of the {prompt_param}.",
+                param=prompt_param,
+            )
+        if max_tokens is not None and n_prompt + max_tokens > ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{'at least ' if at_least else ''}{n_prompt + max_tokens} tokens ({has} in "
+                f"the {prompt_param}, {max_tokens} in the completion). Please reduce the "
+                f"length of the {prompt_param} or '{max_param}'.",
+                param=prompt_param,
+            )
+
+    def _check_fits(
+        self, chars: int, max_tokens: int | None, max_param: str, prompt_param: str
+    ) -> None:
+        """Refuse, before templating or tokenizing, a prompt of ``chars`` characters that
+        cannot fit however it tokenizes: it is at least ``chars / max_token_chars`` tokens.
+        Short prompts skip it: tokenizing them is cheap, and their exact count makes the
+        exact message."""
+        if chars <= OFFLOAD_THRESHOLD_CHARS:
+            return
+        per_token = self.tokenizer.max_token_chars
+        fewest = -(-chars // per_token)
+        self._check_length(fewest, max_tokens, max_param, prompt_param, at_least=True)
+
     def _build(
         self,
         req: _Request,
@@ -301,23 +400,17 @@ class Preprocessor:
         prompt_param: str,
         logprobs: int | None,
     ) -> PreprocessedRequest:
-        ctx = self.card.context_length
         n_prompt = len(token_ids)
-        if n_prompt >= ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, your prompt "
-                f"has {n_prompt} tokens. Please reduce the length of the {prompt_param}.",
-                param=prompt_param,
-            )
+        self._check_length(n_prompt, max_tokens, max_param, prompt_param)
         if max_tokens is None:
-            max_tokens = ctx - n_prompt
-        elif n_prompt + max_tokens > ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {prompt_param}, "
-                f"{max_tokens} in the completion). Please reduce the length of the "
-                f"{prompt_param} or '{max_param}'.",
-                param=prompt_param,
+            # The rest of the context, within the response budget (``max_response_items``).
+            cap = self.limits.max_tokens_within(req.n, logprobs or 0)
+            max_tokens = min(self.card.context_length - n_prompt, cap)
+        if req.min_tokens is not None and req.min_tokens > max_tokens:
+            raise RequestError(
+                f"'min_tokens' ({req.min_tokens}) must not exceed the tokens left to generate "
+                f"({max_tokens})",
+                param="min_tokens",
             )
 
         nvext = req.nvext

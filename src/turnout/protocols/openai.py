@@ -14,19 +14,25 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+#: An integer as engines and the wire (msgpack) take it: a client's larger number is a 400
+#: naming its field when the body is decoded, never an overflow deep in the pipeline.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+#: An instance id (a discovery lease id: a positive int64).
+InstanceIdInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
 
 class NvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """turnout/Dynamo extensions carried beside the OpenAI fields."""
 
     ignore_eos: bool | None = None
-    backend_instance_id: int | None = None
+    backend_instance_id: InstanceIdInt | None = None
     #: Names of extra response fields the client asks for (e.g. ``"worker_id"``, ``"routing"``).
     extra_fields: list[str] | None = None
     annotations: list[str] | None = None
     greed_sampling: bool | None = None
     #: Admission priority while the frontend's request slots are full: higher waits less
     #: (first-come-first-served within a priority); default 0, negative allowed.
-    priority: int | None = None
+    priority: Int64 | None = None
     #: Seconds this request may take in all (> 0); shortens ``--request-timeout``, never
     #: lifts it.
     request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
@@ -51,25 +57,25 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields common to chat and completion requests."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    top_k: int | None = None
+    min_tokens: Int64 | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool | None = None
     #: vLLM's cache partition: requests reuse each other's cached prefixes only when their
     #: salts are equal (tenants that must not observe each other's cache timing).
@@ -88,9 +94,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -105,8 +111,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int64 | None = None
+    best_of: Int64 | None = None
     #: As chat's (vLLM takes it on completions too): ``json_object`` or ``json_schema``.
     response_format: dict[str, Any] | None = None
 
@@ -271,8 +277,8 @@ class UnaryNvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The ``nvext`` fields that mean something to a one-reply request (embeddings,
     tensors): no sampling, no streaming, no cache."""
 
-    backend_instance_id: int | None = None
-    priority: int | None = None
+    backend_instance_id: InstanceIdInt | None = None
+    priority: Int64 | None = None
     request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
@@ -284,7 +290,7 @@ class EmbeddingsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     #: loosely, as ``CompletionRequest.prompt``; the pipeline checks the forms).
     input: str | list[str | int | list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    dimensions: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] | None = None
     user: str | None = None
     nvext: UnaryNvExt | None = None
 
