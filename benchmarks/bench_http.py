@@ -96,7 +96,7 @@ class _Conn(asyncio.Protocol):
                 break
             size = int(buf[pos:eol].split(b";", 1)[0], 16)
             if size == 0:
-                if len(buf) < eol + 4:  # "0\r\n" + "\r\n" (no trailers from granian)
+                if len(buf) < eol + 4:  # "0\r\n" + "\r\n" (no trailers)
                     break
                 del buf[: eol + 4]
                 self._complete(b"".join(self.body_parts))

@@ -21,7 +21,7 @@ cheaper than httpx, so on a 2-core machine it does not starve the frontend). Eve
 (scenario, concurrency) gets a warm-up run first, then ``--repeat`` measured runs; the row
 kept is the run with the median frontend CPU/request. Reported per row: the frontend's CPU
 per request, split into the event-loop thread (all the Python) and its other threads
-(granian's Rust I/O threads, tokenizers' pool), requests/s, client-side p50/p99 latency (and
+(tokenizers' pool, the etcd client's gRPC threads), requests/s, client-side p50/p99 latency (and
 p50 time to the first SSE chunk), RSS, and the CPU the client and the workers spent.
 
 Usage::

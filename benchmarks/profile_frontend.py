@@ -3,8 +3,8 @@
 ``python -m cProfile`` times functions in wall-clock time, so on a loaded machine a function
 that was merely descheduled looks expensive, and an event loop waiting in ``epoll`` dominates.
 This runner uses ``time.thread_time`` (CPU time of the calling thread): the Python work runs
-on the main thread (the event loop; granian's own I/O threads are Rust and invisible to
-cProfile anyway), so the profile shows where the loop thread spends CPU.
+on the main thread (the event loop, HTTP parsing included), so the profile shows where the
+loop thread spends CPU.
 
 Usage: ``python benchmarks/profile_frontend.py OUT.prof frontend --port ...`` (the arguments
 after OUT.prof are the ``turnout`` command line). The profile is written when the frontend

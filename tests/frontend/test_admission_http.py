@@ -1,4 +1,4 @@
-"""Admission control through the real frontend: granian on a real port, TCP request plane,
+"""Admission control through the real frontend: the HTTP server on a real port, TCP request plane,
 echo workers held at a gate so "in flight" is exact, and the httpx / openai clients.
 
 Queue timeouts run on an injected clock; every wait is for an observable state (a count

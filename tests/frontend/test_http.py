@@ -1,4 +1,4 @@
-"""The HTTP frontend end to end, in one process: real granian server, real TCP request plane,
+"""The HTTP frontend end to end, in one process: real HTTP server, real TCP request plane,
 echo workers registered through a real (memory) discovery store, real HTTP clients."""
 
 from __future__ import annotations

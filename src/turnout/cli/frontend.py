@@ -6,12 +6,14 @@ import argparse
 import logging
 from typing import Any
 
+from turnout.errors import ConfigError
 from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.http_errors import REJECT_STATUSES
 from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.llm.limits import RequestLimits
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
+from turnout.runtime.http import HttpLimits
 
 from .flags import add_flag, add_runtime_flags, planes_config
 from .lifecycle import run_command, run_until_signal
@@ -72,6 +74,21 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--reject-status", default=503, type=int, choices=REJECT_STATUSES,
              help="HTTP status of admission rejections, with Retry-After "
                   "(429, 503, or 529 as Dynamo)")  # fmt: skip
+    g = p.add_argument_group("client connections")
+    add_flag(g, "--http-header-timeout", default=10.0, type=float,
+             help="seconds from a connection's opening (or its next request's first byte) "
+                  "to the end of the request's headers; then 408 and closed")  # fmt: skip
+    add_flag(g, "--http-body-timeout", default=60.0, type=float,
+             help="seconds from the end of a request's headers to the end of its body; "
+                  "then 408 and closed")  # fmt: skip
+    add_flag(g, "--http-keepalive-timeout", default=30.0, type=float,
+             help="seconds a connection may sit idle between requests")  # fmt: skip
+    add_flag(g, "--client-stall-timeout", default=60.0, type=float,
+             help="seconds a response may wait for a client that reads nothing; then the "
+                  "connection is closed and its request cancelled on the worker")  # fmt: skip
+    add_flag(g, "--max-connections", default=8192, type=int,
+             help="open client connections; past it, a new one evicts the longest-idle "
+                  "connection with no request in flight")  # fmt: skip
     add_request_limit_flags(p)
     add_flag(p, "--artifact-cache",
              help="directory caching the tokenizers fetched from workers, by checksum "
@@ -156,6 +173,21 @@ def kv_router_config(args: argparse.Namespace) -> KvRouterConfig:
     )
 
 
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The client-connection bounds of the flags, each checked to be positive."""
+    for flag in ("http_header_timeout", "http_body_timeout", "http_keepalive_timeout",
+                 "client_stall_timeout", "max_connections"):  # fmt: skip
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive")
+    return HttpLimits(
+        header_timeout=args.http_header_timeout,
+        body_timeout=args.http_body_timeout,
+        keepalive_timeout=args.http_keepalive_timeout,
+        write_timeout=args.client_stall_timeout,
+        max_connections=args.max_connections,
+    )
+
+
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
     return FrontendConfig(
         host=args.host,
@@ -166,6 +198,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         migration_limit=args.migration_limit,
         max_body_bytes=args.max_body_bytes,
         limits=request_limits(args),
+        http=http_limits(args),
         kv=kv_router_config(args),
         kv_share_active=not args.no_router_replica_sync,
         router_min_initial_workers=args.router_min_initial_workers,

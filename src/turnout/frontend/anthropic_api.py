@@ -32,10 +32,10 @@ import json
 from typing import Any
 
 import msgspec
-from granian.rsgi import HTTPProtocol
 
 from turnout.protocols.openai import Usage
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange
 
 from .anthropic_request import CountTokensRequest, MessagesRequest, to_chat
 from .chat_run import ChatRun, write_run
@@ -230,7 +230,7 @@ def messages_surface(metrics: FrontendMetrics) -> Surface:
         return SurfaceRequest(request.model, request.stream, request)
 
     async def serve(
-        proto: HTTPProtocol,
+        proto: Exchange,
         pipeline: Pipeline,
         req: SurfaceRequest,
         body: bytes,
@@ -265,7 +265,7 @@ def count_tokens_surface() -> Surface:
         return SurfaceRequest(request.model, False, request)
 
     async def serve(
-        proto: HTTPProtocol,
+        proto: Exchange,
         pipeline: Pipeline,
         req: SurfaceRequest,
         body: bytes,

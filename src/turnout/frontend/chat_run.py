@@ -20,13 +20,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import msgspec
-from granian.rsgi import HTTPProtocol
 
 from turnout.llm.backend import DecodedDelta
 from turnout.protocols.llm import FinishReason
 from turnout.protocols.openai import ChatCompletionRequest, Usage
 from turnout.router.push_router import check_pinned
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange
 
 from .choice_output import ChoiceOutput, ChoicePiece, WholeChoice, choice_output
 from .http_errors import HttpError, to_http_error, worker_error
@@ -152,7 +152,7 @@ class EventWriter(Protocol):
 
 
 async def write_run(
-    proto: HTTPProtocol,
+    proto: Exchange,
     run: ChatRun,
     writer: EventWriter,
     *,

@@ -89,13 +89,18 @@ def output_parser(
 
 
 class ChoiceOutput:
-    """One choice's parser and log probabilities, and everything it has said so far."""
+    """One choice's parser and log probabilities, and everything it has said so far (only
+    with ``keep``: a streamed choice is written as it goes, and keeping its whole text and
+    log probabilities would cost memory in proportion to its length for nothing)."""
 
-    __slots__ = ("_calls", "_content", "_reasoning", "logprobs", "parser")
+    __slots__ = ("_calls", "_content", "_keep", "_reasoning", "logprobs", "parser")
 
-    def __init__(self, parser: OutputParser | None, logprobs: LogprobsBuilder | None) -> None:
+    def __init__(
+        self, parser: OutputParser | None, logprobs: LogprobsBuilder | None, *, keep: bool = True
+    ) -> None:
         self.parser = parser
         self.logprobs = logprobs
+        self._keep = keep
         self._content: list[str] = []
         self._reasoning: list[str] = []
         #: Calls by index: id, name, argument fragments.
@@ -110,7 +115,7 @@ class ChoiceOutput:
         """A decoded delta's share of the response (may be empty: text held by a parser)."""
         logprobs = self.logprobs.add(delta) if self.logprobs is not None else None
         if self.parser is None:
-            if delta.text:
+            if delta.text and self._keep:
                 self._content.append(delta.text)
             return ChoicePiece(content=delta.text, logprobs=logprobs)
         piece = self._record(self.parser.feed(delta.text) if delta.text else ParsedDelta())
@@ -144,15 +149,17 @@ class ChoiceOutput:
         )
 
     def _record(self, parsed: ParsedDelta) -> ChoicePiece:
-        if parsed.content:
+        keep = self._keep
+        if parsed.content and keep:
             self._content.append(parsed.content)
-        if parsed.reasoning:
+        if parsed.reasoning and keep:
             self._reasoning.append(parsed.reasoning)
         for call in parsed.tool_calls:
             known = self._calls.get(call.index)
             if known is None:
                 known = self._calls[call.index] = (call.id or "", call.name or "", [])
-            known[2].append(call.arguments)
+            if keep:
+                known[2].append(call.arguments)
         return ChoicePiece(parsed.content, parsed.reasoning, parsed.tool_calls)
 
 
@@ -162,10 +169,12 @@ def choice_output(
     pre: PreprocessedRequest,
     *,
     text_offset: int = 0,
+    keep: bool = True,
 ) -> ChoiceOutput:
     """A fresh output stage for one choice of ``request``: the model's parsers (chat only)
     and the log probabilities it asked for. A parser that reads the model's special tokens
-    has them kept in the decoded text of ``pre``."""
+    has them kept in the decoded text of ``pre``. ``keep``: the choice is answered whole at
+    its end (``ChoiceOutput.whole``), so what it says is kept."""
     parser = None
     if isinstance(request, ChatCompletionRequest):
         parser = output_parser(pipeline.card.capabilities, request.tools, request.tool_choice)
@@ -176,6 +185,9 @@ def choice_output(
     logprobs = None
     if pre.output_options.logprobs is not None:
         logprobs = LogprobsBuilder(
-            pipeline.preprocessor.tokenizer, is_chat=pipeline.is_chat, text_offset=text_offset
+            pipeline.preprocessor.tokenizer,
+            is_chat=pipeline.is_chat,
+            text_offset=text_offset,
+            keep=keep,
         )
-    return ChoiceOutput(parser, logprobs)
+    return ChoiceOutput(parser, logprobs, keep=keep)

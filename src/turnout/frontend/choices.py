@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from granian.rsgi import HTTPProtocol
 
 from turnout.llm.backend import DecodedDelta
 from turnout.protocols.llm import FinishReason, PreprocessedRequest
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange
 
 from .choice_output import ChoiceOutput, WholeChoice, choice_output
 from .http_errors import to_http_error, worker_error
@@ -60,7 +60,7 @@ _Event = tuple[int, DecodedDelta | BaseException | None]
 
 
 async def serve_choices(
-    proto: HTTPProtocol,
+    proto: Exchange,
     pipeline: TokensPipeline,
     request: ChatCompletionRequest | CompletionRequest,
     pre: PreprocessedRequest,
@@ -79,7 +79,7 @@ async def serve_choices(
         sampling = msgspec.structs.replace(pre.sampling_options, seed=base + i)
         sub = msgspec.structs.replace(pre, sampling_options=sampling)
         sub_ctx = RequestContext(f"{ctx.request_id}-{i}")
-        output = choice_output(pipeline, request, sub)
+        output = choice_output(pipeline, request, sub, keep=not request.stream)
         choices.append(_Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, output))
     queue: asyncio.Queue[_Event] = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * n)
     pumps = [asyncio.create_task(_pump(c, queue)) for c in choices]
@@ -122,7 +122,7 @@ def _usage(choices: list[_Choice]) -> Any:
 
 
 async def _whole(
-    proto: HTTPProtocol,
+    proto: Exchange,
     request: ChatCompletionRequest | CompletionRequest,
     choices: list[_Choice],
     queue: asyncio.Queue[_Event],
@@ -157,7 +157,7 @@ async def _whole(
 
 
 async def _stream(
-    proto: HTTPProtocol,
+    proto: Exchange,
     request: ChatCompletionRequest | CompletionRequest,
     choices: list[_Choice],
     queue: asyncio.Queue[_Event],

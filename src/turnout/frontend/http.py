@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP service, as an RSGI application for granian.
+"""The OpenAI-compatible HTTP service: the application ``runtime.http.HttpServer`` runs.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``
 (``embeddings``), ``POST /v1/tensor`` (``tensor``), ``POST /v1/responses``,
@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from granian.rsgi import HTTPProtocol, Scope
 
 from turnout.errors import FrontendOverloaded
 from turnout.llm.limits import RequestLimits
@@ -39,6 +38,7 @@ from turnout.protocols.openai import (
     ModelObject,
 )
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
 
 from .admission import AdmissionController
 from .anthropic_api import count_tokens_surface, messages_surface
@@ -152,9 +152,7 @@ class HttpService:
 
     # ------------------------------------------------------------------ dispatch
 
-    async def __rsgi__(self, scope: Scope, proto: HTTPProtocol) -> None:
-        if scope.proto != "http":
-            return
+    async def __call__(self, scope: Scope, proto: Exchange) -> None:
         path = scope.path.rstrip("/") or "/"
         handler = self._routes.get((scope.method, path))
         if handler is None:
@@ -171,25 +169,19 @@ class HttpService:
         except HttpError as exc:
             self._send_error(proto, exc, self._error_bodies.get(path))
 
-    def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        pass
-
-    def __rsgi_del__(self, loop: asyncio.AbstractEventLoop) -> None:
-        pass
-
     @staticmethod
     def _send_error(
-        proto: HTTPProtocol,
+        proto: Exchange,
         err: HttpError,
         error_body: Callable[[HttpError], bytes] | None = None,
     ) -> None:
         body = error_body(err) if error_body is not None else err.body()
         proto.response_bytes(err.status, JSON_HEADERS + err.headers, body)
 
-    async def _read_body(self, scope: Scope, proto: HTTPProtocol) -> bytes:
+    async def _read_body(self, scope: Scope, proto: Exchange) -> bytes:
         declared = scope.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _discard(proto, _DRAIN_BYTES)
+            await discard_body(proto, _DRAIN_BYTES)
             raise HttpError(
                 413,
                 f"request body of {declared} bytes exceeds the limit of "
@@ -203,7 +195,7 @@ class HttpService:
         async for part in proto:
             size += len(part)
             if size > self.max_body_bytes:
-                await _discard(proto, _DRAIN_BYTES)
+                await discard_body(proto, _DRAIN_BYTES)
                 raise HttpError(
                     413,
                     f"request body exceeds the limit of {self.max_body_bytes} bytes",
@@ -214,7 +206,7 @@ class HttpService:
 
     # ------------------------------------------------------------------ simple routes
 
-    async def _models(self, scope: Scope, proto: HTTPProtocol) -> None:
+    async def _models(self, scope: Scope, proto: Exchange) -> None:
         manager = self.manager
         models = [
             ModelObject(
@@ -247,7 +239,7 @@ class HttpService:
                 routes += CHAT_SURFACE_ROUTES
         return routes
 
-    async def _health(self, scope: Scope, proto: HTTPProtocol) -> None:
+    async def _health(self, scope: Scope, proto: Exchange) -> None:
         models = []
         for name in self.manager.list_models():
             instances = self.manager.model_instances(name)
@@ -262,20 +254,20 @@ class HttpService:
         body = {"status": "healthy" if healthy else "unhealthy", "models": models}
         proto.response_bytes(200 if healthy else 503, JSON_HEADERS, _json.encode(body))
 
-    async def _live(self, scope: Scope, proto: HTTPProtocol) -> None:
+    async def _live(self, scope: Scope, proto: Exchange) -> None:
         proto.response_bytes(200, JSON_HEADERS, b'{"status":"live"}')
 
-    async def _openapi(self, scope: Scope, proto: HTTPProtocol) -> None:
+    async def _openapi(self, scope: Scope, proto: Exchange) -> None:
         proto.response_bytes(200, JSON_HEADERS, self._openapi_body)
 
-    async def _metrics(self, scope: Scope, proto: HTTPProtocol) -> None:
+    async def _metrics(self, scope: Scope, proto: Exchange) -> None:
         proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
 
-    async def _busy_threshold_get(self, scope: Scope, proto: HTTPProtocol) -> None:
+    async def _busy_threshold_get(self, scope: Scope, proto: Exchange) -> None:
         assert self.busy_thresholds is not None
         proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.get_all()))
 
-    async def _busy_threshold_post(self, scope: Scope, proto: HTTPProtocol) -> None:
+    async def _busy_threshold_post(self, scope: Scope, proto: Exchange) -> None:
         assert self.busy_thresholds is not None
         body = await self._read_body(scope, proto)
         proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.post(body)))
@@ -289,7 +281,7 @@ class HttpService:
         self._error_bodies[path] = surface.error_body
 
     def _bind(self, surface: Surface) -> Any:
-        async def handler(scope: Scope, proto: HTTPProtocol) -> None:
+        async def handler(scope: Scope, proto: Exchange) -> None:
             await self._generate(scope, proto, surface)
 
         return handler
@@ -304,7 +296,7 @@ class HttpService:
             return SurfaceRequest(request.model, request.stream, request, priority or 0)
 
         async def serve(
-            proto: HTTPProtocol,
+            proto: Exchange,
             pipeline: TokensPipeline | TextPipeline,
             req: SurfaceRequest,
             body: bytes,
@@ -321,7 +313,7 @@ class HttpService:
             endpoint, ModelKind.CHAT if is_chat else ModelKind.COMPLETIONS, decode, serve
         )
 
-    async def _generate(self, scope: Scope, proto: HTTPProtocol, surface: Surface) -> None:
+    async def _generate(self, scope: Scope, proto: Exchange, surface: Surface) -> None:
         endpoint = surface.endpoint
         # The metrics label: a served model's name once resolved, never a client's string.
         model = UNKNOWN_MODEL
@@ -335,14 +327,13 @@ class HttpService:
         assert task is not None
         client_gone = False
 
-        def on_disconnect(_: Any) -> None:
+        def on_disconnect(_: object) -> None:
             nonlocal client_gone
-            if not _.cancelled():
-                client_gone = True
-                ctx.cancel()
-                task.cancel()
+            client_gone = True
+            ctx.cancel()
+            task.cancel()
 
-        disconnect = asyncio.ensure_future(proto.client_disconnect())
+        disconnect = proto.client_disconnect()
         disconnect.add_done_callback(on_disconnect)
         try:
             body = await self._read_body(scope, proto)
@@ -368,8 +359,12 @@ class HttpService:
             if not client_gone:
                 raise
             status = 499
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            log.info("request %s: client disconnected; work cancelled", ctx.request_id)
+            task.uncancel()
+            log.debug("request %s: client disconnected; work cancelled", ctx.request_id)
+        except ClientDisconnected as exc:  # gone (or stalled) while its response was written
+            status = exc.status
+            ctx.cancel()
+            log.debug("request %s: %s; work cancelled", ctx.request_id, exc)
         except Exception as exc:  # every failure becomes one HTTP error
             err = to_http_error(exc, reject_status=self.reject_status)
             status = err.status
@@ -382,7 +377,6 @@ class HttpService:
             proto.response_bytes(err.status, JSON_HEADERS + err.headers, surface.error_body(err))
         finally:
             disconnect.remove_done_callback(on_disconnect)
-            disconnect.cancel()
             self.metrics.count_request(model, endpoint, stream, status)
 
 
@@ -391,11 +385,3 @@ class HttpService:
 #: and the client sees a reset instead of the 413. Past this, the reset is the lesser cost.
 _DRAIN_BYTES = 4 << 20
 
-
-async def _discard(proto: HTTPProtocol, limit: int) -> None:
-    """Read and drop up to ``limit`` more bytes of the request body."""
-    seen = 0
-    async for part in proto:
-        seen += len(part)
-        if seen > limit:
-            return

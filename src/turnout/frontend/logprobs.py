@@ -20,12 +20,18 @@ FLOOR = -9999.0
 
 
 class LogprobsBuilder:
-    """Collects one choice's token log probabilities, delta by delta."""
+    """Collects one choice's token log probabilities, delta by delta (all of them with
+    ``keep``, for ``whole``; else only each delta's own)."""
 
-    __slots__ = ("_is_chat", "_offset", "_tokenizer", "offsets", "tokens", "tops", "values")
+    __slots__ = (
+        "_is_chat", "_keep", "_offset", "_tokenizer", "offsets", "tokens", "tops", "values",
+    )  # fmt: skip
 
-    def __init__(self, tokenizer: Tokenizer, *, is_chat: bool, text_offset: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, is_chat: bool, text_offset: int = 0, keep: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
+        self._keep = keep
         self._is_chat = is_chat
         #: Characters of response text before the next token (completions' ``text_offset``).
         self._offset = text_offset
@@ -42,6 +48,11 @@ class LogprobsBuilder:
         if not ids or lps is None:
             self._offset += len(delta.text)
             return None
+        if not self._keep:
+            self.tokens.clear()
+            self.values.clear()
+            self.offsets.clear()
+            self.tops.clear()
         start = len(self.tokens)
         tops = delta.top_logprobs or ()
         for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):

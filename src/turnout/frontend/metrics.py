@@ -27,6 +27,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from turnout.runtime.http import HttpServer
+
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
@@ -205,6 +207,11 @@ class FrontendMetrics:
         """Read ``turnout_queued_requests`` from the admission controller at scrape time."""
         self.queued.set_function(queued)
 
+    def watch_http(self, server: HttpServer) -> None:
+        """Expose the HTTP server's connections: open, and closed by the server by reason
+        (deadlines, eviction, stalled readers, malformed requests)."""
+        self.registry.register(_HttpCollector(server))
+
     def watch_kv_routers(self, routers: Mapping[str, Any]) -> None:
         """Expose the KV routers' own counters (read at scrape time: no hot-path cost)."""
         self.registry.register(_KvRouterCollector(routers))
@@ -252,6 +259,27 @@ class StreamTimer:
         else:
             self._itl.observe(now - self._last)
         self._last = now
+
+
+class _HttpCollector(Collector):
+    """``turnout_http_connections`` and ``turnout_http_connections_closed_total``."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Any]:
+        server = self._server
+        yield GaugeMetricFamily(
+            "turnout_http_connections", "Open client connections", value=server.num_connections
+        )
+        closed = CounterMetricFamily(
+            "turnout_http_connections_closed",
+            "Client connections the server closed, by reason",
+            labels=["reason"],
+        )
+        for reason, count in server.closed.items():
+            closed.add_metric([reason], count)
+        yield closed
 
 
 class _KvRouterCollector(Collector):

@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from granian.rsgi import HTTPProtocol
-
 from turnout.protocols.llm import FinishReason
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.router.push_router import PIN_METADATA, check_pinned
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange
 
 from .choice_output import ChoiceOutput, choice_output
 from .choices import serve_choices
@@ -43,7 +42,7 @@ class Responder:
 
     async def serve_tokens(
         self,
-        proto: HTTPProtocol,
+        proto: Exchange,
         pipeline: TokensPipeline,
         request: ChatCompletionRequest | CompletionRequest,
         ctx: RequestContext,
@@ -69,7 +68,9 @@ class Responder:
                 metrics.duration.observe(time.perf_counter() - timer.start)
             return
         echo = _echoed_prompt(request, pipeline, pre.token_ids)
-        output = choice_output(pipeline, request, pre, text_offset=len(echo))
+        output = choice_output(
+            pipeline, request, pre, text_offset=len(echo), keep=not request.stream
+        )
         generation = pipeline.generate(pre, ctx)
         try:
             deltas = generation.__aiter__()
@@ -109,7 +110,7 @@ class Responder:
 
     async def _stream_tokens(
         self,
-        proto: HTTPProtocol,
+        proto: Exchange,
         request: ChatCompletionRequest | CompletionRequest,
         generation: Generation,
         first: Any,
@@ -175,7 +176,7 @@ class Responder:
 
     async def _whole_tokens(
         self,
-        proto: HTTPProtocol,
+        proto: Exchange,
         request: ChatCompletionRequest | CompletionRequest,
         generation: Generation,
         first: Any,
@@ -215,7 +216,7 @@ class Responder:
 
     async def relay_text(
         self,
-        proto: HTTPProtocol,
+        proto: Exchange,
         pipeline: TextPipeline,
         body: bytes,
         request: ChatCompletionRequest | CompletionRequest,

@@ -21,12 +21,12 @@ import time
 from typing import Any
 
 import msgspec
-from granian.rsgi import HTTPProtocol
 
 from turnout.llm.limits import RequestLimits
 from turnout.llm.parsers import ToolCallDelta
 from turnout.protocols.openai import Usage
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange
 
 from .chat_run import ChatRun, write_run
 from .choice_output import ChoicePiece
@@ -232,7 +232,7 @@ def responses_surface(metrics: FrontendMetrics, limits: RequestLimits | None = N
         return SurfaceRequest(request.model, request.stream, (request, to_chat(request, limits)))
 
     async def serve(
-        proto: HTTPProtocol,
+        proto: Exchange,
         pipeline: Pipeline,
         req: SurfaceRequest,
         body: bytes,

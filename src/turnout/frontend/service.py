@@ -8,15 +8,13 @@ import logging
 import socket
 from dataclasses import dataclass, field
 
-from granian.constants import Interfaces
-from granian.server.embed import Server
-
 from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.limits import RequestLimits
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.lora import LoraRegistry
 from turnout.router.mode import RouterMode, validate_router_mode_for_lora
 from turnout.runtime.component import DistributedRuntime
+from turnout.runtime.http import HttpLimits, HttpServer
 from turnout.runtime.planes import PlanesConfig, open_runtime
 
 from .admission import AdmissionController, AdmissionLimits, Clock
@@ -48,6 +46,9 @@ class FrontendConfig:
     #: What one request may ask for: stop strings, messages, tools, choices, the response's
     #: size (``llm.limits``; the ``--max-*`` flags).
     limits: RequestLimits = field(default_factory=RequestLimits)
+    #: Deadlines and bounds of client connections (``runtime.http.HttpLimits``): headers,
+    #: body, keep-alive idle, a client that stops reading, and the connection cap.
+    http: HttpLimits = field(default_factory=HttpLimits)
     #: KV routing settings (``--router-mode kv``); ``block_size`` comes from each model card.
     kv: KvRouterConfig = field(default_factory=KvRouterConfig)
     #: Share in-flight request state with other router replicas over the event plane.
@@ -90,7 +91,7 @@ class FrontendConfig:
 
 
 class Frontend:
-    """Owns the runtime, the watcher task and the embedded granian server."""
+    """Owns the runtime, the watcher task and the HTTP server."""
 
     def __init__(
         self,
@@ -133,7 +134,7 @@ class Frontend:
         self.runtime = runtime
         self._owns_runtime = runtime is None
         self._tasks: list[asyncio.Task[None]] = []
-        self._server: Server | None = None
+        self._server: HttpServer | None = None
         self.watcher: ModelWatcher | None = None
         #: The HTTP routes (set by ``start``).
         self.http: HttpService | None = None
@@ -191,22 +192,10 @@ class Frontend:
             limits=cfg.limits,
         )
         self.http = service
-        self._server = Server(
-            service,
-            address=cfg.host,
-            port=cfg.port,
-            interface=Interfaces.RSGI,
-            log_enabled=False,
-            websockets=False,
-            backlog=1024,
-            # Granian holds at most ``backpressure`` connections (idle keep-alive ones too)
-            # and leaves the rest unread in the accept queue, where no admission limit, no
-            # rejection and no timeout of ours can see them. Keep it well above what
-            # admission lets in, so overload gets its clean, immediate rejection instead.
-            backpressure=max(4096, 2 * (cfg.max_inflight + cfg.queue_size)),
-        )
+        self._server = HttpServer(service, cfg.host, cfg.port, limits=cfg.http)
+        await self._server.start()
+        self.metrics.watch_http(self._server)
         self._tasks.append(asyncio.create_task(self._server.serve(), name="http"))
-        await self._wait_listening()
         log.info("frontend listening on %s", self.url)
 
     def _prefill_health(self, name: str) -> dict[str, object] | None:
@@ -224,27 +213,6 @@ class Frontend:
             "disaggregated": bool(prefill),
             "ready": ready,
         }
-
-    async def _wait_listening(self, timeout: float = 15.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            for task in self._tasks:
-                if task.done():
-                    task.result()  # raises the server's start-up error
-            try:
-                _, writer = await asyncio.open_connection(self.config.host, self.config.port)
-            except OSError:
-                if loop.time() > deadline:
-                    raise TimeoutError(
-                        f"HTTP server did not start listening on {self.url} in {timeout} s"
-                    ) from None
-                await asyncio.sleep(0.05)
-                continue
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-            return
 
     async def wait(self) -> None:
         """Until the HTTP server or the watcher stops (normally: never). Either stopping is

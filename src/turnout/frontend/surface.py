@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-from granian.rsgi import HTTPProtocol
 
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange
 
 from .http_errors import HttpError, request_decode_error
 from .model_manager import ModelKind
@@ -40,7 +40,7 @@ Pipeline = TokensPipeline | TextPipeline | Any
 
 #: Writes the response of an admitted request: (proto, pipeline, request, body, ctx, session).
 ServeFn = Callable[
-    [HTTPProtocol, Pipeline, SurfaceRequest, bytes, RequestContext, str | None], Awaitable[None]
+    [Exchange, Pipeline, SurfaceRequest, bytes, RequestContext, str | None], Awaitable[None]
 ]
 
 

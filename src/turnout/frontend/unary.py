@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from granian.rsgi import HTTPProtocol
 
 from turnout.protocols.openai import UnaryNvExt
 from turnout.router.push_router import PIN_METADATA
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange
 
 from .model_manager import ModelKind
 from .responses import JSON_HEADERS
@@ -47,7 +47,7 @@ def unary_surface(
         return SurfaceRequest(request.model, False, request, priority or 0)
 
     async def serve(
-        proto: HTTPProtocol,
+        proto: Exchange,
         pipeline: Any,
         req: SurfaceRequest,
         body: bytes,
