@@ -67,10 +67,22 @@ class Connection(asyncio.Protocol):
     # ---------------------------------------------------------------- writing
 
     def write(self, data: bytes) -> None:
+        """Queue ``data``; it goes out with whatever else is written in this turn of the
+        event loop (one system call for several SSE events), or at once when the route is
+        done (``finish``)."""
         if not self._out:
             self.loop.call_soon(self.flush)
         self._out.append(data)
         self.pending += len(data)
+
+    def write_now(self, data: bytes) -> None:
+        """Send ``data`` (after anything queued) without waiting for the loop's turn: a whole
+        response has nothing to be coalesced with."""
+        if self._out:
+            self._out.append(data)
+            self.flush()
+        elif not self.closed:
+            self.transport.write(data)
 
     def flush(self) -> None:
         out = self._out
@@ -161,21 +173,23 @@ class Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count_header_bytes(len(url))
+        self._header_bytes += len(url)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._headers_too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value))
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._headers_too_large()
         self._headers.add(name.decode("latin-1").lower(), value.decode("latin-1"))
 
-    def _count_header_bytes(self, num: int) -> None:
-        self._header_bytes += num
-        if self._header_bytes > self.limits.max_header_bytes:
-            self._error = (
-                431,
-                f"request line and headers exceed {self.limits.max_header_bytes} bytes",
-                "headers_too_large",
-            )
-            raise ValueError("headers too large")
+    def _headers_too_large(self) -> None:
+        self._error = (
+            431,
+            f"request line and headers exceed {self.limits.max_header_bytes} bytes",
+            "headers_too_large",
+        )
+        raise ValueError("headers too large")  # stops the parser: answered in data_received
 
     def on_headers_complete(self) -> None:
         parser = self.parser

@@ -79,6 +79,13 @@ class HttpExchange:
     # ---------------------------------------------------------------- body (for the route)
 
     async def __call__(self) -> bytes:
+        if self.eof and not self._continue:  # all here already (most requests): no iterator
+            chunks = self._chunks
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self.buffered = 0
+            self._conn.maybe_resume_reading()
+            return body
         parts = [part async for part in self]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -135,9 +142,11 @@ class HttpExchange:
             raise RuntimeError("the response was already started")
         self.started = self.finished = True
         head = self._head(status, headers, b"content-length: %d\r\n" % len(body))
-        conn.write(head + body if len(body) < 16384 else head)
-        if len(body) >= 16384:
-            conn.write(body)
+        if len(body) < 16384:
+            conn.write_now(head + body)
+        else:
+            conn.write_now(head)
+            conn.write_now(body)
 
     def response_empty(self, status: int, headers: HeaderList) -> None:
         self.response_bytes(status, headers, b"")
