@@ -20,6 +20,7 @@
     ├── NoInstanceAvailable         the model has no live, not-busy instance (HTTP 503)
     │   └── EngineOverloaded        the worker's engine queue is full (HTTP 503, Retry-After)
     ├── RequestTimedOut             the request's deadline passed (HTTP 504)
+    ├── TemplateLimitExceeded       the model's chat template passed its bounds (HTTP 500)
     └── NotYetSupported             a named feature that is not implemented yet
 
 Lower-layer exceptions are translated at the layer boundary into the most specific type here,
@@ -96,6 +97,12 @@ class EngineOverloaded(NoInstanceAvailable):
 class RequestTimedOut(TurnoutError):
     """The request's deadline (``--request-timeout``, ``nvext.request_timeout``) passed; its
     work was cancelled (HTTP 504)."""
+
+
+class TemplateLimitExceeded(TurnoutError):
+    """The model's chat template ran past its operation, size or time budget
+    (``llm.template_sandbox``): the model's fault, never the client's (HTTP 500). A card
+    whose template does so on a probe conversation is refused when it is loaded."""
 
 
 class WorkerProtocolError(RequestPlaneError):

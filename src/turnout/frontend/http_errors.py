@@ -35,6 +35,7 @@ from turnout.errors import (
     RequestError,
     RequestPlaneError,
     RequestTimedOut,
+    TemplateLimitExceeded,
     WorkerProtocolError,
 )
 from turnout.protocols.openai import ErrorDetail, ErrorResponse
@@ -154,6 +155,15 @@ def to_http_error(exc: BaseException, *, reject_status: int = 503) -> HttpError:
             f"a worker sent a malformed response: {exc}",
             type=SERVER_ERROR,
             code="worker_protocol_error",
+        )
+    if isinstance(exc, TemplateLimitExceeded):
+        # The model's template, not the request and not a bug here: said so, no traceback.
+        log.warning("chat template limit: %s", exc)
+        return HttpError(
+            500,
+            f"the model's chat template failed: {exc}",
+            type=SERVER_ERROR,
+            code="chat_template_limit",
         )
     if isinstance(exc, RemoteError):
         return worker_error(str(exc))

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from turnout.errors import ConfigError
+from turnout.errors import ConfigError, TemplateLimitExceeded
 from turnout.llm.backend import Backend
 from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.limits import RequestLimits
@@ -41,6 +41,7 @@ from .artifacts import ArtifactFetcher
 from .disagg_metrics import DisaggMetrics
 from .embeddings import EmbeddingsPipeline
 from .metrics import FrontendMetrics
+from .model_pairs import InvalidCard
 from .pipeline import TextPipeline, TokensPipeline, WorkerGate
 from .tensor import TensorPipeline
 
@@ -84,6 +85,7 @@ class PipelineFactory:
         decode_fallback: bool = True,
         disagg_metrics: DisaggMetrics | None = None,
         limits: RequestLimits | None = None,
+        max_artifact_bytes: int | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -117,7 +119,15 @@ class PipelineFactory:
         self.kv_share_active = kv_share_active
         self.event_plane = event_plane
         #: Where tokenizers come from: fetched by content from the model's instances, cached.
+        #: ``max_artifact_bytes`` (``--max-artifact-bytes``) bounds what it takes; None: the
+        #: fetcher's own bound.
         self.artifacts = artifacts or ArtifactFetcher()
+        if max_artifact_bytes is not None:
+            if max_artifact_bytes < 1:
+                raise ConfigError(
+                    f"--max-artifact-bytes must be at least 1, got {max_artifact_bytes}"
+                )
+            self.artifacts.max_bytes = max_artifact_bytes
         #: One KV router per model, shared by its chat and completions pipelines.
         self.kv_routers: dict[str, KvRouter] = {}
         #: ``--router-session-affinity-ttl-secs`` (None: off); one binding table per model,
@@ -307,17 +317,37 @@ class PipelineFactory:
             eos_token=card.eos_token,
         )
 
+    @property
+    def max_artifact_bytes(self) -> int:
+        """The largest artifact a card may name (the model watcher refuses larger)."""
+        return self.artifacts.max_bytes
+
+    async def _chat_template(self, card: ModelDeploymentCard) -> ChatTemplate:
+        """The card's chat template, compiled and probed off the event loop: ``InvalidCard``
+        when it does not compile or runs past its budget on a small conversation (it would
+        on every request)."""
+        source = card.chat_template
+        if not source:
+            raise ValueError(f"chat model {card.display_name!r} has no chat template")
+
+        def load() -> ChatTemplate:
+            template = ChatTemplate(source, card.bos_token, card.eos_token)
+            template.probe()
+            return template
+
+        try:
+            return await asyncio.to_thread(load)
+        except (ConfigError, TemplateLimitExceeded) as err:
+            raise InvalidCard("chat_template", str(err)) from err
+
     async def _tokens_pipeline(
         self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
     ) -> TokensPipeline:
+        # The template first: refusing a card for it costs no tokenizer fetch.
+        template = await self._chat_template(card) if is_chat else None
         tokenizer = await self._tokenizer(card, client)
         # The preprocessor's fit check reads it: computed once per tokenizer, not on the loop.
         await asyncio.to_thread(lambda: tokenizer.max_token_chars)
-        template = None
-        if is_chat:
-            if not card.chat_template:
-                raise ValueError(f"chat model {card.display_name!r} has no chat template")
-            template = ChatTemplate(card.chat_template, card.bos_token, card.eos_token)
         if self.router_mode is RouterMode.KV:
             router: Any = KvPushRouter(
                 await self._kv_router(card, client),
