@@ -11,6 +11,7 @@ from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.http_errors import REJECT_STATUSES
 from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.llm.limits import RequestLimits
+from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
 from turnout.runtime.http import HttpLimits
@@ -93,6 +94,9 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--artifact-cache",
              help="directory caching the tokenizers fetched from workers, by checksum "
                   "(off: none; default ~/.cache/turnout/artifacts)")  # fmt: skip
+    add_flag(p, "--max-artifact-bytes", default=DEFAULT_MAX_ARTIFACT_BYTES, type=int,
+             help="largest artifact (tokenizer) a model card may name; a card announcing "
+                  "more is refused, a worker sending more is cut off")  # fmt: skip
 
 
 def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -203,6 +207,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         kv_share_active=not args.no_router_replica_sync,
         router_min_initial_workers=args.router_min_initial_workers,
         artifact_cache=args.artifact_cache,
+        max_artifact_bytes=args.max_artifact_bytes,
         max_inflight=args.max_inflight,
         max_inflight_per_model=args.max_inflight_per_model,
         queue_size=args.queue_size,

@@ -13,6 +13,11 @@ file a card names. Where they come from, first hit wins:
    endpoint, the card's own instance first, then the others, in chunks, each attempt under
    the fetch's deadline. Bytes whose length or sha256 differ from the reference are refused.
 
+Sizes: the card's announced ``size`` is a claim from whoever wrote the store, so an artifact
+announced past ``max_bytes`` (``--max-artifact-bytes``) is refused before anything is asked
+or read, and a fetch holds at most ``min(size, max_bytes)`` bytes: an instance that sends one
+byte more is cut off mid-stream (its stream cancelled), never buffered.
+
 A fetch that fails everywhere raises ``ArtifactError`` with every instance's reason; the model
 watcher then leaves that instance's model unbuilt (all-or-nothing) and builds it when a later
 instance's card arrives.
@@ -33,7 +38,9 @@ from typing import Protocol
 
 import msgspec
 
+from turnout.errors import ConfigError
 from turnout.llm.artifacts import ArtifactError
+from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.llm.tokenizer import Tokenizer, load_tokenizer
 from turnout.protocols.model import ARTIFACT_HANDLER, ArtifactRef, ArtifactRequest, EndpointId
 from turnout.runtime.context import RequestContext
@@ -148,8 +155,8 @@ class ArtifactFetcher:
 
     ``disk``: the on-disk cache; by default the one the environment names, ``None`` for none.
     ``timeout``: the deadline of one artifact fetch; ``attempt_timeout``: of asking one
-    instance once. ``fetches`` counts fetch attempts over
-    the request plane (a cache hit costs none).
+    instance once. ``max_bytes``: the largest artifact taken (``--max-artifact-bytes``).
+    ``fetches`` counts fetch attempts over the request plane (a cache hit costs none).
     """
 
     def __init__(
@@ -160,7 +167,10 @@ class ArtifactFetcher:
         attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT,
         rounds: int = DEFAULT_ROUNDS,
         max_tokenizers: int = DEFAULT_MAX_TOKENIZERS,
+        max_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES,
     ) -> None:
+        if max_bytes < 1:
+            raise ConfigError(f"--max-artifact-bytes must be at least 1, got {max_bytes}")
         if isinstance(disk, str):
             if disk != "env":
                 raise ValueError(f"disk must be a DiskArtifactCache, None or 'env', not {disk!r}")
@@ -170,6 +180,7 @@ class ArtifactFetcher:
         self.attempt_timeout = attempt_timeout
         self.rounds = max(rounds, 1)
         self.max_tokenizers = max(max_tokenizers, 1)
+        self.max_bytes = max_bytes
         self.fetches = 0
         self._tokenizers: collections.OrderedDict[tuple[str, str | None, str | None], Tokenizer]
         self._tokenizers = collections.OrderedDict()
@@ -223,7 +234,13 @@ class ArtifactFetcher:
     async def get_bytes(
         self, ref: ArtifactRef, source: ArtifactSource, *, prefer: int | None = None
     ) -> bytes:
-        """The verified bytes of ``ref``: from the disk cache, else fetched (then cached)."""
+        """The verified bytes of ``ref``: from the disk cache, else fetched (then cached).
+        ``ArtifactError`` at once for an artifact announced past ``max_bytes``."""
+        if ref.size > self.max_bytes:
+            raise ArtifactError(
+                f"artifact {ref.name} (sha256 {ref.sha256[:12]}...) is announced at {ref.size} "
+                f"bytes; this frontend takes at most {self.max_bytes} (--max-artifact-bytes)"
+            )
         if self.disk is not None:
             data = await asyncio.to_thread(self.disk.get, ref)
             if data is not None:
@@ -289,13 +306,19 @@ class ArtifactFetcher:
         payload = _encode(ArtifactRequest(sha256=ref.sha256))
         chunks: list[bytes] = []
         received = 0
+        # Checked as each chunk arrives, before it is kept: the bound on what is held.
+        limit = min(ref.size, self.max_bytes)
         stream = source.call(instance_id, ARTIFACT_HANDLER, payload, ctx)
         try:
             async with asyncio.timeout(timeout):
                 async for chunk in stream:
                     received += len(chunk)
-                    if received > ref.size:
-                        raise ArtifactError(f"sent more than the {ref.size} bytes announced")
+                    if received > limit:
+                        raise ArtifactError(
+                            f"sent more than the {ref.size} bytes announced"
+                            if limit == ref.size
+                            else f"sent more than {self.max_bytes} bytes (--max-artifact-bytes)"
+                        )
                     chunks.append(chunk)
         finally:
             ctx.cancel()

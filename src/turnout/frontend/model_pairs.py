@@ -21,6 +21,7 @@ __all__ = [
     "PAIRS",
     "SUPPORTED_PAIRS",
     "TYPE_KINDS",
+    "InvalidCard",
     "PipelineFactory",
     "UnsupportedModel",
     "pipelines_for",
@@ -53,7 +54,20 @@ TYPE_KINDS = {
 
 
 class UnsupportedModel(Exception):
-    """A card asks for an (input, type) pair no pipeline serves."""
+    """A card asks for an (input, type) pair no pipeline serves. The watcher logs a refusal
+    of this kind once per (model, message), as an error without a traceback: the message
+    says everything, and every instance of the model would repeat it."""
+
+
+class InvalidCard(UnsupportedModel):
+    """A card whose content is refused: a number out of range (``llm.model_card
+    .card_problem``), a chat template that does not compile or that runs past its budget on
+    a probe conversation. ``field`` names the card's field at fault."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 def pipelines_for(card: ModelDeploymentCard) -> list[tuple[str, ModelKind]]:
@@ -77,7 +91,11 @@ class PipelineFactory(Protocol):
 
     Each method gets the model's card and the endpoint client to route through (one client
     per model, shared by its chat and completions pipelines) and returns the engine to
-    register. Raising refuses the model: the watcher logs the error and serves nothing of it.
+    register. Raising refuses the model: the watcher logs the error and serves nothing of it
+    (``InvalidCard``: once per model and message, naming the field).
+
+    Optional attribute read by the watcher: ``max_artifact_bytes`` (int), the largest artifact
+    a card may name (default ``llm.model_card.DEFAULT_MAX_ARTIFACT_BYTES``).
     """
 
     async def build_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> object:

@@ -45,6 +45,14 @@ first prefill instance and deactivates it with the last.
 Events are handled one at a time, in store order. A bad event (invalid card, unsupported
 pair, failing factory) is logged and skipped; the watcher never stops for one.
 
+Nothing in a card is trusted: whoever can write the store can write one. A card whose numbers
+are out of range (a context of 2^62 tokens, a KV block of 0 tokens, a tokenizer announced at
+20 GB: ``llm.model_card.card_problem``, with this frontend's ``--max-artifact-bytes``) or
+whose chat template spins on a probe conversation is refused before anything is built from
+it, with one error line naming the model, the instance and the field (once per model and
+reason: the next instances of the same card are refused at debug level), and no traceback.
+A key that held a served card and now holds a refused one leaves its model first.
+
 Building a Tokens model fetches the artifacts its card names (the tokenizer) by content from
 the model's instances (``frontend.artifacts``, called by the factory). When no instance
 delivers them (worker gone, checksum mismatch, deadline passed), the build fails like any
@@ -72,12 +80,14 @@ from turnout.frontend.model_manager import ModelKind, ModelManager
 from turnout.frontend.model_pairs import (
     SUPPORTED_PAIRS,
     TYPE_KINDS,
+    InvalidCard,
     PipelineFactory,
     UnsupportedModel,
     pipelines_for,
 )
 from turnout.frontend.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.llm.artifacts import ArtifactError
+from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES, CardBounds, card_problem
 from turnout.protocols.model import (
     MDC_ROOT,
     ModelDeploymentCard,
@@ -212,9 +222,9 @@ class _Model:
 # -- the watcher --------------------------------------------------------------------------------
 
 
-#: Distinct unsupported-card messages remembered so each is logged once (bounded: past it,
-#: forgotten and logged again).
-_MAX_LOGGED_UNSUPPORTED = 1024
+#: Distinct refusal messages (unsupported pairs, invalid cards) remembered so each is logged
+#: once (bounded: past it, forgotten and logged again).
+_MAX_LOGGED_REFUSALS = 1024
 
 
 class ModelWatcher:
@@ -248,8 +258,14 @@ class ModelWatcher:
         self._model_changed = asyncio.Event()
         # Keys whose PUT was refused: their DELETE is expected and logged at debug only.
         self._rejected_keys: set[str] = set()
-        # (model, message) of unsupported cards already logged (see ``_first_sight``).
-        self._unsupported_logged: set[tuple[str, str]] = set()
+        # (model, message) of refused cards already logged (see ``_first_sight``).
+        self._refusals_logged: set[tuple[str, str]] = set()
+        # What a card may announce; artifacts as large as the factory's fetcher takes.
+        self._bounds = CardBounds(
+            max_artifact_bytes=getattr(
+                pipeline_factory, "max_artifact_bytes", DEFAULT_MAX_ARTIFACT_BYTES
+            )
+        )
         # Model name -> its groups of cards; key -> the group holding its entry.
         self._models: dict[str, _Model] = {}
         self._groups_by_key: dict[str, _Group] = {}
@@ -383,6 +399,10 @@ class ModelWatcher:
                 self._namespace,
             )
             return _Outcome.REJECTED
+        problem = card_problem(card, self._bounds)
+        if problem is not None:
+            await self._drop_replaced(key)
+            return self._refuse(key, card, InvalidCard(problem.field, problem.reason))
         if self._lora is not None and self._lora.on_card(key, card):
             return _Outcome.JOINED  # a loaded adapter: served on its base model's pipelines
         if is_prefill_card(card) and self.prefill is not None:
@@ -407,6 +427,8 @@ class ModelWatcher:
                 raise
             self._register(name, built)
         except Exception as err:
+            if isinstance(err, InvalidCard):
+                return self._refuse(key, card, err)
             if isinstance(err, UnsupportedModel) and not self._first_sight(name, err):
                 log.debug("unsupported model card again model=%s key=%s", name, key)
                 return _Outcome.REJECTED
@@ -478,6 +500,8 @@ class ModelWatcher:
                     await _close_client(view)
                 raise
         except Exception as err:
+            if isinstance(err, InvalidCard):
+                return self._refuse(key, card, err)
             if isinstance(err, UnsupportedModel) and not self._first_sight(name, err):
                 log.debug("unsupported model card again model=%s key=%s", name, key)
                 return _Outcome.REJECTED
@@ -517,12 +541,39 @@ class ModelWatcher:
         """True the first time this refusal of ``name`` is seen (it is then logged as an
         error; later instances of the same card only at debug level)."""
         seen = (name, str(err))
-        if seen in self._unsupported_logged:
+        if seen in self._refusals_logged:
             return False
-        if len(self._unsupported_logged) >= _MAX_LOGGED_UNSUPPORTED:
-            self._unsupported_logged.clear()
-        self._unsupported_logged.add(seen)
+        if len(self._refusals_logged) >= _MAX_LOGGED_REFUSALS:
+            self._refusals_logged.clear()
+        self._refusals_logged.add(seen)
         return True
+
+    def _refuse(self, key: str, card: ModelDeploymentCard, err: InvalidCard) -> _Outcome:
+        """Log the refusal of an invalid card: an error the first time for its model and
+        reason, debug after."""
+        name = card.display_name
+        if self._first_sight(name, err):
+            log.error(
+                "model card refused: model=%s instance=%x key=%s field=%s: %s",
+                name,
+                card.instance_id,
+                key,
+                err.field,
+                err.reason,
+            )
+        else:
+            log.debug("model card refused again model=%s key=%s field=%s", name, key, err.field)
+        return _Outcome.REJECTED
+
+    async def _drop_replaced(self, key: str) -> None:
+        """``key`` now holds a refused card: what its previous card was (a served entry, a
+        LoRA adapter, a prefill instance) leaves, as on a DELETE."""
+        if self._lora is not None and self._lora.on_delete(key):
+            return
+        if self.prefill is not None and await self.prefill.on_delete(key):
+            return
+        if key in self._groups_by_key:
+            await self._handle_delete(key)
 
     async def _view(self, card: ModelDeploymentCard) -> AcceptedInstances:
         """A new routing view over a new client of ``card``'s endpoint, watched for the

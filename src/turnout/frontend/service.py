@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.limits import RequestLimits
+from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.lora import LoraRegistry
 from turnout.router.mode import RouterMode, validate_router_mode_for_lora
@@ -58,6 +59,9 @@ class FrontendConfig:
     #: Where fetched model artifacts are cached on disk (``off``: nowhere; None: what
     #: ``$TURNOUT_ARTIFACT_CACHE`` says, else ``~/.cache/turnout/artifacts``).
     artifact_cache: str | None = None
+    #: The largest artifact a model card may name (``--max-artifact-bytes``): a card
+    #: announcing more is refused, an instance sending more is cut off mid-stream.
+    max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES
     #: Admission: requests in flight frontend-wide and per model (0: unlimited), and the
     #: bounded priority queue of those waiting for a slot (see ``admission``).
     max_inflight: int = 1024
@@ -167,6 +171,7 @@ class Frontend:
             decode_fallback=cfg.decode_fallback,
             limits=cfg.limits,
             disagg_metrics=DisaggMetrics(self.metrics.registry),
+            max_artifact_bytes=cfg.max_artifact_bytes,
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None
