@@ -45,8 +45,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("turnout.runtime")
 
-#: How long an instance reported down stays set aside unless discovery re-announces it.
+#: How long an instance reported down stays set aside unless discovery re-announces it; each
+#: further failure with no answer from it in between doubles that, up to the maximum (an
+#: address announced in the store that never answers costs a request a try every minute,
+#: not every five seconds).
 DOWN_RETRY_SECONDS = 5.0
+DOWN_RETRY_MAX_SECONDS = 60.0
 #: Pause before re-opening a discovery watch that failed.
 WATCH_RETRY_SECONDS = 1.0
 #: Streams of an instance that left discovery may run this long (a draining worker's own
@@ -399,6 +403,9 @@ class EndpointClient:
         #: Changed by ``report_instance_down`` and ``_restore``/``_apply``: set aside ids and
         #: the timers that bring them back.
         self._down: dict[int, asyncio.TimerHandle] = {}
+        #: Changed by ``report_instance_down`` (+1), a stream's first answer and a changed
+        #: record (cleared): set-asides of each instance since it last answered.
+        self._strikes: dict[int, int] = {}
         self._listeners: list[Callable[[], None]] = []
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -453,6 +460,7 @@ class EndpointClient:
             return
         if event.kind is WatchEventKind.DELETE:
             changed = self._instances.pop(instance_id, None) is not None
+            self._strikes.pop(instance_id, None)
             timer = self._down.pop(instance_id, None)
             if timer is not None:
                 timer.cancel()
@@ -470,6 +478,8 @@ class EndpointClient:
                 logger.warning("ignoring instance record at %r: it names another instance", key)
                 return
             changed = self._instances.get(instance_id) != instance
+            if changed:
+                self._strikes.pop(instance_id, None)  # a new address deserves a fresh try
             self._instances[instance_id] = instance
             timer = self._down.pop(instance_id, None)
             if timer is not None:  # announced again: back in service
@@ -568,12 +578,18 @@ class EndpointClient:
 
     def report_instance_down(self, instance_id: int) -> None:
         """Set ``instance_id`` aside: out of ``instance_ids()`` until discovery announces it
-        again or ``DOWN_RETRY_SECONDS`` pass."""
+        again or ``DOWN_RETRY_SECONDS`` pass, twice as long for each time it was set aside
+        since a stream last got an answer from it (at most ``DOWN_RETRY_MAX_SECONDS``)."""
         if instance_id not in self._instances or instance_id in self._down:
             return
+        strikes = self._strikes.get(instance_id, 0) + 1
+        self._strikes[instance_id] = strikes
+        delay = min(DOWN_RETRY_SECONDS * 2 ** min(strikes - 1, 16), DOWN_RETRY_MAX_SECONDS)
         loop = asyncio.get_running_loop()
-        self._down[instance_id] = loop.call_later(DOWN_RETRY_SECONDS, self._restore, instance_id)
-        logger.warning("instance %x of %s set aside", instance_id, self.endpoint.path())
+        self._down[instance_id] = loop.call_later(delay, self._restore, instance_id)
+        logger.warning(
+            "instance %x of %s set aside for %gs", instance_id, self.endpoint.path(), delay
+        )
         self._notify()
 
     def _restore(self, instance_id: int) -> None:
@@ -610,6 +626,7 @@ class EndpointClient:
         for timer in self._down.values():
             timer.cancel()
         self._down.clear()
+        self._strikes.clear()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])
@@ -655,7 +672,7 @@ class _InstanceStream:
             client._open.setdefault(self._instance_id, weakref.WeakSet()).add(self)
             client._open_transport[self._instance_id] = instance.transport
             try:
-                return await inner.__anext__()
+                first = await inner.__anext__()
             except PeerUnavailable:
                 self._forget()
                 client.report_instance_down(self._instance_id)
@@ -663,6 +680,9 @@ class _InstanceStream:
             except BaseException:
                 self._forget()
                 raise
+            if client._strikes:
+                client._strikes.pop(self._instance_id, None)  # it answered
+            return first
         try:
             return await inner.__anext__()
         except BaseException:

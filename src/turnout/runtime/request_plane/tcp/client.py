@@ -8,6 +8,13 @@ ERROR -> ``RemoteError``. A request payload over the frame bound (``max_frame_by
 refused here with ``RequestPlaneError``, never sent: the server would drop the connection it
 shares with other streams. A peer announcing a reply frame over the bound loses the
 connection (see ``connection``).
+
+A peer must show it speaks the plane: a new connection that hears no frame within
+``HANDSHAKE_TIMEOUT`` of its first request (the server acknowledges a request as it reads it),
+or hears a frame a server never sends (a REQUEST echoed back, say), is dropped, and its
+streams, none acknowledged, fail with ``PeerUnavailable``: the caller sets the instance aside
+and tries another, at once rather than after the idle timeout, and not by migrating. Whoever
+can write the discovery store can announce an instance at any address.
 """
 
 from __future__ import annotations
@@ -34,6 +41,14 @@ _CONNECT_TIMEOUT = 5.0
 #: Seconds a connection with open streams may hear nothing (no frame, no heartbeat) before
 #: it is dropped and its streams fail (the server heartbeats silent connections every 1 s).
 IDLE_TIMEOUT = 10.0
+#: Seconds a new connection may take to answer its first request with any frame (a server
+#: acknowledges a request in the loop iteration that reads it, and heartbeats every 1 s).
+HANDSHAKE_TIMEOUT = 3.0
+#: The frames a server sends; any other kind from a peer means it does not speak the plane.
+_SERVER_KINDS = frozenset(
+    int(k) for k in (Kind.ACK, Kind.DATA, Kind.END, Kind.ERROR, Kind.REJECT, Kind.ABORT,
+                     Kind.HEARTBEAT)
+)  # fmt: skip
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -78,6 +93,10 @@ class _ClientConnection(_Connection):
         self._silent_ticks = 0
         self._lost_reason = ""
         self._idle_timer: asyncio.TimerHandle | None = None
+        #: Set on the first frame of the plane heard from the peer; until then, the first
+        #: request's ``HANDSHAKE_TIMEOUT`` runs (``_handshake_timer``).
+        self._verified = False
+        self._handshake_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -105,7 +124,26 @@ class _ClientConnection(_Connection):
         self._heard = False
         self._idle_timer = self._loop.call_later(self.client.idle_timeout / 2, self._check)
 
+    def _check_handshake(self) -> None:
+        """``HANDSHAKE_TIMEOUT`` after the first request: drop a peer that said nothing."""
+        self._handshake_timer = None
+        if self._verified or self._closing:
+            return
+        self._lose(
+            f"no answer within {self.client.handshake_timeout:g}s of a request "
+            "(not a turnout request plane, or frozen)"
+        )
+
+    def _lose(self, reason: str) -> None:
+        self._lost_reason = reason
+        logger.warning("tcp peer %s: %s; dropping the connection", self.address, reason)
+        self._drop()
+
     def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, _Inbox]:
+        if not self._verified and self._handshake_timer is None and not self._closing:
+            timeout = self.client.handshake_timeout
+            if timeout > 0:
+                self._handshake_timer = self._loop.call_later(timeout, self._check_handshake)
         sid = next(self._ids)
         if not self.inboxes:
             self._silent_ticks = 0  # idle until now: the silence counts from this request
@@ -121,6 +159,15 @@ class _ClientConnection(_Connection):
 
     def on_frame(self, frame: Frame) -> None:
         kind = frame.kind
+        if not self._verified:
+            if kind not in _SERVER_KINDS:
+                self._lose(f"sent a frame of kind {kind}, which no server sends (not a turnout "
+                           "request plane)")  # fmt: skip
+                return
+            self._verified = True
+            if self._handshake_timer is not None:
+                self._handshake_timer.cancel()
+                self._handshake_timer = None
         inbox = self.inboxes.get(frame.stream_id)
         if inbox is None:
             return  # late frames of a stream the client cancelled
@@ -148,6 +195,8 @@ class _ClientConnection(_Connection):
         self.client._forget(self)
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
         inboxes = list(self.inboxes.values())
         self.inboxes.clear()
         reason = f": {exc}" if exc else (f": {self._lost_reason}" if self._lost_reason else "")
@@ -243,11 +292,17 @@ class TcpClient(RequestPlaneClient):
     kind = "tcp"
 
     def __init__(
-        self, *, idle_timeout: float = IDLE_TIMEOUT, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+        self,
+        *,
+        idle_timeout: float = IDLE_TIMEOUT,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ) -> None:
         #: Seconds a connection with open streams may hear nothing before it is dropped
         #: (0: never).
         self.idle_timeout = idle_timeout
+        #: Seconds a new connection may take to answer its first request (0: no bound).
+        self.handshake_timeout = handshake_timeout
         #: The bound on a frame, sent (requests) or read (replies).
         self.max_frame_bytes = max_frame_bytes
         self._conns: dict[str, _ClientConnection] = {}

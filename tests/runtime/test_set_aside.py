@@ -1,0 +1,158 @@
+"""Instances that do not answer are set aside, for longer each time they fail again; and a tcp
+peer that does not speak the request plane is told apart at once, not after the idle timeout.
+
+Real servers and sockets: a memory store, the tcp request plane, instances announced at a
+closed port, at a server that echoes what it hears and at one that never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+import pytest
+
+from turnout.errors import PeerUnavailable
+from turnout.frontend.service import free_port
+from turnout.protocols.model import EndpointId, Instance, TransportAddress
+from turnout.runtime import component
+from turnout.runtime.component import DistributedRuntime, EndpointClient
+from turnout.runtime.context import RequestContext
+from turnout.runtime.discovery import MemoryStore
+from turnout.runtime.request_plane.tcp import TcpClient
+from turnout.runtime.request_plane.tcp.client import HANDSHAKE_TIMEOUT
+
+EID = EndpointId(namespace="ns", component="backend", name="generate")
+GHOST = 0xABC
+BASE = 0.3
+
+
+async def echo(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+    yield payload
+
+
+@pytest.fixture
+async def runtime(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[DistributedRuntime]:
+    monkeypatch.setattr(component, "DOWN_RETRY_SECONDS", BASE)
+    store = MemoryStore()
+    rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=5.0)
+    yield rt
+    await rt.shutdown()
+    await store.close()
+
+
+async def announce(runtime: DistributedRuntime, address: str) -> None:
+    ghost = Instance(
+        endpoint=EID, instance_id=GHOST, transport=TransportAddress(kind="tcp", address=address)
+    )
+    await runtime.store.put(ghost.key(), msgspec.json.encode(ghost))
+
+
+async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    async with asyncio.timeout(within):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+async def set_aside_for(client: EndpointClient) -> float:
+    """Fail a stream to the ghost, then time how long it stays set aside."""
+    await until(lambda: GHOST in client.instance_ids())
+    with pytest.raises(PeerUnavailable):
+        await anext(client.stream(GHOST, b"x", RequestContext()))
+    started = time.monotonic()
+    assert GHOST not in client.instance_ids()
+    await until(lambda: GHOST in client.instance_ids())
+    return time.monotonic() - started
+
+
+async def test_each_failure_in_a_row_sets_aside_twice_as_long(runtime: DistributedRuntime) -> None:
+    await announce(runtime, f"127.0.0.1:{free_port()}")  # nothing listens there
+    client = await runtime.endpoint(EID).client()
+    first = await set_aside_for(client)
+    second = await set_aside_for(client)
+    third = await set_aside_for(client)
+    assert BASE * 0.9 <= first < BASE * 1.9, first
+    assert second >= 1.8 * BASE and third >= 3.6 * BASE, (first, second, third)
+    await client.close()
+
+
+async def test_an_answer_or_a_new_address_starts_afresh(runtime: DistributedRuntime) -> None:
+    served = await runtime.endpoint(EID).serve(echo)
+    client = await runtime.endpoint(EID).client()
+    # An instance that answered after being set aside is set aside for the base time again.
+    client.report_instance_down(served.instance_id)
+    await until(lambda: served.instance_id in client.instance_ids())
+    assert [x async for x in client.stream(served.instance_id, b"hi", RequestContext())] == [b"hi"]
+    client.report_instance_down(served.instance_id)
+    started = time.monotonic()
+    await until(lambda: served.instance_id in client.instance_ids())
+    assert time.monotonic() - started < BASE * 1.9
+
+    # A ghost that failed twice, announced at a new address: a fresh start there too.
+    await announce(runtime, f"127.0.0.1:{free_port()}")
+    await set_aside_for(client)
+    await set_aside_for(client)
+    await announce(runtime, f"127.0.0.1:{free_port()}")
+    assert await set_aside_for(client) < BASE * 1.9
+    await client.close()
+    await served.stop()
+
+
+Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _echo_bytes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while await reader.read(65536):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("behave", "within", "why"),
+    [
+        (_echo_bytes, 1.0, "which no server sends"),
+        (_silent, HANDSHAKE_TIMEOUT + 1.0, "no answer within"),
+    ],
+    ids=["echoes", "silent"],
+)
+async def test_a_peer_that_does_not_speak_the_plane_is_unavailable(
+    behave: Behaviour, within: float, why: str
+) -> None:
+    """Its request fails as ``PeerUnavailable`` (nothing was delivered: try another
+    instance) well before the idle timeout, with the reason."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(ConnectionError):
+            await behave(reader, writer)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = TcpClient()
+    try:
+        started = time.monotonic()
+        stream = client.stream(
+            TransportAddress(kind="tcp", address=f"127.0.0.1:{port}"),
+            "ns/x",
+            b"hello",
+            RequestContext(),
+        )
+        with pytest.raises(PeerUnavailable, match=why):
+            async with asyncio.timeout(within + 5):
+                await anext(stream)
+        assert time.monotonic() - started < within
+    finally:
+        await client.close()
+        for writer in writers:
+            writer.close()
+        server.close()
+        await server.wait_closed()
