@@ -32,7 +32,8 @@ from turnout.errors import ConfigError
 from turnout.frontend.artifacts import ArtifactFetcher
 from turnout.frontend.service import free_port
 from turnout.llm.artifacts import CHUNK_SIZE, ArtifactError
-from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES, load_model_card
+from turnout.llm.model_card import load_model_card
+from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.protocols.model import ARTIFACT_HANDLER, ArtifactRef, mdc_key
 from turnout.runtime.component import DistributedRuntime, ServingInstance
 from turnout.runtime.context import RequestContext

@@ -12,7 +12,8 @@ import pytest
 from tests.llm.conftest import make_small_hf_tokenizer
 
 from turnout.errors import ConfigError
-from turnout.llm.model_card import CardBounds, card_problem, load_model_card
+from turnout.llm.model_card import load_model_card
+from turnout.protocols.card_bounds import CardBounds, card_problem
 from turnout.protocols.model import (
     ArtifactRef,
     EndpointId,

@@ -40,8 +40,8 @@ import msgspec
 
 from turnout.errors import ConfigError
 from turnout.llm.artifacts import ArtifactError
-from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.llm.tokenizer import Tokenizer, load_tokenizer
+from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.protocols.model import ARTIFACT_HANDLER, ArtifactRef, ArtifactRequest, EndpointId
 from turnout.runtime.context import RequestContext
 

@@ -60,9 +60,9 @@ class UnsupportedModel(Exception):
 
 
 class InvalidCard(UnsupportedModel):
-    """A card whose content is refused: a number out of range (``llm.model_card
-    .card_problem``), a chat template that does not compile or that runs past its budget on
-    a probe conversation. ``field`` names the card's field at fault."""
+    """A card whose content is refused: a number out of range (``protocols.card_bounds``),
+    a chat template that does not compile or that runs past its budget on a probe
+    conversation. ``field`` names the card's field at fault."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -95,7 +95,7 @@ class PipelineFactory(Protocol):
     (``InvalidCard``: once per model and message, naming the field).
 
     Optional attribute read by the watcher: ``max_artifact_bytes`` (int), the largest artifact
-    a card may name (default ``llm.model_card.DEFAULT_MAX_ARTIFACT_BYTES``).
+    a card may name (default ``protocols.card_bounds.DEFAULT_MAX_ARTIFACT_BYTES``).
     """
 
     async def build_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> object:

@@ -45,10 +45,10 @@ first prefill instance and deactivates it with the last.
 Events are handled one at a time, in store order. A bad event (invalid card, unsupported
 pair, failing factory) is logged and skipped; the watcher never stops for one.
 
-Nothing in a card is trusted: whoever can write the store can write one. A card whose numbers
-are out of range (a context of 2^62 tokens, a KV block of 0 tokens, a tokenizer announced at
-20 GB: ``llm.model_card.card_problem``, with this frontend's ``--max-artifact-bytes``) or
-whose chat template spins on a probe conversation is refused before anything is built from
+Nothing in a card is trusted: whoever can write the store can write one. A card whose
+numbers are out of range (a context of 2^62 tokens, a KV block of 0 tokens, a tokenizer
+announced at 20 GB: ``protocols.card_bounds``, with this frontend's ``--max-artifact-bytes``)
+or whose chat template spins on a probe conversation is refused before anything is built from
 it, with one error line naming the model, the instance and the field (once per model and
 reason: the next instances of the same card are refused at debug level), and no traceback.
 A key that held a served card and now holds a refused one leaves its model first.
@@ -87,7 +87,7 @@ from turnout.frontend.model_pairs import (
 )
 from turnout.frontend.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.llm.artifacts import ArtifactError
-from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES, CardBounds, card_problem
+from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES, CardBounds, card_problem
 from turnout.protocols.model import (
     MDC_ROOT,
     ModelDeploymentCard,

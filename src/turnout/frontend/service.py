@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.limits import RequestLimits
-from turnout.llm.model_card import DEFAULT_MAX_ARTIFACT_BYTES
+from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.lora import LoraRegistry
 from turnout.router.mode import RouterMode, validate_router_mode_for_lora

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from turnout.errors import ConfigError
+from turnout.protocols.card_bounds import CardBounds, card_problem
 from turnout.protocols.model import MDC_ROOT, EndpointId, ModelDeploymentCard
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.router import KvRouter
@@ -68,12 +69,21 @@ async def discover_block_size(
     prefix = f"{MDC_ROOT}/{workers.path()}/"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    refused: set[str] = set()  # each logged once
     while True:
         for kv in await runtime.store.get_prefix(prefix):
             try:
-                return _card_decoder.decode(kv.value).kv_cache_block_size
+                card = _card_decoder.decode(kv.value)
             except msgspec.DecodeError as exc:
-                log.error("skipping invalid model card at %s: %s", kv.key, exc)
+                problem: object = exc
+            else:
+                # Numbers from the store are not trusted (a block of 0 tokens, of 2^40).
+                problem = card_problem(card, CardBounds(max_artifact_bytes=None))
+                if problem is None:
+                    return card.kv_cache_block_size
+            if kv.key not in refused:
+                refused.add(kv.key)
+                log.error("skipping invalid model card at %s: %s", kv.key, problem)
         if loop.time() > deadline:
             raise ConfigError(
                 f"no model card under {prefix} after {timeout:.0f} s: are workers of "
