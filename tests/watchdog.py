@@ -8,6 +8,7 @@ limit, remembering the peak. The test then fails on ``check()`` with the figure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -43,10 +44,8 @@ class MemoryWatchdog:
             total = proc.memory_info().rss
             if self.children:
                 for child in proc.children(recursive=True):
-                    try:
+                    with contextlib.suppress(psutil.Error):
                         total += child.memory_info().rss
-                    except psutil.Error:
-                        pass
             return int(total)
         except psutil.Error:
             return 0
@@ -58,10 +57,8 @@ class MemoryWatchdog:
             if rss > self.limit_bytes:
                 self.fired = True
                 if self.pid != os.getpid():
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(self.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 else:  # the test process itself: nothing to kill, stop it the hard way
                     os.kill(os.getpid(), signal.SIGABRT)
                 return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -97,10 +98,8 @@ async def close_writers() -> AsyncIterator[None]:
     yield
     for writer in _writers:
         writer.close()
-        try:
+        with contextlib.suppress(OSError):
             await writer.wait_closed()
-        except OSError:
-            pass
     _writers.clear()
 
 
@@ -131,7 +130,9 @@ async def test_requests_keep_alive_and_pipelining(serve) -> None:  # type: ignor
 async def test_expect_continue(serve) -> None:  # type: ignore[no-untyped-def]
     server, _ = await serve()
     reader, writer = await connect(server)
-    writer.write(b"POST /a HTTP/1.1\r\nhost: t\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n")
+    writer.write(
+        b"POST /a HTTP/1.1\r\nhost: t\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n"
+    )
     assert await reader.readline() == b"HTTP/1.1 100 Continue\r\n"
     await reader.readline()
     writer.write(b"ok")
@@ -198,7 +199,7 @@ async def test_silent_and_idle_connections_are_closed(serve) -> None:  # type: i
 
 
 async def test_a_flood_of_silent_connections_evicts_them_not_real_clients(serve) -> None:  # type: ignore[no-untyped-def]
-    server, _ = await serve(max_connections=50)
+    server, _ = await serve(max_connections=50, evict_after=0.0)
     loop = asyncio.get_running_loop()
     silent = []
     for _ in range(200):
@@ -249,7 +250,7 @@ async def test_a_reading_client_gets_the_whole_stream(serve) -> None:  # type: i
 
 async def test_client_disconnect_resolves(serve) -> None:  # type: ignore[no-untyped-def]
     server, app = await serve()
-    reader, writer = await connect(server)
+    _reader, writer = await connect(server)
     writer.write(b"GET /wait-disconnect HTTP/1.1\r\nhost: t\r\n\r\n")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
@@ -260,3 +261,19 @@ async def test_client_disconnect_resolves(serve) -> None:  # type: ignore[no-unt
     while app.disconnects == 0:
         assert loop.time() < deadline
         await asyncio.sleep(0.01)
+
+
+async def test_past_the_cap_a_burst_is_answered_not_cut_off(serve) -> None:  # type: ignore[no-untyped-def]
+    """Connections that only just opened are not evicted (their requests are on the way):
+    the newcomer gets the reject status with Retry-After instead."""
+    server, _ = await serve(max_connections=5, evict_after=60.0, reject_status=429)
+    held = [await connect(server) for _ in range(5)]
+    reader, _writer = await connect(server)
+    status, headers, body = await asyncio.wait_for(read_response(reader), 10)
+    assert status == 429 and headers["retry-after"] == "1"
+    assert json.loads(body)["error"]["type"] == "overloaded_error"
+    assert server.closed["over_capacity"] == 1
+    # The held ones still work.
+    held_reader, held_writer = held[0]
+    held_writer.write(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
+    assert (await read_response(held_reader))[0] == 200

@@ -87,7 +87,7 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(g, "--client-stall-timeout", default=60.0, type=float,
              help="seconds a response may wait for a client that reads nothing; then the "
                   "connection is closed and its request cancelled on the worker")  # fmt: skip
-    add_flag(g, "--max-connections", default=8192, type=int,
+    add_flag(g, "--max-connections", default=16384, type=int,
              help="open client connections; past it, a new one evicts the longest-idle "
                   "connection with no request in flight")  # fmt: skip
     add_request_limit_flags(p)

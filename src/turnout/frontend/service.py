@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -197,7 +198,8 @@ class Frontend:
             limits=cfg.limits,
         )
         self.http = service
-        self._server = HttpServer(service, cfg.host, cfg.port, limits=cfg.http)
+        limits = dataclasses.replace(cfg.http, reject_status=cfg.reject_status)
+        self._server = HttpServer(service, cfg.host, cfg.port, limits=limits)
         await self._server.start()
         self.metrics.watch_http(self._server)
         self._tasks.append(asyncio.create_task(self._server.serve(), name="http"))

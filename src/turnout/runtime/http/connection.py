@@ -398,6 +398,18 @@ class Connection(asyncio.Protocol):
         if not self.closed:
             self.transport.abort()
 
+    def reject(self, status: int, message: str) -> None:
+        """Refused at admission: one answer, then closed (nothing of it is read)."""
+        self.closed = True
+        body = error_body(message, "overloaded", "overloaded_error")
+        self.transport.write(
+            STATUS_LINES.get(status, STATUS_LINES[503])
+            + b"content-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
+            + b"content-length: %d\r\n\r\n" % len(body)
+            + body
+        )
+        self.transport.close()
+
     def evict(self) -> None:
         """Closed to make room for a new connection (it had no request in flight)."""
         self.server.count_close("evicted")

@@ -20,7 +20,11 @@ class HttpLimits:
     keepalive_timeout: float = 30.0
     #: How long a response write may wait for a client that does not read.
     write_timeout: float = 60.0
-    max_connections: int = 8192
+    max_connections: int = 16384
+    #: At the cap, a connection idle this long makes room for a new one.
+    evict_after: float = 1.0
+    #: The answer to a connection past the cap when none can make room (with Retry-After).
+    reject_status: int = 503
     max_header_bytes: int = 64 * 1024
     #: Request body bytes read ahead of the route before the connection stops reading.
     max_buffered_body: int = 256 * 1024

@@ -62,8 +62,9 @@ class HttpServer:
         self.ssl = ssl
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self.date = DateHeader()
-        #: Open connections: those with no request in flight first, longest idle first.
-        self._idle: dict[Connection, None] = {}
+        #: Connections with no request in flight, longest idle first, with when they
+        #: became idle; and those with one.
+        self._idle: dict[Connection, float] = {}
         self._busy: set[Connection] = set()
         self._server: asyncio.Server | None = None
         self._stopped: asyncio.Event | None = None
@@ -108,18 +109,22 @@ class HttpServer:
     # ---------------------------------------------------------------- connection book-keeping
 
     def admit(self, conn: Connection) -> bool:
-        """Take ``conn`` in, evicting the longest-idle connection if at the cap."""
-        if self.num_connections >= self.limits.max_connections:
-            if self._idle:
-                victim = next(iter(self._idle))
+        """Take ``conn`` in. At the cap, the longest-idle connection makes room if it has
+        been idle for ``evict_after`` (a silent one, or one between requests); otherwise, in
+        a burst of real clients, the newcomer is answered ``reject_status`` with
+        ``Retry-After`` and closed rather than a client cut off before its request."""
+        limits = self.limits
+        now = self.loop.time()
+        if self.num_connections >= limits.max_connections:
+            victim = next(iter(self._idle), None)
+            if victim is not None and now - self._idle[victim] >= limits.evict_after:
                 del self._idle[victim]
                 victim.evict()
             else:
                 self.count_close("over_capacity")
-                conn.closed = True
-                conn.transport.abort()
+                conn.reject(limits.reject_status, "the server is at its connection limit")
                 return False
-        self._idle[conn] = None
+        self._idle[conn] = now
         return True
 
     def busy(self, conn: Connection) -> None:
@@ -129,7 +134,7 @@ class HttpServer:
     def idle(self, conn: Connection) -> None:
         self._busy.discard(conn)
         self._idle.pop(conn, None)
-        self._idle[conn] = None  # to the end: the longest idle stay first
+        self._idle[conn] = self.loop.time()  # to the end: the longest idle stay first
 
     def forget(self, conn: Connection) -> None:
         self._busy.discard(conn)

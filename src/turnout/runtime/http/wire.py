@@ -33,9 +33,8 @@ class DateHeader:
         return self.line
 
 
-def error_body(message: str, code: str) -> bytes:
+def error_body(message: str, code: str, error_type: str = "invalid_request_error") -> bytes:
     """An OpenAI-style error body for the failures the server answers itself."""
     return _json.encode(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                   "code": code}}
-    )  # fmt: skip
+        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    )
