@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import frontend, router, serve, status, worker
+from . import frontend, mocker_server, router, serve, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.register(sub)
     worker.register(sub)
     router.register(sub)
+    mocker_server.register(sub)
     status.register(sub)
     return parser
 

@@ -76,6 +76,32 @@ def check_engine_flags(args: argparse.Namespace) -> None:
             )
 
 
+def add_mocker_flags(g: Any) -> None:
+    """The mocker's own flags (``mocker_config`` reads them), on ``g``: a parser or a group
+    (``turnout worker``, ``serve`` and ``mocker-server`` share them)."""
+    add_flag(g, "--num-gpu-blocks", default=16384, type=int, help="KV blocks per worker")
+    add_flag(g, "--block-size", default=64, type=int, help="tokens per KV block")
+    add_flag(g, "--max-num-seqs", default=256, type=int, help="most requests in a batch")
+    add_flag(g, "--max-num-batched-tokens", default=8192, type=int,
+             help="token budget of one step")  # fmt: skip
+    add_flag(g, "--speedup-ratio", default=1.0, type=float,
+             help="divide simulated times by this; 0 = no waiting")  # fmt: skip
+    add_flag(g, "--seed", default=0, type=int, help="seed of the simulated tokens")
+    add_flag(g, "--dp-size", default=1, type=int, help="data-parallel ranks per worker")
+    add_flag(g, "--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add_flag(g, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    add_flag(g, "--fail-after-steps", default=0, type=int,
+             help="testing aid: the step loop fails after this many steps (0: never)")  # fmt: skip
+    add_flag(g, "--lora-adapters",
+             help="LoRA adapters the worker can load on first use: name[=path],... "
+                  "(each loaded one is published as a model of its own)")  # fmt: skip
+    add_flag(g, "--lora-load-ms", default=0.0, type=float,
+             help="simulated time to load an adapter (divided by --speedup-ratio)")  # fmt: skip
+    add_flag(g, "--max-loras", default=4, type=int,
+             help="most adapters loaded at once; the least recently used idle one is "
+                  "evicted")  # fmt: skip
+
+
 def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None:
     add_flag(p, "--engine", default=engine_default, choices=ENGINES, help="engine to run")
     add_flag(p, "--model-path",
@@ -115,28 +141,7 @@ def add_worker_flags(p: argparse.ArgumentParser, *, engine_default: str) -> None
              help="most padded tokens in one batch (inputs x the longest)")  # fmt: skip
     g = p.add_argument_group("echo engine")
     add_flag(g, "--echo-delay-ms", default=0.0, type=float, help="delay between tokens")
-    g = p.add_argument_group("mocker engine (simulated vLLM)")
-    add_flag(g, "--num-gpu-blocks", default=16384, type=int, help="KV blocks per worker")
-    add_flag(g, "--block-size", default=64, type=int, help="tokens per KV block")
-    add_flag(g, "--max-num-seqs", default=256, type=int, help="most requests in a batch")
-    add_flag(g, "--max-num-batched-tokens", default=8192, type=int,
-             help="token budget of one step")  # fmt: skip
-    add_flag(g, "--speedup-ratio", default=1.0, type=float,
-             help="divide simulated times by this; 0 = no waiting")  # fmt: skip
-    add_flag(g, "--seed", default=0, type=int, help="seed of the simulated tokens")
-    add_flag(g, "--dp-size", default=1, type=int, help="data-parallel ranks per worker")
-    add_flag(g, "--no-prefix-caching", action="store_true", help="disable prefix caching")
-    add_flag(g, "--no-chunked-prefill", action="store_true", help="disable chunked prefill")
-    add_flag(g, "--fail-after-steps", default=0, type=int,
-             help="testing aid: the step loop fails after this many steps (0: never)")  # fmt: skip
-    add_flag(g, "--lora-adapters",
-             help="LoRA adapters the worker can load on first use: name[=path],... "
-                  "(each loaded one is published as a model of its own)")  # fmt: skip
-    add_flag(g, "--lora-load-ms", default=0.0, type=float,
-             help="simulated time to load an adapter (divided by --speedup-ratio)")  # fmt: skip
-    add_flag(g, "--max-loras", default=4, type=int,
-             help="most adapters loaded at once; the least recently used idle one is "
-                  "evicted")  # fmt: skip
+    add_mocker_flags(p.add_argument_group("mocker engine (simulated vLLM)"))
     # What each engine-specific flag is when not given (env included): check_engine_flags.
     p.set_defaults(engine_flag_defaults={name: p.get_default(name) for name in ENGINE_FLAGS})
 

@@ -145,6 +145,10 @@ class KvBlockPool:
             n += 1
         return n
 
+    def is_resident(self, seq_hash: int) -> bool:
+        """Whether ``seq_hash`` names a resident block (in use or cached)."""
+        return seq_hash in self._blocks
+
     def get_ref_count(self, seq_hash: int) -> int:
         """0 for a cached or absent block."""
         block = self._blocks.get(seq_hash)

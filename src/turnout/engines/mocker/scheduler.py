@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from turnout.engines.mocker.config import MockerConfig
@@ -73,6 +73,8 @@ from turnout.protocols.llm import (
 
 #: (request id, output): what a step produced for one request.
 StepOutput = tuple[str, LLMEngineOutput]
+#: ``Scheduler.on_block_stored``: (sequence hash, the block's token ids, cache salt).
+BlockStoredHook = Callable[[int, list[int], str | None], None]
 
 #: ``_admit``: the pool cannot hold the request's blocks now (as opposed to 0: it does not
 #: start this step for lack of token budget).
@@ -137,6 +139,10 @@ class Scheduler:
         self._num_paused = 0
         #: Preemptions since start (a counter for tests and metrics).
         self.num_preemptions = 0
+        #: Told the tokens of every block about to become resident, before its
+        #: ``BlockStored`` is buffered: ``(seq_hash, token_ids, cache_salt)``. For a publisher
+        #: of an engine's own events, which carry token ids (turnout's carry hashes only).
+        self.on_block_stored: BlockStoredHook | None = None
 
     # ---- intake ---------------------------------------------------------------------------
 
@@ -540,9 +546,13 @@ class Scheduler:
         full = req.num_computed // self._block_size
         held = req.held_hashes
         pool = self.pool
+        hook = self.on_block_stored
+        bs = self._block_size
         while len(held) < full:
             i = len(held)
             h = req.seq_hashes[i]
+            if hook is not None and not pool.is_resident(h):
+                hook(h, req.token_ids[i * bs : (i + 1) * bs], req.cache_salt)
             pool.commit(
                 h,
                 req.local_hashes[i],
