@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import frontend, mocker_server, router, serve, status, worker
+from . import attach, frontend, mocker_server, router, serve, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     frontend.register(sub)
     worker.register(sub)
+    attach.register(sub)
     router.register(sub)
     mocker_server.register(sub)
     status.register(sub)
