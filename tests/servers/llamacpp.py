@@ -27,7 +27,13 @@ class LlamaCppServer(ServerProcess):
     """A llama.cpp server on ``127.0.0.1:port`` serving ``model`` (a GGUF path)."""
 
     def __init__(
-        self, model: str, log_dir: Path, *, n_ctx: int = 2048, parallel: int = 2, name: str = "llama"
+        self,
+        model: str,
+        log_dir: Path,
+        *,
+        n_ctx: int = 2048,
+        parallel: int = 2,
+        name: str = "llama",
     ) -> None:
         super().__init__()
         self.model = model
