@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from turnout.protocols.llm import FinishReason
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.router.push_router import PIN_METADATA, check_pinned
@@ -18,7 +20,7 @@ from turnout.runtime.http import Exchange
 
 from .choice_output import ChoiceOutput, choice_output
 from .choices import serve_choices
-from .http_errors import to_http_error, worker_error
+from .http_errors import HttpError, to_http_error, worker_error
 from .metrics import FrontendMetrics, StreamTimer
 from .pipeline import Generation, TextPipeline, TokensPipeline
 from .responses import (
@@ -229,6 +231,9 @@ class Responder:
         chunks = pipeline.generate(body, ctx)
         try:
             first = await anext(chunks)
+            refused = text_refusal(first)
+            if refused is not None:
+                raise refused
             if not request.stream:
                 collected = [first]
                 async for chunk in chunks:
@@ -247,6 +252,28 @@ class Responder:
             await transport.send_bytes(SSE_DONE)
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def text_refusal(chunk: bytes) -> HttpError | None:
+    """A text worker's first chunk that is an error body with a 4xx ``status`` beside it
+    (``{"error": {...}, "status": 400}``: a request the worker cannot honour, or its server
+    refused): that status and message instead of a 200 carrying the error."""
+    if not chunk.startswith(b'{"error"'):
+        return None
+    try:
+        body = msgspec.json.decode(chunk)
+    except msgspec.DecodeError:
+        return None
+    err = body.get("error") if isinstance(body, dict) else None
+    status = body.get("status") if isinstance(body, dict) else None
+    if not isinstance(err, dict) or not isinstance(status, int) or not 400 <= status < 500:
+        return None
+    param = err.get("param")
+    return HttpError(
+        status,
+        str(err.get("message") or "the worker refused the request"),
+        param=param if isinstance(param, str) else None,
+    )
 
 
 def _echoed_prompt(

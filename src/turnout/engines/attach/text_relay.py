@@ -11,8 +11,11 @@ may publish another), ``stream`` and ``stream_options.include_usage`` (usage is 
 counted), and turnout's own ``nvext`` is removed. What it refuses, before sending anything:
 ``n`` > 1 (the frontend folds one choice) and a body that is not a JSON object.
 
-Failures: a refusal or an HTTP 4xx from the server raises ``TextRefused``, anything else
-``TextRelayFailed``; both name the server, and the frontend answers with their message.
+Failures: a refusal, or an HTTP 4xx from the server, is the stream's only item: an OpenAI
+error body with the status beside it (``{"error": {...}, "status": 400}``), which the
+frontend answers as that 4xx (``frontend.responder.text_refusal``). Anything else (no
+connection, an HTTP 5xx, a broken stream) raises ``TextRelayFailed``, naming the server: a
+500 before the first chunk, an SSE error event after.
 """
 
 from __future__ import annotations
@@ -29,16 +32,12 @@ from .api_base import ChunkDecoder, LoadNumbers, ServerInfo, TokensApi, first_mo
 from .prometheus import parse_samples
 from .upstream import Upstream, UpstreamError, UpstreamStatus, error_message, sse_payload
 
-__all__ = ["OpenAiApi", "TextRefused", "TextRelayFailed", "relay_handler"]
+__all__ = ["OpenAiApi", "TextRelayFailed", "refusal_chunk", "relay_handler"]
 
 #: Load series of the servers that say (vLLM's and SGLang's); others report none.
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
-
-
-class TextRefused(Exception):
-    """The relay cannot honour the request, or the server refused it (its 4xx)."""
 
 
 class TextRelayFailed(Exception):
@@ -103,6 +102,12 @@ class OpenAiApi(TokensApi):
         )
 
 
+def refusal_chunk(message: str, status: int = 400, param: str | None = None) -> bytes:
+    """The item that answers a request with ``status`` (a 4xx) and ``message``."""
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return json.dumps({"error": error, "status": status}).encode()
+
+
 def relay_handler(upstream: Upstream, served_name: str, on_broken: Any = None) -> Any:
     """The request-plane handler of a text-mode instance (see the module doc).
     ``on_broken()`` is called when the server failed a request (a health check follows)."""
@@ -112,12 +117,15 @@ def relay_handler(upstream: Upstream, served_name: str, on_broken: Any = None) -
         try:
             body = json.loads(payload)
         except ValueError:
-            raise TextRefused("the request body is not JSON") from None
+            body = None
         if not isinstance(body, dict):
-            raise TextRefused("the request body is not a JSON object")
+            yield refusal_chunk("the request body is not a JSON object")
+            return
         n = body.get("n")
         if n not in (None, 1):
-            raise TextRefused(f"n={n}: a text-mode model answers one choice per request")
+            yield refusal_chunk(f"n={n}: a text-mode model ({url}) answers one choice per "
+                                "request", param="n")  # fmt: skip
+            return
         body.pop("nvext", None)
         body["model"] = served_name
         body["stream"] = True
@@ -137,9 +145,8 @@ def relay_handler(upstream: Upstream, served_name: str, on_broken: Any = None) -
                 yield data
         except UpstreamStatus as exc:
             if 400 <= exc.status < 500:
-                raise TextRefused(
-                    f"{url} refused the request: HTTP {exc.status}: {exc.message}"
-                ) from None
+                yield refusal_chunk(f"{url} refused the request: {exc.message}", exc.status)
+                return
             if on_broken is not None:
                 on_broken()
             raise TextRelayFailed(str(exc)) from None
