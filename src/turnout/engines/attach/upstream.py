@@ -160,6 +160,13 @@ class _Watch:
         self.fired = True
         self._task.cancel()
 
+    def set_limit(self, limit: float) -> None:
+        """Change the allowed silence (first byte -> idle); a shorter one takes effect now."""
+        self.limit = limit
+        if self._handle is not None and self.last + limit < self._handle.when():
+            self._handle.cancel()
+            self._handle = self.loop.call_at(self.last + limit, self._check)
+
     def close(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
@@ -256,7 +263,7 @@ class Upstream:
                     return
                 if not started:
                     started = True
-                    watch.limit = deadlines.idle
+                    watch.set_limit(deadlines.idle)
                 line = line.rstrip(b"\r\n")
                 if line:
                     yield line
