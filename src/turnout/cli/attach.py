@@ -137,6 +137,8 @@ def settings_from(args: argparse.Namespace) -> Any:
     if (args.tool_call_parser or args.reasoning_parser) and args.api == "openai":
         raise ConfigError("--tool-call-parser and --reasoning-parser: an openai (text mode) "
                           "server parses its own output")  # fmt: skip
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        raise ConfigError(f"--tokenizer: {args.tokenizer} does not exist")
     if args.block_size is not None and args.block_size < 1:
         raise ConfigError(f"--block-size must be at least 1, got {args.block_size}")
     for flag in ("pool_size", "max_waiting"):
