@@ -252,6 +252,7 @@ class Upstream:
         deadlines = self.deadlines
         watch = _Watch(deadlines.first_byte)
         started = False
+        complete = False
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await session.post(url, data=_encode(body), headers=_JSON)
@@ -265,6 +266,7 @@ class Upstream:
                 line = await content.readline()
                 watch.waiting = False
                 if not line:
+                    complete = True
                     return
                 if not started:
                     started = True
@@ -287,9 +289,12 @@ class Upstream:
         finally:
             watch.close()
             if resp is not None:
-                # Closing (not releasing) a stream we leave early drops the connection: the
-                # server sees the client gone and stops generating.
-                resp.close()
+                if complete:
+                    resp.release()  # read to its end: the connection goes back to the pool
+                else:
+                    # Closing (not releasing) a stream we leave early drops the connection:
+                    # the server sees the client gone and stops generating.
+                    resp.close()
 
 
 def _translate(url: str, exc: aiohttp.ClientError, *, started: bool) -> UpstreamError:
