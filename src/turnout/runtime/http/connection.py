@@ -98,7 +98,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        transport.set_write_buffer_limits(high=self.limits.write_high_water)
+        self.transport.set_write_buffer_limits(high=self.limits.write_high_water)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             self.peer = f"{peer[0]}:{peer[1]}"

@@ -14,6 +14,7 @@ A client that goes away (connection closed, reset, or stalled past the deadline)
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Protocol
 
@@ -97,8 +98,9 @@ class Exchange(Protocol):
         """The request body in the pieces it arrives in."""
         ...
 
-    async def client_disconnect(self) -> None:
-        """Returns when the client has gone (never, for a client that stays)."""
+    def client_disconnect(self) -> asyncio.Future[None]:
+        """A future resolved when the client has gone (never, for a client that stays);
+        shared by whoever asks: add callbacks to it, never cancel it."""
         ...
 
     def response_bytes(self, status: int, headers: HeaderList, body: bytes) -> None:
@@ -113,7 +115,7 @@ class Exchange(Protocol):
 class Application(Protocol):
     """What the server runs for each request."""
 
-    async def __call__(self, scope: Scope, exchange: Exchange) -> None: ...
+    async def __call__(self, scope: Scope, exchange: Exchange, /) -> None: ...
 
 
 async def discard_body(exchange: Exchange, limit: int) -> None:
