@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from tests.polling import eventually
 
 from turnout.engines.base import Engine
 from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker
 from turnout.frontend.service import Frontend, FrontendConfig, free_port
+from turnout.protocols.block_hashing import compute_seq_hashes
 from turnout.protocols.model import EndpointId, ModelDeploymentCard
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.discovery.memory import MemoryStore
@@ -52,6 +54,28 @@ class Stack:
                 return
             await asyncio.sleep(0.02)
         raise TimeoutError(f"model {name!r} with {instances} instance(s) did not appear")
+
+    async def wait_for_cached_blocks(
+        self,
+        model: str,
+        tokens: list[int],
+        blocks: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        """Wait until ``model``'s KV router has applied the KV events that put ``blocks`` of
+        ``tokens``' blocks on one worker (what the next request's routing will see)."""
+        router = self.frontend.factory.kv_routers[model]
+        seq = compute_seq_hashes(
+            tokens, router.config.block_size, lora_name=lora_name, cache_salt=cache_salt
+        )
+        await eventually(
+            lambda: max(router.core.index.find_matches(seq).scores.values(), default=0) >= blocks,
+            timeout=timeout,
+            what=f"{blocks} blocks of the prompt indexed by {model!r}'s KV router",
+        )
 
     async def close(self) -> None:
         for worker in self.workers:

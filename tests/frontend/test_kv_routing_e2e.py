@@ -56,7 +56,8 @@ async def test_repeated_prompts_go_where_their_prefix_is(kv_stack: Stack) -> Non
             first = await complete(http, prompt_of(seed))
             homes[seed] = first["nvext"]["worker_id"]
             assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        await asyncio.sleep(0.2)  # let the KV events of the first runs arrive
+        for seed in range(3):
+            await kv_stack.wait_for_cached_blocks("mock", prompt_of(seed), 512 // BLOCK)
         for _ in range(3):
             for seed in range(3):
                 # Same prefix, different tail: only the shared blocks can hit.
@@ -82,7 +83,7 @@ async def test_a_flood_of_one_prefix_spreads_once_its_worker_is_loaded(kv_stack:
     (with either cost)."""
     async with httpx.AsyncClient(base_url=kv_stack.url) as http:
         await complete(http, prompt_of(42))
-        await asyncio.sleep(0.2)
+        await kv_stack.wait_for_cached_blocks("mock", prompt_of(42), 512 // BLOCK)
         flood = [
             complete(http, prompt_of(42)[:480] + prompt_of(1000 + i), max_tokens=40)
             for i in range(16)
@@ -113,7 +114,9 @@ async def test_tenants_with_identical_prompts_share_no_cache(kv_stack: Stack) ->
             return r.json()
 
         await as_tenant("tenant-a", "top")
-        await asyncio.sleep(0.2)
+        await kv_stack.wait_for_cached_blocks(
+            "mock", prompt, len(prompt) // BLOCK, cache_salt="tenant-a"
+        )
         again = await as_tenant("tenant-a", "nvext")
         assert again["nvext"]["routing"]["overlap_blocks"] == len(prompt) // BLOCK
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) - BLOCK

@@ -194,7 +194,7 @@ async def test_adapter_blocks_give_no_overlap_to_base_requests_in_kv_mode(
     async with httpx.AsyncClient(base_url=stack.url) as http:
         first = await complete(http, "ad5", prompt)
         assert worker_of(first) == rendezvous_pick("ad5", instance_ids(stack))
-        await asyncio.sleep(0.2)  # the KV events of the adapter's blocks arrive
+        await stack.wait_for_cached_blocks("base", prompt, 256 // BLOCK, lora_name="ad5")
         again = await complete(http, "ad5", prompt)
         assert again["nvext"]["routing"]["overlap_blocks"] == 256 // BLOCK
         assert len(again["nvext"]["routing"]["candidates"]) == 1  # holders only
