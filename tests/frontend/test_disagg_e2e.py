@@ -197,7 +197,7 @@ async def test_short_and_cached_prompts_skip_the_prefill_stage(stacks: MakeStack
     assert short["nvext"]["routing"]["disaggregated"] is False
     assert short["nvext"]["routing"]["reason"] == "short_prompt"
     await complete(stack, LONG)  # the decode worker now holds the prompt's blocks
-    await asyncio.sleep(0.2)  # its KV events reach the router
+    await stack.wait_for_cached_blocks("mock", LONG, len(LONG) // BLOCK)
     again = await complete(stack, [*LONG[:-4], 7, 7, 7, 7])
     assert again["nvext"]["routing"]["disaggregated"] is False
     assert again["nvext"]["routing"]["reason"] == "cached_on_decode"
@@ -319,7 +319,7 @@ async def test_a_dying_decode_worker_migrates(stacks: MakeStack, gguf_path: str)
     stack = await stacks(decode=1, decode_config=doomed_config, migration_limit=2)
     (doomed,) = engines(stack, "decode")
     await complete(stack, LONG, max_tokens=2)
-    await asyncio.sleep(0.2)  # its KV events reach the router
+    await stack.wait_for_cached_blocks("mock", LONG, len(LONG) // BLOCK)
     await add(stack, config(role="decode"), gguf_path)
     await stack.wait_for_model("mock", instances=2)
     body = await complete(stack, LONG, max_tokens=20)
