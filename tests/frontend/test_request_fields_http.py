@@ -17,7 +17,7 @@ def stack(echo_stack: Stack) -> Stack:
 @pytest.mark.parametrize(
     ("extra", "param", "code"),
     [
-        ({"store": True}, "store", "unknown_parameter"),
+        ({"store": True}, "store", None),
         ({"nvext": {"priorty": 2}}, "nvext.priorty", "unknown_parameter"),
         ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x",
          "unknown_parameter"),

@@ -149,7 +149,11 @@ async def test_tool_calls_become_function_call_items(stack: Stack) -> None:
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": 5}, "input"),
         ({"input": []}, "input"),
-        ({"input": "hi", "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
+        ({"input": "hi", "service_tier": "flex"}, "service_tier"),
+        ({"input": "hi", "prompt_cache_key": "k" * 257}, "prompt_cache_key"),
+        ({"input": "hi", "stream_options": {"include_usage": True}},
+         "stream_options.include_usage"),
     ],
 )
 async def test_what_it_cannot_honour_is_a_400_naming_it(

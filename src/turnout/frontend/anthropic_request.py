@@ -13,12 +13,22 @@ Translation:
   templates drop earlier turns' reasoning (and their signatures are Claude's).
 * ``tool_use`` / ``tool_result`` blocks become the chat template's tool calls and tool
   messages; ``is_error`` prefixes the result with ``Error: ``.
-* ``cache_control`` (on blocks and tools) is accepted: the engines cache every prompt prefix
-  by themselves, so the prefix a breakpoint marks is cached without it.
+* ``cache_control`` (on blocks and tools, and the top-level one that marks the last
+  cacheable block) is accepted: the engines cache every prompt prefix by themselves, so the
+  prefix a breakpoint marks is cached without it.
 * ``thinking`` ``disabled`` sets the template's ``enable_thinking`` (Qwen3's switch) on a
   model that reasons; a reasoning model whose template has no such switch cannot stop, so the
   request is refused. ``enabled`` is refused: a reasoning budget cannot be held to.
-* Tools with ``strict: true`` are refused: nothing holds a call's input to its schema.
+  ``adaptive`` (the model decides whether to think) is ``disabled`` on a model that does not
+  reason, and refused, as ``enabled``, on one that does.
+* ``output_config.format`` (what the client's ``messages.parse()`` sends) is chat's
+  ``response_format`` ``json_schema``: the engine holds the answer to the schema, or the
+  request is refused when it cannot. ``output_config.effort`` sets the template's reasoning
+  switch as chat's ``reasoning_effort`` does (``llm.reasoning_switch``).
+* ``tool_choice.disable_parallel_tool_use`` is chat's ``parallel_tool_calls: false``.
+* Tools with ``strict: true`` are chat's strict tools: the schema holds a call's input while
+  sampling when ``tool_choice`` forces calls (``any``, or ``tool``) on a model whose engine
+  enforces JSON schemas; with ``auto`` the model writes calls in its own markup, unconstrained.
 
 ``anthropic-version`` and ``x-api-key`` headers are accepted and not checked: authentication
 belongs to the gateway in front of turnout.
@@ -33,6 +43,7 @@ import msgspec
 
 from turnout.errors import RequestError
 from turnout.llm.limits import RequestLimits
+from turnout.llm.reasoning_switch import reasoning_switch
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Int64
 
@@ -133,6 +144,25 @@ class ThinkingDisabled(msgspec.Struct, tag="disabled", **_TAGGED):
     pass
 
 
+class ThinkingAdaptive(msgspec.Struct, tag="adaptive", **_TAGGED):
+    """The model decides whether to think (see the module docstring)."""
+
+    display: Literal["summarized", "omitted"] | None = None
+
+
+ThinkingParam = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
+
+
+class JsonOutputFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    effort: str | None = None
+    format: JsonOutputFormat | None = None
+
+
 class ClientTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A client tool; server tools carry a versioned ``type`` and are refused by it."""
 
@@ -156,7 +186,10 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     #: Loose here so a server tool is refused by its name (client tools: ``ClientTool``).
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoiceParam | None = None
-    thinking: ThinkingEnabled | ThinkingDisabled | None = None
+    thinking: ThinkingParam | None = None
+    #: Top-level breakpoint: a hint the engines' prefix caching serves without.
+    cache_control: CacheControlEphemeral | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=True):
@@ -200,9 +233,13 @@ def to_chat(
         messages.extend(_message(message, f"messages[{i}]", card.display_name))
     tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)] if req.tools else None
     tool_choice = _tool_choice(req.tool_choice, tools)
+    parallel = req.tool_choice is None or not getattr(
+        req.tool_choice, "disable_parallel_tool_use", False
+    )
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
         fields = {
+            "response_format": _response_format(req.output_config),
             "max_tokens": req.max_tokens,
             "stop": req.stop_sequences,
             "temperature": req.temperature,
@@ -221,7 +258,8 @@ def to_chat(
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,
-        chat_template_kwargs=_thinking(req.thinking, card),
+        parallel_tool_calls=None if parallel else False,
+        chat_template_kwargs=_template_kwargs(req, card),
         **fields,
     )
 
@@ -305,14 +343,11 @@ def _tool(raw: dict[str, Any], where: str) -> dict[str, Any]:
         tool = msgspec.convert(raw, ClientTool)
     except msgspec.ValidationError as exc:
         raise RequestError(f"invalid tool: {exc}", param=where) from None
-    if tool.strict:
-        raise RequestError(
-            "'strict' tools are not supported: nothing holds a call's input to its schema",
-            param=f"{where}.strict",
-        )
     fn: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
     if tool.description:
         fn["description"] = tool.description
+    if tool.strict is not None:
+        fn["strict"] = tool.strict
     return {"type": "function", "function": fn}
 
 
@@ -321,11 +356,6 @@ def _tool_choice(choice: ToolChoiceParam | None, tools: list[dict[str, Any]] | N
         return None
     if isinstance(choice, ToolChoiceNone):
         return "none" if tools else None
-    if choice.disable_parallel_tool_use:
-        raise RequestError(
-            "'disable_parallel_tool_use' is not supported (a model may call several tools)",
-            param="tool_choice.disable_parallel_tool_use",
-        )
     if not tools:
         raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
     if isinstance(choice, ToolChoiceAuto):
@@ -340,9 +370,31 @@ def _tool_choice(choice: ToolChoiceParam | None, tools: list[dict[str, Any]] | N
     return {"type": "function", "function": {"name": choice.name}}
 
 
-def _thinking(
-    thinking: ThinkingEnabled | ThinkingDisabled | None, card: ModelDeploymentCard
-) -> dict[str, Any] | None:
+def _response_format(config: OutputConfig | None) -> dict[str, Any] | None:
+    """``output_config.format`` as chat's ``response_format``."""
+    if config is None or config.format is None:
+        return None
+    schema = config.format.schema
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def _template_kwargs(req: CountTokensRequest, card: ModelDeploymentCard) -> dict[str, Any] | None:
+    """The template variables ``thinking`` and ``output_config.effort`` set (see the module
+    docstring); a 400 when they set one variable two ways."""
+    kwargs = _thinking(req.thinking, card) or {}
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort is not None:
+        for key, value in reasoning_switch(card, effort, "output_config.effort").items():
+            if kwargs.setdefault(key, value) != value:
+                raise RequestError(
+                    f"'output_config.effort' {effort!r} and 'thinking' disagree on whether the "
+                    "model thinks",
+                    param="output_config.effort",
+                )
+    return kwargs or None
+
+
+def _thinking(thinking: ThinkingParam | None, card: ModelDeploymentCard) -> dict[str, Any] | None:
     """``thinking`` (see the module docstring)."""
     if thinking is None:
         return None
@@ -350,6 +402,15 @@ def _thinking(
         raise RequestError(
             "'thinking' budgets are not enforced by turnout; a model with a reasoning parser "
             "returns its thinking blocks without this field",
+            param="thinking",
+        )
+    if isinstance(thinking, ThinkingAdaptive):
+        if card.capabilities.reasoning_parser is None:
+            return None  # it does not reason: it has decided already
+        raise RequestError(
+            f"'thinking' 'adaptive' is not supported on model '{card.display_name}', which "
+            "reasons as its chat template says: leave 'thinking' out to get its thinking "
+            "blocks, or send 'disabled'",
             param="thinking",
         )
     if card.capabilities.reasoning_parser is None:

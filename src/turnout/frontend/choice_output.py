@@ -91,16 +91,24 @@ def output_parser(
 class ChoiceOutput:
     """One choice's parser and log probabilities, and everything it has said so far (only
     with ``keep``: a streamed choice is written as it goes, and keeping its whole text and
-    log probabilities would cost memory in proportion to its length for nothing)."""
+    log probabilities would cost memory in proportion to its length for nothing).
+    ``single_call`` (``parallel_tool_calls: false``): the first call the model writes is the
+    choice's only one, later ones are dropped (as vLLM does)."""
 
-    __slots__ = ("_calls", "_content", "_keep", "_reasoning", "logprobs", "parser")
+    __slots__ = ("_calls", "_content", "_keep", "_reasoning", "_single", "logprobs", "parser")
 
     def __init__(
-        self, parser: OutputParser | None, logprobs: LogprobsBuilder | None, *, keep: bool = True
+        self,
+        parser: OutputParser | None,
+        logprobs: LogprobsBuilder | None,
+        *,
+        keep: bool = True,
+        single_call: bool = False,
     ) -> None:
         self.parser = parser
         self.logprobs = logprobs
         self._keep = keep
+        self._single = single_call
         self._content: list[str] = []
         self._reasoning: list[str] = []
         #: Calls by index: id, name, argument fragments.
@@ -154,6 +162,8 @@ class ChoiceOutput:
             self._content.append(parsed.content)
         if parsed.reasoning and keep:
             self._reasoning.append(parsed.reasoning)
+        if self._single and parsed.tool_calls:
+            parsed.tool_calls = [call for call in parsed.tool_calls if call.index == 0]
         for call in parsed.tool_calls:
             known = self._calls.get(call.index)
             if known is None:
@@ -176,7 +186,9 @@ def choice_output(
     has them kept in the decoded text of ``pre``. ``keep``: the choice is answered whole at
     its end (``ChoiceOutput.whole``), so what it says is kept."""
     parser = None
+    single_call = False
     if isinstance(request, ChatCompletionRequest):
+        single_call = request.parallel_tool_calls is False
         parser = output_parser(pipeline.card.capabilities, request.tools, request.tool_choice)
         if parser is not None and parser.needs_special_tokens:
             pre.output_options = msgspec.structs.replace(
@@ -190,4 +202,4 @@ def choice_output(
             text_offset=text_offset,
             keep=keep,
         )
-    return ChoiceOutput(parser, logprobs, keep=keep)
+    return ChoiceOutput(parser, logprobs, keep=keep, single_call=single_call)

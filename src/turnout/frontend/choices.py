@@ -37,6 +37,7 @@ from .responses import (
     SSE_DONE,
     SSE_HEADERS,
     ChunkWriter,
+    answered_service_tier,
     make_usage,
     sse,
     whole_response,
@@ -152,6 +153,7 @@ async def _whole(
         choices=[_whole_choice(c) for c in choices],
         usage=_usage(choices),
         nvext=nvext(choices[0].ctx),
+        service_tier=answered_service_tier(request),
     )
     proto.response_bytes(200, JSON_HEADERS, body)
 
@@ -165,11 +167,15 @@ async def _stream(
     nvext: Any,
 ) -> None:
     is_chat = isinstance(request, ChatCompletionRequest)
-    lead = ChunkWriter(request.model, is_chat)
+    tier = answered_service_tier(request)
+    lead = ChunkWriter(request.model, is_chat, service_tier=tier)
     writers = [
-        ChunkWriter(request.model, is_chat, lead.response_id, index=i, created=lead.created)
+        ChunkWriter(
+            request.model, is_chat, lead.response_id, index=i, created=lead.created,
+            service_tier=tier,
+        )
         for i in range(len(choices))
-    ]
+    ]  # fmt: skip
     # The status line waits for the first event: a failure before any token is a status.
     first = await queue.get()
     index, event = first

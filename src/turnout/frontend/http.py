@@ -15,6 +15,12 @@ status and an OpenAI-style body. A failure after streaming started is sent as an
 ``error`` event (OpenAI clients raise it). A client that disconnects cancels its request:
 the handler task is cancelled, which closes the pipeline and sends a cancel to the worker.
 
+A request's session (the KV router's soft routing hint, ``session_id_from``) is named by a
+session header, or else by the body's ``prompt_cache_key`` (OpenAI's cache-routing hint, on
+chat completions and the Responses API): the header wins, since a gateway or an agent harness
+that sets it speaks for the whole conversation, where a client library fills the body field
+per call.
+
 Admission (``admission.AdmissionController``) comes after the body is decoded and the model
 resolved (a 400 or 404 never takes a slot or a place in the queue) and before preprocessing
 (tokenizing is work worth bounding); the slot is held until the response's last byte.
@@ -52,7 +58,13 @@ from .pipeline import TextPipeline, TokensPipeline
 from .responder import Responder
 from .responses import JSON_HEADERS, new_request_id
 from .responses_api import responses_surface
-from .surface import Surface, SurfaceRequest, decode_json
+from .surface import (
+    MAX_SESSION_ID_CHARS,
+    Surface,
+    SurfaceRequest,
+    body_session_key,
+    decode_json,
+)
 from .tensor import tensor_surface
 
 log = logging.getLogger("turnout.frontend")
@@ -74,7 +86,6 @@ SESSION_HEADERS = (
     "session_id",
     "x-opencode-session",
 )
-MAX_SESSION_ID_CHARS = 256
 
 
 def session_id_from(headers: Any) -> str | None:
@@ -293,7 +304,11 @@ class HttpService:
             request = decode_json(decoder, body)
             nvext = request.nvext
             priority = nvext.priority if nvext is not None else None
-            return SurfaceRequest(request.model, request.stream, request, priority or 0)
+            key = getattr(request, "prompt_cache_key", None)
+            return SurfaceRequest(
+                request.model, request.stream, request, priority or 0,
+                body_session_key(key, "prompt_cache_key"),
+            )  # fmt: skip
 
         async def serve(
             proto: Exchange,
@@ -349,7 +364,7 @@ class HttpService:
             inflight = metrics.inflight
             inflight.inc()
             try:
-                session_id = session_id_from(scope.headers)
+                session_id = session_id_from(scope.headers) or request.session_key
                 await surface.serve(proto, pipeline, request, body, ctx, session_id)
             finally:
                 inflight.dec()

@@ -29,6 +29,7 @@ from .responses import (
     SSE_HEADERS,
     ChunkWriter,
     aggregate_chunks,
+    answered_service_tier,
     make_usage,
     sse,
     whole_response,
@@ -121,7 +122,11 @@ class Responder:
         output: ChoiceOutput,
         echo: str = "",
     ) -> None:
-        writer = ChunkWriter(request.model, isinstance(request, ChatCompletionRequest))
+        writer = ChunkWriter(
+            request.model,
+            isinstance(request, ChatCompletionRequest),
+            service_tier=answered_service_tier(request),
+        )
         transport = proto.response_stream(200, SSE_HEADERS)
         send = transport.send_bytes
         if writer.is_chat:
@@ -213,6 +218,7 @@ class Responder:
             choices=[output.whole(reason, echo)],
             usage=usage,
             nvext=self._nvext(request, ctx),
+            service_tier=answered_service_tier(request),
         )
         proto.response_bytes(200, JSON_HEADERS, body)
 

@@ -70,6 +70,13 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
     )
 
 
+def answered_service_tier(request: object) -> str | None:
+    """The ``service_tier`` a response names: ``default`` when its chat request named a tier
+    (the preprocessor refuses any but ``auto`` and ``default``: turnout serves one), else
+    none."""
+    return "default" if getattr(request, "service_tier", None) is not None else None
+
+
 def sse(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
@@ -77,7 +84,16 @@ def sse(payload: bytes) -> bytes:
 class ChunkWriter:
     """Renders the SSE events of one streamed response."""
 
-    __slots__ = ("_prefix", "_suffix", "created", "index", "is_chat", "model", "response_id")
+    __slots__ = (
+        "_prefix",
+        "_suffix",
+        "created",
+        "index",
+        "is_chat",
+        "model",
+        "response_id",
+        "service_tier",
+    )
 
     def __init__(
         self,
@@ -87,10 +103,12 @@ class ChunkWriter:
         *,
         index: int = 0,
         created: int | None = None,
+        service_tier: str | None = None,
     ) -> None:
         """``index``: the choice this writer writes (the choices of one response share its
-        ``response_id`` and ``created``)."""
+        ``response_id`` and ``created``); ``service_tier``: every chunk's (chat only)."""
         self.model = model
+        self.service_tier = service_tier if is_chat else None
         self.is_chat = is_chat
         self.index = index
         self.response_id = response_id or new_response_id(is_chat)
@@ -101,6 +119,8 @@ class ChunkWriter:
             + b',"created":' + str(self.created).encode()
             + b',"model":' + _json.encode(model)
         )  # fmt: skip
+        if self.service_tier is not None:
+            head += b',"service_tier":' + _json.encode(self.service_tier)
         if is_chat:
             self._prefix = head + b',"choices":[{"index":%d,"delta":{"content":' % index
             self._suffix = b'},"finish_reason":null}]}\n\n'
@@ -171,7 +191,7 @@ class ChunkWriter:
                         logprobs=logprobs,
                     )
                 ] if choice else [],
-                usage=usage, nvext=nvext,
+                usage=usage, service_tier=self.service_tier, nvext=nvext,
             )  # fmt: skip
         else:
             chunk = CompletionResponse(
@@ -194,8 +214,10 @@ def whole_response(
     choices: list[WholeChoice],
     usage: Usage,
     nvext: dict[str, Any] | None = None,
+    service_tier: str | None = None,
 ) -> bytes:
-    """The body of a whole response; ``choices`` in index order."""
+    """The body of a whole response; ``choices`` in index order; ``service_tier`` (chat
+    only): see ``answered_service_tier``."""
     created = int(time.time())
     if is_chat:
         return _json.encode(
@@ -213,6 +235,7 @@ def whole_response(
                     for i, c in enumerate(choices)
                 ],
                 usage=usage,
+                service_tier=service_tier,
                 nvext=nvext,
             )
         )

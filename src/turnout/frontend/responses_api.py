@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from turnout.errors import RequestError
 from turnout.llm.limits import RequestLimits
 from turnout.llm.parsers import ToolCallDelta
 from turnout.protocols.openai import Usage
@@ -36,7 +37,7 @@ from .model_manager import ModelKind
 from .pipeline import TextPipeline
 from .responses import new_request_id
 from .responses_request import ResponsesRequest, to_chat
-from .surface import Pipeline, Surface, SurfaceRequest, decode_json
+from .surface import Pipeline, Surface, SurfaceRequest, body_session_key, decode_json
 
 _json = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(ResponsesRequest)
@@ -188,7 +189,7 @@ class ResponseWriter:
             "instructions": req.instructions,
             "metadata": req.metadata or {},
             "output": list(self.items),
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature,
             "top_p": req.top_p,
             "max_output_tokens": req.max_output_tokens,
@@ -197,6 +198,8 @@ class ResponseWriter:
             "text": req.text or {"format": {"type": "text"}},
             "store": False,
         }
+        if req.service_tier is not None:
+            body["service_tier"] = "default"
         if usage is not None:
             cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
             body["usage"] = {
@@ -229,7 +232,10 @@ def responses_surface(metrics: FrontendMetrics, limits: RequestLimits | None = N
 
     def decode(body: bytes) -> SurfaceRequest:
         request = decode_json(_decoder, body)
-        return SurfaceRequest(request.model, request.stream, (request, to_chat(request, limits)))
+        return SurfaceRequest(
+            request.model, request.stream, (request, to_chat(request, limits)),
+            session_key=body_session_key(request.prompt_cache_key, "prompt_cache_key"),
+        )  # fmt: skip
 
     async def serve(
         proto: Exchange,
@@ -247,7 +253,12 @@ def responses_surface(metrics: FrontendMetrics, limits: RequestLimits | None = N
                 "completions only; /v1/responses needs a model the frontend tokenizes",
                 param="model",
             )
-        run = await ChatRun.start(pipeline, chat, ctx, metrics, session_id)
+        try:
+            run = await ChatRun.start(pipeline, chat, ctx, metrics, session_id)
+        except RequestError as exc:
+            if exc.param == "reasoning_effort":  # chat's name for this API's reasoning.effort
+                exc.param = "reasoning"
+            raise
         try:
             writer = ResponseWriter(request, stream=request.stream)
             await write_run(

@@ -22,6 +22,11 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
+class ResponsesStreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    #: turnout pads no event, whichever is asked (see chat's ``StreamOptions``).
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     #: A string (one user message) or a list of items: messages, function calls and their
@@ -45,6 +50,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     truncation: str | None = None
     include: list[str] | None = None
     top_logprobs: Int64 | None = None
+    #: As chat's (``preprocessor.check_openai_fields``); ``prompt_cache_key`` is the routing
+    #: session key, as chat's.
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    stream_options: ResponsesStreamOptions | None = None
 
 
 def to_chat(req: ResponsesRequest, limits: RequestLimits | None = None) -> ChatCompletionRequest:
@@ -77,7 +88,12 @@ def to_chat(req: ResponsesRequest, limits: RequestLimits | None = None) -> ChatC
         user=req.user,
         tools=tools,
         tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req.text),
+        reasoning_effort=(req.reasoning or {}).get("effort"),
+        metadata=req.metadata,
+        service_tier=req.service_tier,
+        safety_identifier=req.safety_identifier,
     )
 
 
@@ -90,17 +106,15 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             "send the conversation as 'input' items",
             param="previous_response_id",
         )
-    if req.parallel_tool_calls is False:
+    if req.reasoning and any(v is not None for k, v in req.reasoning.items() if k != "effort"):
         raise RequestError(
-            "'parallel_tool_calls': false is not supported (a model may call several tools)",
-            param="parallel_tool_calls",
-        )
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise RequestError(
-            "'reasoning' settings are not supported: a model reasons as its chat template "
-            "and parser say",
+            "'reasoning' takes an 'effort' only (chat's 'reasoning_effort'): summaries are not "
+            "written, a model's reasoning comes back whole",
             param="reasoning",
         )
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise RequestError("'reasoning.effort' must be a string", param="reasoning")
     if req.truncation not in (None, "disabled"):
         raise RequestError("'truncation' must be 'disabled'", param="truncation")
     if req.include:

@@ -32,6 +32,9 @@ class SurfaceRequest:
     request: Any
     #: Admission priority (``nvext.priority``; 0 when the surface has none).
     priority: int = 0
+    #: The session key the body names (OpenAI's ``prompt_cache_key``): the routing session
+    #: when no session header names one (``body_session_key``).
+    session_key: str | None = None
 
 
 #: The pipeline a request resolves to (a generation route's: tokens or text; other routes'
@@ -57,6 +60,22 @@ def decode_json(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         # msgspec recurses once per level of a free-form object (a JSON schema, a tool's
         # parameters): a body nested past the interpreter's limit is the client's error.
         raise HttpError(400, "request body is nested too deeply") from None
+
+
+#: Longest session id accepted, from a header or the body.
+MAX_SESSION_ID_CHARS = 256
+
+
+def body_session_key(value: str | None, param: str) -> str | None:
+    """A body field that names the request's session (``prompt_cache_key``: OpenAI's own
+    cache-routing hint), bounded as the session headers are; None when empty or absent."""
+    if not value:
+        return None
+    if len(value) > MAX_SESSION_ID_CHARS:
+        raise HttpError(
+            400, f"'{param}' is longer than {MAX_SESSION_ID_CHARS} characters", param=param
+        )
+    return value
 
 
 def openai_error_body(err: HttpError) -> bytes:

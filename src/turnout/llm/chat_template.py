@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -158,38 +159,131 @@ def _compile(source: str) -> jinja2.Template:
 def _flatten_content(content: Any, index: int) -> Any:
     """A message's content for the template: a list of parts becomes one string.
 
-    Text parts are concatenated in order with nothing between them; any other part type is
-    rejected, naming it, since a text-only model cannot take it.
+    Text parts (and an assistant's ``refusal`` parts, which are what it said) are concatenated
+    in order with nothing between them; any other part type is rejected, naming it, since a
+    text-only model cannot take it.
     """
     if not isinstance(content, list):
         return content
     texts: list[str] = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        if kind != "text":
+        if kind not in ("text", "refusal"):
             raise RequestError(
                 f"content part of type {kind!r} is not supported; only 'text' parts are",
                 param=f"messages.[{index}].content",
             )
-        text = part.get("text")
+        text = part.get(kind)
         if not isinstance(text, str):
             raise RequestError(
-                "a 'text' content part needs a string 'text' field",
+                f"a {kind!r} content part needs a string {kind!r} field",
                 param=f"messages.[{index}].content",
             )
         texts.append(text)
     return "".join(texts)
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as HF templates expect them: ``content`` a string (``""`` when null, unless
-    the message carries tool calls), fields that are ``None`` left out."""
+class ToolArguments(dict[str, Any]):
+    """A replayed tool call's arguments, as both forms templates expect: the object that
+    HF-style templates read (``arguments | tojson``, ``arguments | items``, ``is mapping``),
+    whose text is the JSON the client sent, for templates that write the arguments as they
+    came (``{{ arguments }}``, ``'...' + arguments + '...'``, DeepSeek V3's).
+
+    Arguments that are not a JSON object (malformed, or cut short by a token limit when the
+    model wrote them) are an empty object with their text kept, as vLLM makes them: a
+    conversation whose history holds them can still go on.
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, value: dict[str, Any], text: str) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: object) -> str:
+        if isinstance(other, str):
+            return self.text + other
+        return NotImplemented
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + self.text
+        return NotImplemented
+
+
+def tool_arguments(value: Any) -> Any:
+    """A tool call's ``arguments`` (JSON text, as OpenAI sends them, or an object, as some
+    clients do) as ``ToolArguments``."""
+    if isinstance(value, dict):
+        try:
+            return ToolArguments(value, json.dumps(value, ensure_ascii=False))
+        except (TypeError, ValueError, RecursionError):
+            return value
+    if value is None or value == "":
+        return ToolArguments({}, "{}")
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        parsed = None
+    return ToolArguments(parsed if isinstance(parsed, dict) else {}, value)
+
+
+def _tool_calls(calls: Any) -> Any:
+    """Calls with their arguments as ``ToolArguments`` (new dicts: the request is not
+    changed)."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping):
+            call = {**call, "function": {**fn, "arguments": tool_arguments(fn.get("arguments"))}}
+        out.append(call)
+    return out
+
+
+#: A template that tells null content apart from empty text (DeepSeek V3's picks its
+#: tool-call branch on ``message['content'] is none``).
+_TESTS_NULL_CONTENT = re.compile(
+    r"""content['"]?\]?\s*(?:is\s+(?:not\s+)?none|[!=]=\s*none)\b""", re.IGNORECASE
+)
+
+
+def tests_null_content(source: str) -> bool:
+    """Whether the template ``source`` tests a message's content for null."""
+    return _TESTS_NULL_CONTENT.search(source) is not None
+
+
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], *, keep_null_content: bool = False
+) -> list[dict[str, Any]]:
+    """Messages as HF templates expect them, whatever shape a client replays them in:
+
+    * ``content`` a string. An assistant turn with tool calls and no text (OpenAI's
+      ``content: null``, or ``""``) has ``""`` (Jinja writes null as ``None``, and templates
+      that concatenate content fail on it), or null for a template that tests for it
+      (``keep_null_content``: it picks its tool-call branch on null). A turn that carries
+      only a ``refusal`` has that as its content: it is what the model said.
+    * tool calls' ``arguments`` as ``ToolArguments`` (objects that write as their JSON text).
+    * fields that are null left out; ``tool_call_id`` and ``name`` kept.
+    """
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        msg = {k: v for k, v in m.items() if v is not None}
+        msg = {k: v for k, v in m.items() if v is not None and k != "refusal"}
         content = _flatten_content(m.get("content"), i)
-        if content is None:
-            content = None if m.get("tool_calls") else ""
+        refusal = m.get("refusal")
+        if not content and isinstance(refusal, str) and refusal:
+            content = refusal
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"])
+            content = (content or None) if keep_null_content else (content or "")
+        elif content is None:
+            content = ""
         msg["content"] = content
         out.append(msg)
     return out
@@ -198,12 +292,14 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
 class ChatTemplate:
     """One model's chat template, compiled once."""
 
-    __slots__ = ("_template", "bos_token", "eos_token", "source")
+    __slots__ = ("_null_content", "_template", "bos_token", "eos_token", "source")
 
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None):
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        #: The template tells null content apart from empty text (``normalize_messages``).
+        self._null_content = tests_null_content(source)
         try:
             self._template = _compile(source)
         except jinja2.TemplateSyntaxError as e:
@@ -225,7 +321,7 @@ class ChatTemplate:
         ``TemplateLimitExceeded`` when the template passes the budget ``render_budget``
         gives a request of this size.
         """
-        normalized = normalize_messages(messages)
+        normalized = normalize_messages(messages, keep_null_content=self._null_content)
         context: dict[str, Any] = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
@@ -251,7 +347,9 @@ class ChatTemplate:
             context: dict[str, Any] = {
                 "bos_token": self.bos_token or "",
                 "eos_token": self.eos_token or "",
-                "messages": normalize_messages(_PROBE_MESSAGES),
+                "messages": normalize_messages(
+                    _PROBE_MESSAGES, keep_null_content=self._null_content
+                ),
                 "add_generation_prompt": True,
                 "tools": tools,
             }
@@ -327,6 +425,9 @@ __all__ = [
     "DEFAULT_LIMITS",
     "ChatTemplate",
     "TemplateLimits",
+    "ToolArguments",
     "normalize_messages",
     "render_budget",
+    "tests_null_content",
+    "tool_arguments",
 ]

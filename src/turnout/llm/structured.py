@@ -160,15 +160,22 @@ def _response_format(fmt: dict[str, Any] | None) -> tuple[str, Any] | None:
 def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The JSON schema a ``tool_choice`` that forces calls puts on the output: a named
     function's parameters, or (``required``) an array of calls to any offered tool, each
-    ``{"name", "parameters"}``. None when the choice forces nothing."""
+    ``{"name", "parameters"}``, of one call only when ``parallel_tool_calls`` is false.
+    None when the choice forces nothing.
+
+    Either way every call's arguments are held to its tool's ``parameters`` while sampling:
+    this is how a tool's ``strict: true`` is honoured (with ``tool_choice`` ``auto`` the
+    model writes calls in its own markup, which no grammar here constrains)."""
     choice = req.tool_choice
     if not req.tools or choice in (None, "auto", "none"):
         return None
     tools = [_function(t) for t in req.tools]
     if choice == "required":
+        calls = 1 if req.parallel_tool_calls is False else None
         return {
             "type": "array",
             "minItems": 1,
+            **({"maxItems": calls} if calls else {}),
             "items": {
                 "anyOf": [
                     {

@@ -42,6 +42,10 @@ class NvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    #: OpenAI pads streamed events with random characters against side channels when this is
+    #: true (its default); turnout sends no padding either way (its streams are not
+    #: encrypted by it, so there is no length to hide), so both values are honoured as "none".
+    include_obfuscation: bool | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -51,6 +55,11 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    #: A replayed assistant turn's refusal (its content when it has no text).
+    refusal: str | None = None
+    #: A replayed assistant turn's reasoning, as turnout returns it: templates that keep the
+    #: reasoning of the turns since the last user message (Qwen3's, in tool loops) read it.
+    reasoning_content: str | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -99,9 +108,24 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    #: ``false``: at most one tool call a response (the first the model writes; a forced
+    #: ``required`` choice's grammar allows one). Null or ``true``: as many as it writes.
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    #: What the chat template's reasoning switch is set to (``reasoning_switch``); a model
+    #: whose template has none refuses it.
+    reasoning_effort: str | None = None
+    #: OpenAI's fields that ask nothing of generation, each checked as OpenAI checks it
+    #: (``preprocessor.check_openai_fields`` says what each does here).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    #: The routing session key, as the ``x-session-id`` header (which wins when both are sent).
+    prompt_cache_key: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -185,6 +209,8 @@ class ChatCompletionResponse(
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    #: ``default`` when the request named a tier (turnout serves one).
+    service_tier: str | None = None
     nvext: dict[str, Any] | None = None
 
 
@@ -214,6 +240,7 @@ class ChatCompletionChunk(
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = None
     nvext: dict[str, Any] | None = None
 
 
