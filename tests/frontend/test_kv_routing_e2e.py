@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -178,3 +179,35 @@ async def test_a_session_header_names_the_last_turns_worker(kv_stack: Stack, hea
         metrics = (await http.get("/metrics")).text
         assert "turnout_kv_ttft_predictions_total" in metrics or routing["cost"] == "blocks"
         assert "turnout_kv_worker_step_model" in metrics
+
+
+async def test_a_request_past_its_first_token_weighs_as_decode_not_prefill(
+    kv_stack: Stack,
+) -> None:
+    """The router's books move a request from prefill to decode at its first token: while it
+    streams, the next request's routing sees its worker with decode blocks and no prefill
+    left (were it still counted as prefilling, that worker would look slower to a first token
+    than it is)."""
+    body = {"model": "mock", "prompt": prompt_of(77), "max_tokens": 4000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(base_url=kv_stack.url) as http:
+        async with http.stream("POST", "/v1/completions", json=body, timeout=30) as stream:
+            assert stream.status_code == 200
+            async for line in stream.aiter_lines():
+                # The router books the first token before the frontend sends it on.
+                if line.startswith("data: {") and any(
+                    c.get("text") for c in json.loads(line[6:])["choices"]
+                ):
+                    break
+            out = await complete(http, prompt_of(78))
+            busy = [c for c in out["nvext"]["routing"]["candidates"] if c["active_decode_blocks"]]
+            assert len(busy) == 1, out["nvext"]["routing"]
+            assert busy[0]["active_decode_blocks"] >= 512 // BLOCK
+            assert busy[0]["active_prefill_blocks"] == 0
+        if kv_stack.frontend.factory.kv_routers["mock"].config.router_cost is RouterCost.TTFT:
+            # The first token also realised the streamed request's predicted TTFT.
+            metrics = (await http.get("/metrics")).text
+            assert (
+                f'turnout_kv_ttft_predictions_total{{model="mock",worker="{busy[0]["worker_id"]}'
+                in metrics
+            )

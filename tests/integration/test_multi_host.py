@@ -190,7 +190,20 @@ def test_requests_and_kv_routing_across_hosts(
         # KV routing across hosts: a prompt's second visit goes where its blocks are.
         homes = {seed: complete(cluster.url, prompt_of(seed))["nvext"]["worker_id"]
                  for seed in range(2)}  # fmt: skip
-        time.sleep(0.5)  # the KV events of the first visits cross the event plane
+
+        def indexed_at_home(seed: int) -> bool:
+            """The router credits the home worker with the prompt's first block: its KV
+            events crossed the event plane. (The probe is that one block, a prefix of the
+            prompt, so wherever it runs it cannot draw the prompt away from home.)"""
+            probe = complete(cluster.url, prompt_of(seed)[:16], max_tokens=1)
+            candidates = probe["nvext"]["routing"]["candidates"]
+            return any(
+                c["worker_id"] == homes[seed] and c["overlap_blocks"] >= 1 for c in candidates
+            )
+
+        for seed in range(2):
+            wait_until(lambda s=seed: indexed_at_home(s), 30, f"prompt {seed}'s KV events",
+                       cluster.hosts.logs)  # fmt: skip
         for seed in range(2):
             again = complete(cluster.url, prompt_of(seed)[:496] + [7] * 16)
             assert again["nvext"]["worker_id"] == homes[seed]
