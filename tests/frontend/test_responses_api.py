@@ -214,15 +214,26 @@ def test_the_writer_orders_reasoning_text_and_calls() -> None:
 
 
 async def test_a_tool_round_trip_renders_with_the_models_own_template(echo_stack: Stack) -> None:
-    """SmolLM2's template concatenates message content: a replayed call must not be null."""
+    """SmolLM2's template concatenates message content: a replayed call must not be null
+    (the template would fail on it), and the tool's output reaches the prompt."""
     async with httpx.AsyncClient(base_url=echo_stack.url) as http:
-        r = await http.post("/v1/responses", json={
-            "model": "echo", "max_output_tokens": 5,
-            "input": [
-                {"role": "user", "content": "Weather?"},
-                {"type": "function_call", "call_id": "c1", "name": "get_weather",
-                 "arguments": "{}"},
-                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-            ],
-        })  # fmt: skip
-    assert r.status_code == 200, r.text
+
+        async def round_trip(output: str) -> Any:
+            r = await http.post("/v1/responses", json={
+                "model": "echo", "max_output_tokens": 5,
+                "input": [
+                    {"role": "user", "content": "Weather?"},
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                     "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": output},
+                ],
+            })  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        short = await round_trip("sunny")
+        long = await round_trip("sunny and warm all day long, with a light breeze")
+    assert short["usage"]["output_tokens"] == 5
+    assert [item["type"] for item in short["output"]] == ["message"]
+    # The tool's output is rendered into the prompt: a longer one makes a longer prompt.
+    assert long["usage"]["input_tokens"] > short["usage"]["input_tokens"]
