@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from tests.polling import eventually
 
 from turnout.errors import NoInstanceAvailable, RequestError, StreamBroken
 from turnout.llm.migration import Migration
@@ -161,8 +162,10 @@ async def test_concurrent_first_requests_wait_for_the_first_decision() -> None:
     router, fake, _ = make([1, 2, 3, 4])
     fake.hold = asyncio.Event()
     tasks = [asyncio.ensure_future(run(router, req("a"))) for _ in range(8)]
+    await eventually(lambda: len(fake.calls) == 1, what="the first request routed")
+    # Time under test: for a while, nothing else is routed (the others wait for the first).
     await asyncio.sleep(0.01)
-    assert len(fake.calls) == 1  # the others wait for the first one's routing
+    assert len(fake.calls) == 1
     fake.hold.set()
     assert set(await asyncio.gather(*tasks)) == {1}
 
@@ -198,7 +201,7 @@ async def test_waiting_for_the_first_decision_is_bounded() -> None:
     first = asyncio.ensure_future(run(router, req("a")))
     await asyncio.sleep(0)
     second = asyncio.ensure_future(run(router, req("a")))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(fake.calls) == 2, what="the second routed without waiting")
     fake.hold.set()
     assert await first == 1
     assert await second == 2  # gave up waiting: routed without the binding
@@ -256,9 +259,9 @@ async def test_a_table_full_of_busy_sessions_routes_new_ones_unbound() -> None:
     router, fake, _ = make([1, 2, 3], max_sessions=2)
     fake.hold = asyncio.Event()
     busy = [asyncio.ensure_future(run(router, req(s))) for s in ("a", "b")]
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(fake.calls) == 2, what="sessions a and b routed")
     third = asyncio.ensure_future(run(router, req("c")))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(fake.calls) == 3, what="session c routed")
     fake.hold.set()
     await asyncio.gather(*busy, third)
     assert router.table.num_refused == 1
