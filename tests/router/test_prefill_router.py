@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import pytest
+from tests.polling import eventually
 
 from turnout.errors import NoInstanceAvailable, StreamBroken
 from turnout.protocols.disagg import KvHandle, KvTransferOp, KvTransferRequest
@@ -353,7 +354,7 @@ async def test_client_gone_before_decode_took_the_kv_releases_it() -> None:
     first = await anext(stream)
     assert first.token_ids == [7]
     waiting = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(workers.decode_requests) == 1, what="the decode request sent")
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
@@ -382,7 +383,7 @@ async def test_without_fallback_requests_wait_for_a_prefill_worker() -> None:
     workers = Workers()
     router, slot, pool, _ = make(workers, active=False, fallback=False)
     task = asyncio.ensure_future(collect(router.generate(request(), RequestContext())))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # time under test: for a while, nothing is sent anywhere
     assert not task.done() and workers.decode_requests == []
     slot.activate(pool)
     outputs = await asyncio.wait_for(task, 5)
