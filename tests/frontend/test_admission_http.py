@@ -173,7 +173,7 @@ async def test_queue_timeout_on_injected_clock(gguf_path: str) -> None:
             waiting = asyncio.create_task(http.post("/v1/completions", json=body()))
             await eventually(lambda: admission.queued == 1, "second request queued")
             clock.advance(4.0)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # time under test: short of its deadline, it still waits
             assert not waiting.done()
             clock.advance(1.5)
             r = await waiting

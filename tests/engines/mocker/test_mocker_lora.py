@@ -157,7 +157,7 @@ async def test_a_request_waits_for_a_slot_held_by_another(stopped: list[MockerEn
         return [o async for o in engine.generate(lora_req([2] * 20, "b"), RequestContext())]
 
     task_b = asyncio.create_task(run_b())
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # time under test: for a while, b is not loaded beside a
     assert not task_b.done() and engine.loaded_loras() == ["a"]
     async for _ in stream_a:
         pass
