@@ -727,12 +727,12 @@ async def test_expired_lease_removes_the_card(h: Harness) -> None:
 
 async def test_wait_for_chat_model_waits_then_returns(h: Harness) -> None:
     waiter = asyncio.create_task(h.watcher.wait_for_chat_model())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # time under test: with no chat model, it keeps waiting
     assert not waiter.done()
 
     await h.put_card(make_card("plain", model_type=ModelType.Completions))
     assert await h.next_update() == ModelUpdate.Added(ModelType.Completions)
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # time under test: it keeps waiting
     assert not waiter.done()  # a completions-only model is not a chat model
 
     await h.put_card(make_card("talker", ep=endpoint("ns", "t"), model_type=ModelType.Chat))

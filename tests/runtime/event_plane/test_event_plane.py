@@ -328,7 +328,7 @@ async def test_zmq_publisher_registers_and_revoked_lease_disconnects(store: Memo
             await sub.wait_num_publishers(0)
         assert sub.publisher_addresses == frozenset()
         await pub.publish(LOAD_TOPIC, b"after")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # time under test: nothing arrives for a while
         assert sub.num_pending == 0
 
         # A later publisher is picked up by the same subscription.
