@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from tests.polling import eventually
 
 from turnout.errors import EngineBadRequest, EngineOverloaded, RequestTimedOut, StreamBroken
 from turnout.llm.migration import Migration
@@ -143,7 +144,7 @@ async def test_outside_cancellation_is_not_swallowed() -> None:
     script = Script([HANG])
     migration = Migration(script, migration_limit=3, stall_timeout=3600)
     task = asyncio.create_task(collect(migration, request()))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(script.requests) == 1, what="the attempt hanging")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
