@@ -165,7 +165,7 @@ def tests_for(root: Path, path: str) -> str:
     return "tests"
 
 
-def run_tests(work: Path, tests: str, timeout: float) -> str:
+def run_tests(work: Path, tests: str, timeout: float, *, show: bool = False) -> str:
     env = {**os.environ, "PYTHONPATH": f"{work / 'src'}{os.pathsep}{work}"}
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", tests]
     try:
@@ -174,6 +174,8 @@ def run_tests(work: Path, tests: str, timeout: float) -> str:
         )
     except subprocess.TimeoutExpired:
         return "timeout"
+    if show and done.returncode != 0:
+        print(done.stdout.decode()[-3000:], file=sys.stderr)
     return "survived" if done.returncode == 0 else "killed"
 
 
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Unmutated, every test folder used must pass, or every mutant would look killed.
         for tests in sorted({tests_for(work, m.path) for m in sample}):
-            if run_tests(work, tests, args.timeout * 3) != "survived":
+            if run_tests(work, tests, args.timeout * 3, show=True) != "survived":
                 print(f"baseline: {tests} fails without a mutant", file=sys.stderr)
                 return 1
         for i, mutant in enumerate(sample, 1):
