@@ -239,9 +239,9 @@ async def test_delete_retried_after_a_lost_answer_says_deleted(etcd_server: Etcd
     store = EtcdStore(etcd_server.endpoints)
     try:
         await store.put("k", b"v")
-        kv = store._endpoints[0].kv
-        assert kv is not None
-        real_delete = kv.delete
+        calls = store._endpoints[0].calls
+        assert calls is not None
+        real_delete = calls.delete_range
         attempts = 0
 
         async def lossy_delete(*args: Any, **kwargs: Any) -> Any:
@@ -252,7 +252,7 @@ async def test_delete_retried_after_a_lost_answer_says_deleted(etcd_server: Etcd
                 raise TimeoutError  # applied by etcd, answer lost
             return resp
 
-        kv.delete = lossy_delete  # type: ignore[method-assign]
+        calls.delete_range = lossy_delete
         assert await store.delete("k") is True
         assert attempts == 2 and await store.get("k") is None
         attempts = 10  # no more losses
@@ -503,8 +503,8 @@ async def test_watch_refused_by_etcd_fails(etcd_server: EtcdServer) -> None:
         await store.close()
 
 
-class _BrokenCall:
-    """A watch call whose stream fails at once with a given gRPC status."""
+class _BrokenStream:
+    """A watch stream that fails at once with a given gRPC status."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         self.error = grpc.aio.AioRpcError(
@@ -514,8 +514,8 @@ class _BrokenCall:
     async def read(self) -> Any:
         raise self.error
 
-    def cancel(self) -> bool:
-        return True
+    async def close(self) -> None:
+        pass
 
 
 def _break_watch_streams(
@@ -523,27 +523,17 @@ def _break_watch_streams(
 ) -> Callable[[], int]:
     """Make the first ``times`` watch streams of ``store`` fail with ``code``; returns a
     function that says how many did."""
-    real_connect = store._connect
+    real_open = store._open_stream
     broken = 0
 
-    class Stub:
-        def __init__(self, real: Any) -> None:
-            self.real = real
+    def open_stream(ep: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        nonlocal broken
+        if path == etcd_module.WATCH and broken < times:
+            broken += 1
+            return _BrokenStream(code, details)
+        return real_open(ep, path, *args, **kwargs)
 
-        def Watch(self, *args: Any, **kwargs: Any) -> Any:  # gRPC's method name
-            nonlocal broken
-            if broken < times:
-                broken += 1
-                return _BrokenCall(code, details)
-            return self.real.Watch(*args, **kwargs)
-
-    def connect(ep: Any) -> Any:
-        ep = real_connect(ep)
-        if not isinstance(ep.watch_stub, Stub):
-            ep.watch_stub = Stub(ep.watch_stub)
-        return ep
-
-    store._connect = connect  # type: ignore[method-assign]
+    store._open_stream = open_stream  # type: ignore[method-assign]
     return lambda: broken
 
 

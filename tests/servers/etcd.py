@@ -10,6 +10,7 @@ expiry tests short.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,13 +20,16 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from etcd3aio import Etcd3Client
+import grpc.aio
 from tests.servers.process import ServerProcess, free_port
+
+from turnout.runtime.discovery import etcd_v3_pb2 as pb
+from turnout.runtime.discovery.etcd_client import EtcdCalls
 
 ETCD_BINARY = "etcd"
 START_DEADLINE_SECONDS = 20.0
@@ -204,51 +208,56 @@ class EtcdServer(ServerProcess):
 
     # -- client-side helpers (each opens and closes its own channel) ------------------------
 
-    def _client(self, token: str | None = None) -> Etcd3Client:
+    @contextlib.asynccontextmanager
+    async def _client(self) -> AsyncIterator[EtcdCalls]:
         assert self.tls is None, "the client helpers speak plain http only"
-        return Etcd3Client([f"{self.host}:{self.client_port}"], token=token)
+        channel = grpc.aio.insecure_channel(f"{self.host}:{self.client_port}")
+        try:
+            yield EtcdCalls(channel)
+        finally:
+            await channel.close()
 
     async def compact(self, revision: int) -> None:
         """Compact etcd's history up to ``revision`` (watches cannot start before it)."""
         async with self._client() as client:
-            assert client.kv is not None
-            await client.kv.compact(revision, physical=True, timeout=5)
+            await client.compact(pb.CompactionRequest(revision=revision, physical=True), timeout=5)
 
     async def revision(self) -> int:
         """The current store revision."""
         async with self._client() as client:
-            assert client.kv is not None
-            resp = await client.kv.get(b"\0", range_end=b"\0", count_only=True, timeout=5)
+            request = pb.RangeRequest(key=b"\0", range_end=b"\0", count_only=True)
+            resp = await client.range(request, timeout=5)
             return int(resp.header.revision)
 
     async def lease_granted_ttl(self, lease_id: int) -> int:
         """The TTL etcd granted ``lease_id`` (seconds; -1 when the lease does not exist)."""
         async with self._client() as client:
-            assert client.lease is not None
-            resp = await client.lease.time_to_live(lease_id, timeout=5)
+            request = pb.LeaseTimeToLiveRequest(ID=lease_id)
+            resp = await client.lease_time_to_live(request, timeout=5)
             return int(resp.grantedTTL)
 
     async def wipe(self) -> None:
         """Delete every key and revoke every lease: a clean store for the next test."""
         async with self._client() as client:
-            assert client.kv is not None and client.lease is not None
-            await client.kv.delete(b"\0", range_end=b"\0", timeout=5)
-            leases = await client.lease.leases(timeout=5)
+            await client.delete_range(pb.DeleteRangeRequest(key=b"\0", range_end=b"\0"), timeout=5)
+            leases = await client.lease_leases(pb.LeaseLeasesRequest(), timeout=5)
             for lease in leases.leases:
-                await client.lease.revoke(lease.ID, timeout=5)
+                await client.lease_revoke(pb.LeaseRevokeRequest(ID=lease.ID), timeout=5)
 
     async def enable_auth(self, user: str, password: str) -> None:
         """Add ``root`` (etcd's only way to enable auth) with ``password`` and ``user`` with the
         root role, then turn auth on: afterwards every call needs credentials."""
         async with self._client() as client:
-            assert client.auth is not None
-            await client.auth.role_add("root", timeout=5)
-            await client.auth.user_add("root", password, timeout=5)
-            await client.auth.user_grant_role("root", "root", timeout=5)
+            await client.role_add(pb.AuthRoleAddRequest(name="root"), timeout=5)
+            await client.user_add(pb.AuthUserAddRequest(name="root", password=password), timeout=5)
+            grant = pb.AuthUserGrantRoleRequest(user="root", role="root")
+            await client.user_grant_role(grant, timeout=5)
             if user != "root":
-                await client.auth.user_add(user, password, timeout=5)
-                await client.auth.user_grant_role(user, "root", timeout=5)
-            await client.auth.auth_enable(timeout=5)
+                request = pb.AuthUserAddRequest(name=user, password=password)
+                await client.user_add(request, timeout=5)
+                grant = pb.AuthUserGrantRoleRequest(user=user, role="root")
+                await client.user_grant_role(grant, timeout=5)
+            await client.auth_enable(pb.AuthEnableRequest(), timeout=5)
 
     def __repr__(self) -> str:
         pid = self.process.pid if self.process is not None else None

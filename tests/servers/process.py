@@ -5,7 +5,13 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import time
 from typing import Self
+
+import psutil
+
+#: Longest wait for a paused server to be reported stopped.
+PAUSE_DEADLINE_SECONDS = 5.0
 
 
 def free_port(host: str) -> int:
@@ -54,10 +60,19 @@ class ServerProcess:
         self.start()
 
     def pause(self) -> None:
-        """Freeze the server (SIGSTOP): connections stay open, nothing answers."""
+        """Freeze the server (SIGSTOP): connections stay open, nothing answers.
+
+        Returns once the kernel reports it stopped: the signal is delivered asynchronously,
+        and a server thread running on another CPU could still answer a request sent at once.
+        """
         assert self.process is not None
         self.process.send_signal(signal.SIGSTOP)
         self._paused = True
+        deadline = time.monotonic() + PAUSE_DEADLINE_SECONDS
+        while psutil.Process(self.process.pid).status() != psutil.STATUS_STOPPED:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{self.process.pid} did not stop on SIGSTOP")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         """Thaw a paused server (SIGCONT)."""

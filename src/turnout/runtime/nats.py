@@ -69,12 +69,24 @@ class NatsOptions:
 
 
 class NatsConnection:
-    """A connected NATS client plus this process's bookkeeping of its state."""
+    """A connected NATS client plus this process's bookkeeping of its state.
+
+    It also owns the echo subscription behind ``round_trip``: one inbox of its own, made at
+    connect, to which a round trip publishes a numbered message and waits for it to come
+    back.
+    """
 
     def __init__(self, client: Client, options: NatsOptions) -> None:
         self.client = client
         self.options = options
         self._closed = False
+        #: The inbox subscription that echoes round trips (made by ``connect_nats``).
+        self._echo: Subscription | None = None
+        self._echo_subject = ""
+        #: Round trips waiting for their echo, by message number. Only ``round_trip`` adds
+        #: and removes entries; the echo callback only resolves them.
+        self._echo_waiters: dict[bytes, asyncio.Future[None]] = {}
+        self._echo_count = 0
 
     @property
     def servers(self) -> list[str]:
@@ -89,11 +101,43 @@ class NatsConnection:
         """The largest message the server accepts (1 MiB by default)."""
         return int(self.client.max_payload)
 
+    async def _on_echo(self, msg: Msg) -> None:
+        """An echo came back: wake its round trip, if it still waits (a late echo of an
+        abandoned one is dropped)."""
+        waiter = self._echo_waiters.get(msg.data)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _open_echo(self) -> None:
+        """Subscribe to the echo inbox (at connect: the subscription lives as long as the
+        connection, and the library restores it after each reconnect)."""
+        self._echo_subject = self.client.new_inbox()
+        self._echo = await self.client.subscribe(self._echo_subject, cb=self._on_echo)
+
+    async def _send_echo(self) -> tuple[bytes, asyncio.Future[None]]:
+        """Publish the next echo: its number and the future its return resolves. The caller
+        removes it from ``_echo_waiters``."""
+        if self._echo is None:
+            await self._open_echo()
+        self._echo_count += 1
+        number = str(self._echo_count).encode()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._echo_waiters[number] = waiter
+        try:
+            await self.client.publish(self._echo_subject, number)
+        except BaseException:
+            del self._echo_waiters[number]
+            raise
+        return number, waiter
+
     async def close(self) -> None:
         """Close the connection, dropping what is unsent; idempotent."""
         if self._closed:
             return
         self._closed = True
+        for waiter in self._echo_waiters.values():
+            waiter.cancel()
+        self._echo_waiters.clear()
         if not self.client.is_closed:
             await self.client.close()
 
@@ -198,18 +242,29 @@ async def connect_nats(options: NatsOptions) -> NatsConnection:
         shown = [_redact(url) for url in servers]
         raise ConfigError(f"cannot reach NATS at {shown}: {_reason(cause)}") from cause
     state["connected"] = True
-    return NatsConnection(client, options)
+    conn = NatsConnection(client, options)
+    try:
+        await conn._open_echo()
+    except (OSError, nats.errors.Error) as exc:
+        await client.close()
+        raise ConfigError(f"cannot subscribe on NATS: {_reason(exc)}") from exc
+    return conn
 
 
 async def round_trip(conn: NatsConnection, timeout: float) -> None:
-    """Return once the NATS server has processed everything this connection sent so far (a
-    PING answered by its PONG), or raise ``NatsUnavailable`` after ``timeout`` seconds.
+    """Return once the NATS server has processed everything this connection sent so far, or
+    raise ``NatsUnavailable`` after ``timeout`` seconds.
+
+    The server handles a connection's operations in order, so a message this connection
+    publishes to an inbox it subscribes to comes back only after every earlier operation
+    (a subscription above all) was processed: the same proof as a PING answered by its
+    PONG, through public calls. Not ``Client.flush(timeout)``: when that times out, nats-py
+    cancels its PONG future, and the late PONG then kills the library's reader task
+    (``set_result`` on a cancelled future), leaving the connection deaf until its pings
+    declare it stale. A late echo is dropped by ``NatsConnection`` instead.
 
     While the connection is reconnecting, the wait for the reconnect counts against
-    ``timeout``. Not ``Client.flush(timeout)``: when that times out, nats-py cancels its PONG
-    future, and the late PONG then kills the library's reader task (``set_result`` on a
-    cancelled future), leaving the connection deaf until its pings declare it stale. Here the
-    PONG future is only ever abandoned, never cancelled.
+    ``timeout``.
     """
     client = conn.client
     deadline = time.monotonic() + timeout
@@ -219,15 +274,24 @@ async def round_trip(conn: NatsConnection, timeout: float) -> None:
         if time.monotonic() >= deadline:
             raise NatsUnavailable(f"not connected to NATS (reconnecting for over {timeout:g}s)")
         await asyncio.sleep(_RECONNECT_POLL)
-    pong: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    number: bytes | None = None
     try:
         async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-            await client._send_ping(pong)
-            await asyncio.shield(pong)
+            number, waiter = await conn._send_echo()
+            await waiter
     except TimeoutError:
         raise NatsUnavailable(f"NATS did not answer within {timeout:g}s") from None
-    except (OSError, AssertionError, nats.errors.Error) as exc:  # the transport went away
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if conn._closed and task is not None and task.cancelling() == 0:
+            # ``close`` cancelled the wait, not our caller.
+            raise NatsUnavailable("the NATS connection is closed") from None
+        raise
+    except (OSError, nats.errors.Error) as exc:  # the transport went away
         raise NatsUnavailable(f"NATS connection failed: {_reason(exc)}") from exc
+    finally:
+        if number is not None:
+            conn._echo_waiters.pop(number, None)
 
 
 async def subscribe_confirmed(

@@ -1,7 +1,7 @@
 """``EtcdStore``: the discovery store of a deployment across hosts, in an etcd v3 cluster.
 
 Mental model: etcd already *is* this contract (keys, leases, revisioned watches); the store is
-a thin, defensive translation over the asyncio client ``etcd3aio``:
+a thin, defensive translation over etcd's v3 gRPC API (``etcd_client``):
 
 * Revisions are etcd's: a key's ``mod_revision``, a change's header revision. etcd bumps the
   revision once per transaction and every call here is one transaction, so "one change, one
@@ -33,6 +33,9 @@ a thin, defensive translation over the asyncio client ``etcd3aio``:
   the loss and return of etcd are logged once per change of state.
 * ``user``/``password`` authenticate with etcd's auth API; the token is renewed whenever etcd
   says it is invalid (it expires, and an etcd restart forgets it).
+* Unary calls run on an asyncio gRPC channel; the two streams (a watch, a lease keep-alive
+  on etcd's LeaseKeepAlive stream) run on a blocking channel of the same endpoint, each read
+  by a thread of its own, so that ending one is awaitable (see ``etcd_client``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import gc
 import logging
 import math
 import re
@@ -52,30 +54,23 @@ from urllib.parse import urlsplit
 
 import grpc
 import grpc.aio
-from etcd3aio import (
-    EtcdConnectionError,
-    EtcdError,
-    EtcdTransientError,
-    EtcdUnauthenticatedError,
-)
-from etcd3aio._protobuf import (
-    LeaseKeepAliveRequest,
-    LeaseStub,
-    WatchCreateRequest,
-    WatchRequest,
-    WatchResponse,
-    WatchStub,
-)
-from etcd3aio.auth import AuthService
-from etcd3aio.kv import KVService, prefix_range_end
-from etcd3aio.lease import LeaseService
+from google.protobuf.message import Message
 
 from turnout.errors import ConfigError, DiscoveryError
+from turnout.runtime.discovery import etcd_v3_pb2 as pb
 from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+from turnout.runtime.discovery.etcd_client import (
+    LEASE_KEEP_ALIVE,
+    WATCH,
+    EtcdCalls,
+    ThreadStream,
+    prefix_range_end,
+)
 
 logger = logging.getLogger("turnout.runtime.discovery.etcd")
 
 _T = TypeVar("_T")
+_M = TypeVar("_M", bound=Message)
 
 #: Backoff of a watch re-opening its stream: first delay, cap.
 WATCH_RETRY_MIN_SECONDS = 0.05
@@ -164,6 +159,14 @@ def _read_pem(option: str, path: str | None) -> bytes | None:
         raise ConfigError(f"etcd {option} {path!r}: {exc.strerror or exc}") from None
 
 
+def _code(exc: grpc.RpcError) -> grpc.StatusCode:
+    """The status code of a failed call: an asyncio call's ``AioRpcError`` and a blocking
+    stream's error both carry it (a bare ``RpcError`` without one counts as UNKNOWN)."""
+    code = getattr(exc, "code", None)
+    result = code() if callable(code) else None
+    return result if isinstance(result, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
 def _one_line(exc: BaseException) -> str:
     """A short, single-line reason for ``exc`` (gRPC details can span lines).
 
@@ -178,16 +181,14 @@ def _one_line(exc: BaseException) -> str:
         seen.add(id(link))
         link.__traceback__ = None
         link = link.__cause__ or link.__context__
-    if isinstance(exc, EtcdError) and isinstance(exc.__cause__, grpc.aio.AioRpcError):
-        exc = exc.__cause__  # etcd3aio's wrapper adds only "failed after N attempts"
-    if isinstance(exc, grpc.aio.AioRpcError):
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "details", None)):
         details = exc.details() or ""
         # "failed to connect to all addresses; last error: UNKNOWN: ipv4:h:p: Connection
         # refused" says the endpoint twice and the cause last: keep the cause.
         details = re.sub(
             r"^failed to connect to all addresses; last error: \w+: \S+: ", "", details
         )
-        text = f"{exc.code().name}: {details}" if details else exc.code().name
+        text = f"{_code(exc).name}: {details}" if details else _code(exc).name
     elif isinstance(exc, TimeoutError):
         text = "timed out"
     else:
@@ -195,53 +196,9 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _grpc_tasks(before: set[asyncio.Task[Any]], call: grpc.aio.Call) -> list[asyncio.Task[Any]]:
-    """The task gRPC started for the streaming ``call`` since ``before`` (taken just before
-    the call was made): the one that waits for the call's final status.
-
-    gRPC creates that task only once the server's initial metadata arrived, after awaits in
-    which other calls (a watch opening beside a keep-alive) start theirs; waiting for theirs
-    would hold this call up to ``_finish``'s timeout. So each task is matched to its call: its
-    coroutine's closure holds gRPC's call object. Where that cannot be seen (another gRPC
-    version), every new status task is taken, as a slow but safe fallback.
-    """
-    candidates = [
-        task
-        for task in asyncio.all_tasks() - before
-        if "_handle_status_once_received" in getattr(task.get_coro(), "__qualname__", "")
-    ]
-    core = getattr(call, "_cython_call", None)
-    if core is None:
-        return candidates
-    mine = [task for task in candidates if _holds(task.get_coro(), core)]
-    if mine:
-        return mine
-    if any(_holds_any_call(task.get_coro()) for task in candidates):
-        return []  # matching works, and this call started none (it failed before)
-    return candidates
-
-
-def _holds(coro: object, target: object) -> bool:
-    """Whether ``target`` is among the objects ``coro`` refers to, one closure deep."""
-    for ref in gc.get_referents(coro):
-        if ref is target or any(inner is target for inner in gc.get_referents(ref)):
-            return True
-    return False
-
-
-def _holds_any_call(coro: object) -> bool:
-    """Whether ``coro`` visibly refers to some gRPC call object (the matching in
-    ``_grpc_tasks`` works with this gRPC version)."""
-    for ref in gc.get_referents(coro):
-        for inner in (ref, *gc.get_referents(ref)):
-            if type(inner).__name__ == "_AioCall":
-                return True
-    return False
-
-
 def _discard(future: asyncio.Future[Any]) -> None:
-    """Forget the outcome of a finished helper ``future`` (a cancelled ``call.read()``):
-    its exception's traceback holds the frames of the read, hence the call, and a live call
+    """Forget the outcome of a finished helper ``future`` (a cancelled stream read): its
+    exception's traceback holds the frames of the read, hence the call, and a live call
     keeps its connection open after the channel closed, until a garbage collection."""
     if not future.done():
         return
@@ -251,39 +208,16 @@ def _discard(future: asyncio.Future[Any]) -> None:
         _one_line(exc)
 
 
-async def _finish(call: grpc.aio.Call, tasks: list[asyncio.Task[Any]]) -> None:
-    """Cancel a streaming ``call`` and wait (briefly) for gRPC's ``tasks`` of it to end.
-
-    gRPC runs a task per streaming call that ends only when the cancellation comes back from
-    its own thread; it must not outlive the store (nor the event loop).
-    """
-    call.cancel()
-    # Hold no reference to the call from here: if a cancellation passes through, this frame
-    # lives on in its traceback, and a live call object keeps its connection open.
-    del call
-    pending = [task for task in tasks if not task.done()]
-    if not pending:
-        return
-    try:
-        await asyncio.wait(pending, timeout=1.0)
-    except asyncio.CancelledError:
-        # Our caller is being cancelled: still settle the call, then let it go on.
-        await asyncio.wait(pending, timeout=1.0)
-        raise
-
-
 @dataclass(slots=True)
 class _Endpoint:
-    """One etcd endpoint and, once used, its channel and service facades."""
+    """One etcd endpoint and, once used, its channels: an asyncio one for the unary calls,
+    a blocking one for the streams (see ``etcd_client``)."""
 
     url: str
     target: str
     channel: grpc.aio.Channel | None = None
-    kv: KVService | None = None
-    lease: LeaseService | None = None
-    auth: AuthService | None = None
-    lease_stub: LeaseStub | None = None
-    watch_stub: WatchStub | None = None
+    calls: EtcdCalls | None = None
+    stream_channel: grpc.Channel | None = None
 
 
 class EtcdStore(DiscoveryStore):
@@ -377,52 +311,70 @@ class EtcdStore(DiscoveryStore):
                 self._closed_event.set()
         return self._closed_event
 
-    def _connect(self, ep: _Endpoint) -> _Endpoint:
-        """``ep`` with its channel open (created on the running loop, on first use)."""
-        if ep.channel is None:
+    def _connect(self, ep: _Endpoint) -> EtcdCalls:
+        """The calls of ``ep``, its channel open (created on the running loop, on first
+        use)."""
+        if ep.calls is None:
             if self._credentials is not None:
                 channel = grpc.aio.secure_channel(ep.target, self._credentials, _CHANNEL_OPTIONS)
             else:
                 channel = grpc.aio.insecure_channel(ep.target, _CHANNEL_OPTIONS)
             ep.channel = channel
-            ep.kv = KVService(channel, max_attempts=1)
-            ep.lease = LeaseService(channel, max_attempts=1)
-            ep.auth = AuthService(channel, max_attempts=1)
-            ep.lease_stub = LeaseStub(channel)
-            ep.watch_stub = WatchStub(channel)
-            for service in (ep.kv, ep.lease):
-                service.set_token(self._token)
-        return ep
+            ep.calls = EtcdCalls(channel)
+        return ep.calls
+
+    def _stream_channel(self, ep: _Endpoint) -> grpc.Channel:
+        """The blocking channel of ``ep`` for its streams (created on first use)."""
+        if ep.stream_channel is None:
+            if self._credentials is not None:
+                ep.stream_channel = grpc.secure_channel(
+                    ep.target, self._credentials, _CHANNEL_OPTIONS
+                )
+            else:
+                ep.stream_channel = grpc.insecure_channel(ep.target, _CHANNEL_OPTIONS)
+        return ep.stream_channel
+
+    def _open_stream(
+        self,
+        ep: _Endpoint,
+        path: str,
+        response: type[_M],
+        requests: Sequence[Message],
+        *,
+        keep_open: bool,
+        timeout: float | None = None,
+    ) -> ThreadStream[_M]:
+        """A streaming call ``path`` to ``ep`` with this store's token (see ``ThreadStream``)."""
+        return ThreadStream(
+            self._stream_channel(ep),
+            path,
+            response,
+            requests,
+            keep_open=keep_open,
+            metadata=self._metadata(),
+            timeout=timeout,
+        )
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return (("token", self._token),) if self._token else None
 
-    def _set_token(self, token: str | None) -> None:
-        self._token = token
-        for ep in self._endpoints:
-            for service in (ep.kv, ep.lease):
-                if service is not None:
-                    service.set_token(token)
-
     async def _authenticate(self, ep: _Endpoint) -> None:
         """Get a fresh token from ``ep`` (only with ``user``)."""
-        assert self.user is not None and ep.auth is not None
+        assert self.user is not None
+        calls = self._connect(ep)
+        request = pb.AuthenticateRequest(name=self.user, password=self._password)
         try:
-            resp = await ep.auth.authenticate(
-                self.user, self._password, timeout=self.connect_timeout
-            )
-        except (EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
+            resp = await calls.authenticate(request, timeout=self.connect_timeout)
+        except TimeoutError as exc:
             raise _Unreachable(_one_line(exc)) from None
-        except EtcdUnauthenticatedError as exc:
-            raise DiscoveryError(
-                f"etcd at {ep.url} rejected user {self.user!r}: {_one_line(exc)}"
-            ) from None
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSIENT_CODES:
+                raise _Unreachable(_one_line(exc)) from None
             # etcd answers a wrong password with INVALID_ARGUMENT.
             raise DiscoveryError(
                 f"etcd at {ep.url} rejected user {self.user!r}: {_one_line(exc)}"
             ) from None
-        self._set_token(resp.token)
+        self._token = resp.token
 
     def _mark(self, reachable: bool, reason: str = "") -> None:
         """Log once per change of state, not once per failed call."""
@@ -487,8 +439,11 @@ class EtcdStore(DiscoveryStore):
         self, what: str, fn: Callable[[_Endpoint], Awaitable[_T]], index: int, deadline: float
     ) -> _T:
         """``fn`` on endpoint ``index``: its result, ``_Unreachable`` when the endpoint did not
-        answer in time, or ``DiscoveryError`` when it answered no."""
-        ep = self._connect(self._endpoints[index])
+        answer in time, or ``DiscoveryError`` when it answered no. An UNAUTHENTICATED answer
+        ("invalid auth token": it expired, or a restarted etcd forgot it) is retried once
+        with a fresh token."""
+        ep = self._endpoints[index]
+        self._connect(ep)
         loop = asyncio.get_running_loop()
         reauthenticated = False
         while True:
@@ -507,23 +462,15 @@ class EtcdStore(DiscoveryStore):
                     # gRPC cancels the calls of a closing channel: not our caller's doing.
                     raise DiscoveryError(f"etcd store {self.endpoints} is closed") from None
                 raise
-            except (EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
+            except TimeoutError as exc:
                 raise _Unreachable(_one_line(exc)) from None
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in _TRANSIENT_CODES:
+            except grpc.RpcError as exc:
+                code = _code(exc)
+                if code in _TRANSIENT_CODES:
                     raise _Unreachable(_one_line(exc)) from None
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._retry_auth(
-                    reauthenticated
-                ):
+                if code == grpc.StatusCode.UNAUTHENTICATED and self._retry_auth(reauthenticated):
                     reauthenticated = True
                     continue
-                raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
-            except EtcdUnauthenticatedError as exc:
-                if self._retry_auth(reauthenticated):
-                    reauthenticated = True
-                    continue
-                raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
-            except EtcdError as exc:
                 raise DiscoveryError(f"etcd {what}: {_one_line(exc)}") from None
 
     def _retry_auth(self, already: bool) -> bool:
@@ -542,7 +489,7 @@ class EtcdStore(DiscoveryStore):
         return prefix.encode(), prefix_range_end(prefix.encode())
 
     @staticmethod
-    def _kv(kv: Any) -> KeyValue:
+    def _kv(kv: pb.KeyValue) -> KeyValue:
         return KeyValue(
             key=kv.key.decode(),
             value=bytes(kv.value),
@@ -557,8 +504,12 @@ class EtcdStore(DiscoveryStore):
         accepts the credentials) within ``connect_timeout``."""
 
         async def ping(ep: _Endpoint) -> None:
-            assert ep.kv is not None
-            await ep.kv.get(b"\0", timeout=self.connect_timeout, count_only=True)
+            calls = self._connect(ep)
+            await calls.range(
+                pb.RangeRequest(key=b"\0", count_only=True),
+                timeout=self.connect_timeout,
+                metadata=self._metadata(),
+            )
 
         await self._call("check", ping, retry=False)
 
@@ -571,26 +522,33 @@ class EtcdStore(DiscoveryStore):
         seconds = max(1, math.ceil(ttl))
 
         async def grant(ep: _Endpoint) -> int:
-            assert ep.lease is not None
-            resp = await ep.lease.grant(seconds, timeout=self.connect_timeout)
+            calls = self._connect(ep)
+            resp = await calls.lease_grant(
+                pb.LeaseGrantRequest(TTL=seconds),
+                timeout=self.connect_timeout,
+                metadata=self._metadata(),
+            )
             return int(resp.ID)
 
         return await self._call("grant lease", grant)
 
     async def keep_alive(self, lease_id: int) -> bool:
         async def keep(ep: _Endpoint) -> bool:
-            assert ep.lease_stub is not None
-            requests = iter([LeaseKeepAliveRequest(ID=lease_id)])
-            before = asyncio.all_tasks()
-            call = ep.lease_stub.LeaseKeepAlive(
-                requests, metadata=self._metadata(), timeout=self.connect_timeout
+            # One request on etcd's LeaseKeepAlive stream, then the half-close: etcd answers
+            # with the lease's remaining TTL (0: the lease is gone) and ends the call.
+            stream = self._open_stream(
+                ep,
+                LEASE_KEEP_ALIVE,
+                pb.LeaseKeepAliveResponse,
+                [pb.LeaseKeepAliveRequest(ID=lease_id)],
+                keep_open=False,
+                timeout=self.connect_timeout,
             )
             try:
-                resp = await call.read()
+                resp = await stream.read()
             finally:
-                await _finish(call, _grpc_tasks(before, call))
-                del call  # see _finish
-            if resp is grpc.aio.EOF:
+                await stream.close()
+            if resp is None:
                 raise _Unreachable("keep-alive stream ended without an answer")
             return int(resp.TTL) > 0
 
@@ -598,9 +556,13 @@ class EtcdStore(DiscoveryStore):
 
     async def revoke_lease(self, lease_id: int) -> None:
         async def revoke(ep: _Endpoint) -> None:
-            assert ep.lease is not None
+            calls = self._connect(ep)
             try:
-                await ep.lease.revoke(lease_id, timeout=self.connect_timeout)
+                await calls.lease_revoke(
+                    pb.LeaseRevokeRequest(ID=lease_id),
+                    timeout=self.connect_timeout,
+                    metadata=self._metadata(),
+                )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
@@ -612,10 +574,12 @@ class EtcdStore(DiscoveryStore):
 
     async def put(self, key: str, value: bytes, *, lease_id: int | None = None) -> int:
         async def put(ep: _Endpoint) -> int:
-            assert ep.kv is not None
+            calls = self._connect(ep)
             try:
-                resp = await ep.kv.put(
-                    key.encode(), bytes(value), lease=lease_id or 0, timeout=self.connect_timeout
+                resp = await calls.put(
+                    pb.PutRequest(key=key.encode(), value=bytes(value), lease=lease_id or 0),
+                    timeout=self.connect_timeout,
+                    metadata=self._metadata(),
                 )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND and lease_id is not None:
@@ -630,8 +594,12 @@ class EtcdStore(DiscoveryStore):
 
     async def get(self, key: str) -> KeyValue | None:
         async def get(ep: _Endpoint) -> tuple[KeyValue | None, int]:
-            assert ep.kv is not None
-            resp = await ep.kv.get(key.encode(), timeout=self.connect_timeout)
+            calls = self._connect(ep)
+            resp = await calls.range(
+                pb.RangeRequest(key=key.encode()),
+                timeout=self.connect_timeout,
+                metadata=self._metadata(),
+            )
             return (self._kv(resp.kvs[0]) if resp.kvs else None), int(resp.header.revision)
 
         kv, revision = await self._call(f"get {key!r}", get)
@@ -643,9 +611,13 @@ class EtcdStore(DiscoveryStore):
         """The keys under ``prefix`` (sorted) and the revision of that listing."""
 
         async def list_(ep: _Endpoint) -> tuple[list[KeyValue], int]:
-            assert ep.kv is not None
+            calls = self._connect(ep)
             key, end = self._range(prefix)
-            resp = await ep.kv.get(key, range_end=end, timeout=self.connect_timeout)
+            resp = await calls.range(
+                pb.RangeRequest(key=key, range_end=end),
+                timeout=self.connect_timeout,
+                metadata=self._metadata(),
+            )
             return [self._kv(kv) for kv in resp.kvs], int(resp.header.revision)
 
         return await self._call(f"list {prefix!r}", list_)
@@ -669,10 +641,14 @@ class EtcdStore(DiscoveryStore):
         uncertain = False
 
         async def delete(ep: _Endpoint) -> bool:
+            calls = self._connect(ep)
             nonlocal uncertain
-            assert ep.kv is not None
             try:
-                resp = await ep.kv.delete(key.encode(), timeout=self.connect_timeout)
+                resp = await calls.delete_range(
+                    pb.DeleteRangeRequest(key=key.encode()),
+                    timeout=self.connect_timeout,
+                    metadata=self._metadata(),
+                )
             except BaseException:
                 uncertain = True  # the request may have reached etcd and been applied
                 raise
@@ -684,8 +660,12 @@ class EtcdStore(DiscoveryStore):
         """Drop the history up to ``revision``: watches cannot resume before it any more."""
 
         async def compact(ep: _Endpoint) -> None:
-            assert ep.kv is not None
-            await ep.kv.compact(revision, physical=True, timeout=self.connect_timeout)
+            calls = self._connect(ep)
+            await calls.compact(
+                pb.CompactionRequest(revision=revision, physical=True),
+                timeout=self.connect_timeout,
+                metadata=self._metadata(),
+            )
 
         await self._call(f"compact at {revision}", compact)
 
@@ -801,7 +781,7 @@ class EtcdStore(DiscoveryStore):
                         after, resync = revision, False
                         self._watch_positions[token] = after
                         index = self._current
-                    ep = self._connect(self._endpoints[index])
+                    ep = self._endpoints[index]
                     async with contextlib.aclosing(
                         self._stream(ep, prefix, after + 1, closed)
                     ) as stream:
@@ -845,62 +825,46 @@ class EtcdStore(DiscoveryStore):
         progress notification (an int: every change up to it was sent). Ends when the store
         closes, raises ``_Unreachable`` when the stream breaks (the transport's doing, see
         ``_FATAL_WATCH_CODES``) and ``_Compacted`` when ``start`` is gone."""
-        assert ep.watch_stub is not None
         fresh_token = self.user is not None and self._token is None
         if fresh_token:
             await self._authenticate(ep)
         key, end = self._range(prefix)
-        create = WatchRequest(
-            create_request=WatchCreateRequest(
+        create = pb.WatchRequest(
+            create_request=pb.WatchCreateRequest(
                 key=key, range_end=end, start_revision=start, progress_notify=True
             )
         )
-
-        async def requests() -> AsyncIterator[WatchRequest]:
-            yield create
-            await closed.wait()
-
-        before = asyncio.all_tasks()
-        call = ep.watch_stub.Watch(requests(), metadata=self._metadata())
-        grpc_tasks: list[asyncio.Task[Any]] | None = None
+        stream = self._open_stream(ep, WATCH, pb.WatchResponse, [create], keep_open=True)
         closer = asyncio.ensure_future(closed.wait())
-        reader: asyncio.Future[Any] | None = None
+        reader: asyncio.Future[pb.WatchResponse | None] | None = None
         created = False
         try:
             while True:
                 # Wait for either a response or the store closing; the creation gets a
                 # deadline, an open stream does not (etcd may stay silent for a long time;
                 # gRPC keep-alive pings notice a dead peer).
-                reader = asyncio.ensure_future(call.read())
+                reader = asyncio.ensure_future(stream.read())
                 timeout = None if created else self.connect_timeout
                 done, _ = await asyncio.wait(
                     {reader, closer}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
                 )
                 if reader not in done:
-                    reader.cancel()
-                    call.cancel()
-                    await asyncio.wait([reader])
                     if closer in done:
                         return
                     raise _Unreachable("watch creation timed out")
-                if grpc_tasks is None:
-                    grpc_tasks = _grpc_tasks(before, call)
                 try:
-                    resp: WatchResponse = reader.result()
-                except asyncio.CancelledError:
-                    if self._closed:
-                        return
-                    raise _Unreachable("watch stream cancelled") from None
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in _FATAL_WATCH_CODES:
+                    resp = reader.result()
+                except grpc.RpcError as exc:
+                    code = _code(exc)
+                    if code not in _FATAL_WATCH_CODES:
                         # Transport trouble (a reset stream, a lost connection, a restart):
                         # the caller re-opens the stream with backoff.
                         raise _Unreachable(_one_line(exc)) from None
-                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.user is not None:
+                    if code == grpc.StatusCode.UNAUTHENTICATED and self.user is not None:
                         self._token = None
                         raise _Unreachable(_one_line(exc)) from None
                     raise DiscoveryError(f"etcd watch of {prefix!r}: {_one_line(exc)}") from None
-                if resp is grpc.aio.EOF:
+                if resp is None:
                     if self._closed:
                         return
                     raise _Unreachable("watch stream ended")
@@ -923,7 +887,7 @@ class EtcdStore(DiscoveryStore):
                     continue
                 for ev in resp.events:
                     kv = ev.kv
-                    if ev.type == ev.DELETE:
+                    if ev.type == pb.Event.DELETE:
                         yield WatchEvent(
                             WatchEventKind.DELETE,
                             KeyValue(
@@ -937,7 +901,7 @@ class EtcdStore(DiscoveryStore):
                         yield WatchEvent(WatchEventKind.PUT, self._kv(kv))
         finally:
             closer.cancel()
-            await _finish(call, _grpc_tasks(before, call) if grpc_tasks is None else grpc_tasks)
+            await stream.close()
             pending = [f for f in (closer, reader) if f is not None]
             for f in pending:
                 f.cancel()
@@ -945,7 +909,7 @@ class EtcdStore(DiscoveryStore):
             for f in pending:
                 _discard(f)
             # This frame may live on in a traceback: let it hold nothing of the call.
-            del call, reader, pending
+            del stream, reader, pending
 
     async def close(self) -> None:
         if self._closed:
@@ -959,8 +923,10 @@ class EtcdStore(DiscoveryStore):
             if ep.channel is not None:
                 channel, ep.channel = ep.channel, None
                 await channel.close()
-            ep.kv = ep.lease = ep.auth = None
-            ep.lease_stub = ep.watch_stub = None
+            if ep.stream_channel is not None:
+                stream_channel, ep.stream_channel = ep.stream_channel, None
+                stream_channel.close()
+            ep.calls = None
 
 
 async def open_etcd_store(**options: Any) -> EtcdStore:
