@@ -16,7 +16,12 @@ types it non-null; such chunks are checked with the null read as "not finished y
 client decodes it into (a string that is not such base64 is a violation).
 
 ``/v1/responses`` bodies are checked as ``Response``, its stream events as
-``ResponseStreamEvent`` (the union the client parses them into); Anthropic's
+``ResponseStreamEvent`` (the union the client parses them into). The response store's routes
+are told apart by method and path shape (``_route``) and checked as the type the client casts
+each to (``_STORE_TYPES``): ``Response``, ``ResponseItemList``, ``Conversation``,
+``ConversationDeletedResource``, ``ConversationItemList``, ``ConversationItem``; a deleted
+response, which the client reads as nothing, as OpenAI's reference shows it
+(``_ResponseDeleted``). Anthropic's
 ``/v1/messages`` and ``/v1/messages/count_tokens`` against the ``anthropic`` client's
 ``Message``, ``RawMessageStreamEvent``, ``MessageTokensCount`` and ``ErrorResponse``. One
 leniency there too: Anthropic documents ``request_too_large`` as the type of a 413's error,
@@ -32,7 +37,7 @@ import json
 import struct
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pydantic
@@ -40,7 +45,13 @@ from anthropic.types import ErrorResponse as AnthropicError
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from openai.types import Completion, CreateEmbeddingResponse, ErrorObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.conversations import (
+    Conversation,
+    ConversationDeletedResource,
+    ConversationItem,
+    ConversationItemList,
+)
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -51,6 +62,52 @@ COUNT_TOKENS = "/v1/messages/count_tokens"
 EMBEDDINGS = "/v1/embeddings"
 _MESSAGE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(RawMessageStreamEvent)
 _RESPONSE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+
+
+class _ResponseDeleted(pydantic.BaseModel):
+    """``DELETE /v1/responses/{id}``'s body in OpenAI's API reference (the client discards
+    it: it has no type of its own)."""
+
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+#: The store's routes (``_route``'s keys) and the types their bodies must be.
+_STORE_TYPES: dict[str, pydantic.TypeAdapter[Any]] = {
+    route: pydantic.TypeAdapter(kind)
+    for route, kind in {
+        "GET /v1/responses/{id}": Response,
+        "DELETE /v1/responses/{id}": _ResponseDeleted,
+        "GET /v1/responses/{id}/input_items": ResponseItemList,
+        "POST /v1/conversations": Conversation,
+        "GET /v1/conversations/{id}": Conversation,
+        "POST /v1/conversations/{id}": Conversation,
+        "DELETE /v1/conversations/{id}": ConversationDeletedResource,
+        "GET /v1/conversations/{id}/items": ConversationItemList,
+        "POST /v1/conversations/{id}/items": ConversationItemList,
+        "GET /v1/conversations/{id}/items/{item}": ConversationItem,
+        "DELETE /v1/conversations/{id}/items/{item}": Conversation,
+    }.items()
+}
+_CONVERSATION_ROUTES = (
+    "/v1/conversations",
+    "/v1/conversations/{id}",
+    "/v1/conversations/{id}/items",
+    "/v1/conversations/{id}/items/{item}",
+)
+
+
+def _route(method: str, path: str) -> str:
+    """A store route's ``_STORE_TYPES`` key (method and path template); other paths as they
+    are."""
+    if path.startswith(RESPONSES + "/"):
+        tail = "/input_items" if path.endswith("/input_items") else ""
+        return f"{method} {RESPONSES}/{{id}}{tail}"
+    depth = path.count("/") - 2  # /v1/conversations: 0
+    if path.startswith("/v1/conversations") and 0 <= depth < len(_CONVERSATION_ROUTES):
+        return f"{method} {_CONVERSATION_ROUTES[depth]}"
+    return path
 
 
 class Conformance:
@@ -65,6 +122,7 @@ class Conformance:
         path = response.request.url.path
         if not path.startswith("/v1/") or response.headers.get("content-encoding"):
             return
+        path = _route(response.request.method, path)
         response.stream = _checked_stream_type(http)(
             response.stream, self, path, response.status_code, sse=_is_stream(response)
         )
@@ -84,7 +142,10 @@ class Conformance:
         if status >= 400:
             self._check_error(path, data)
             return
-        if path == CHAT:
+        store_type = _STORE_TYPES.get(path)
+        if store_type is not None:
+            self._adapt(path, store_type, path, data)
+        elif path == CHAT:
             self._validate(path, ChatCompletion, data)
         elif path == COMPLETIONS:
             self._validate(path, Completion, data)

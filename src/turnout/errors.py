@@ -21,6 +21,7 @@
     │   └── EngineOverloaded        the worker's engine queue is full (HTTP 503, Retry-After)
     ├── RequestTimedOut             the request's deadline passed (HTTP 504)
     ├── TemplateLimitExceeded       the model's chat template passed its bounds (HTTP 500)
+    ├── ResponseStoreError          the Responses API's store failed or is unreachable (HTTP 503)
     └── NotYetSupported             a named feature that is not implemented yet
 
 Lower-layer exceptions are translated at the layer boundary into the most specific type here,
@@ -103,6 +104,10 @@ class TemplateLimitExceeded(TurnoutError):
     """The model's chat template ran past its operation, size or time budget
     (``llm.template_sandbox``): the model's fault, never the client's (HTTP 500). A card
     whose template does so on a probe conversation is refused when it is loaded."""
+
+
+class ResponseStoreError(TurnoutError):
+    """The response store could not be reached or failed a call (the frontend answers 503)."""
 
 
 class WorkerProtocolError(RequestPlaneError):

@@ -1,7 +1,8 @@
 """Frontend tests keep their fetched artifacts in a temporary cache, not ``~/.cache``; and
 share plain stacks: a frontend with one echo worker (model ``echo``), with two echo workers
 that answer with the whole conversation, with two mocker workers (model ``mock``), or with
-one llama.cpp worker running the real SmolLM2 (model ``smol``)."""
+one llama.cpp worker running the real SmolLM2 (model ``smol``); and real PostgreSQL and Redis
+servers for the response store's shared backends."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from tests.frontend.stack import Stack, WholePromptEcho, echo_engine, make_stack
 from tests.helpers import assert_no_leaked_tasks
+from tests.servers.postgres import PostgresServer, postgres_bin_dir
+from tests.servers.process import require
+from tests.servers.redis import RedisServer, redis_binary
 
 from turnout.engines.llamacpp import LlamaCppEngine
 from turnout.engines.mocker import MockerConfig, MockerEngine, make_mocker_engines
@@ -87,3 +91,19 @@ def _artifact_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = before
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL for the session (tests take a fresh database each)."""
+    require("postgres", postgres_bin_dir() is not None)
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the session (tests flush what they use)."""
+    require("redis-server", redis_binary() is not None)
+    with RedisServer() as server:
+        yield server

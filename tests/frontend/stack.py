@@ -88,6 +88,8 @@ async def make_stack(**config: object) -> Stack:
     runtime = await DistributedRuntime.create(
         store=MemoryStore(), request_plane=str(config.pop("request_plane", "tcp")), lease_ttl=5.0
     )
+    # The Responses API's store in memory unless a test names one: stacks are many and short.
+    config.setdefault("response_store", "memory:")
     cfg = FrontendConfig(port=free_port(), **config)  # type: ignore[arg-type]
     frontend = Frontend(cfg, runtime=runtime)
     await frontend.start()

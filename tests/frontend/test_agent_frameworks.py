@@ -4,8 +4,8 @@ each turn has come back whole). Each framework replays the assistant's tool-call
 own serializer writes it (``content: null``, arguments as JSON text, ``tool`` messages with
 their ids), so a loop finishes only when turnout renders every shape it sends.
 
-openai-agents runs on its chat-completions model here; its Responses model chains turns by
-``previous_response_id``, which needs the response store.
+openai-agents runs on its chat-completions model here; its Responses model, chaining turns by
+``previous_response_id`` through the response store, runs in ``test_responses_stored``.
 """
 
 from __future__ import annotations

@@ -137,8 +137,9 @@ async def test_tool_calls_become_function_call_items(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"input": "hi", "store": True}, "store"),
+        ({"input": "hi", "conversation": {"id": "conv_1", "x": 1}}, "conversation"),
+        ({"input": "hi", "previous_response_id": "resp_1", "conversation": "conv_1"},
+         "conversation"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),

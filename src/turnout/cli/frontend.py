@@ -9,6 +9,8 @@ from typing import Any
 from turnout.errors import ConfigError
 from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.http_errors import REJECT_STATUSES
+from turnout.frontend.response_history import DEFAULT_MAX_RECORD_BYTES, DEFAULT_TTL_S
+from turnout.frontend.response_store import DEFAULT_RESPONSE_STORE, default_sqlite_path
 from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.llm.limits import RequestLimits
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
@@ -97,6 +99,18 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max-artifact-bytes", default=DEFAULT_MAX_ARTIFACT_BYTES, type=int,
              help="largest artifact (tokenizer) a model card may name; a card announcing "
                   "more is refused, a worker sending more is cut off")  # fmt: skip
+    g = p.add_argument_group("response store (/v1/responses store, previous_response_id, "
+                             "/v1/conversations)")  # fmt: skip
+    add_flag(g, "--response-store", default=DEFAULT_RESPONSE_STORE,
+             help="where stored responses and conversations live: sqlite:PATH (sqlite: alone: "
+                  f"{default_sqlite_path()}), postgres://... or redis://... (shared by "
+                  "several frontends), memory: (this process), or off")  # fmt: skip
+    add_flag(g, "--response-store-ttl", default=DEFAULT_TTL_S, type=float,
+             help="seconds a stored response (or conversation) is kept after its chain's "
+                  "last turn (its last change)")  # fmt: skip
+    add_flag(g, "--response-store-max-bytes", default=DEFAULT_MAX_RECORD_BYTES, type=int,
+             help="largest record stored (one response's input items and body); a larger "
+                  "response is answered with store: false")  # fmt: skip
 
 
 def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -221,6 +235,9 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         router_cpu_gpu_ratio=args.router_cpu_gpu_ratio,
         prefill_min_tokens=args.prefill_min_tokens,
         decode_fallback=args.decode_fallback,
+        response_store=args.response_store,
+        response_store_ttl=args.response_store_ttl,
+        response_store_max_bytes=args.response_store_max_bytes,
     )
 
 

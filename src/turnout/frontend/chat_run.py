@@ -15,8 +15,9 @@ Use::
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -157,16 +158,17 @@ async def write_run(
     writer: EventWriter,
     *,
     start: Callable[[], None],
-    finish: Callable[[], dict[str, Any]],
+    finish: Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]],
 ) -> None:
     """Answer with ``run`` through ``writer``: whole, the body ``finish`` returns; streamed,
     ``start``'s events at once, each piece's as it comes, then ``finish``'s (or, when the run
-    fails midway, ``fail``'s)."""
+    fails midway, ``fail``'s). ``finish`` may be a coroutine function: what it awaits (the
+    response store's write) comes before the final body or event goes out."""
     events = writer.events
     if events is None:
         async for piece in run.pieces():
             writer.add(piece)
-        proto.response_bytes(200, JSON_HEADERS, _json.encode(finish()))
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(await _settled(finish())))
         return
     send = proto.response_stream(200, SSE_HEADERS).send_bytes
 
@@ -181,7 +183,11 @@ async def write_run(
         async for piece in run.pieces():
             writer.add(piece)
             await flush()
-        finish()
+        await _settled(finish())
     except Exception as exc:  # mid-stream failure: tell the client in-band
         writer.fail(to_http_error(exc))
     await flush()
+
+
+async def _settled(body: dict[str, Any] | Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    return await body if inspect.isawaitable(body) else body

@@ -5,8 +5,13 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (surfaces of their own),
 ``GET /v1/models``,
 ``GET /health``, ``GET /live``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``),
-``GET``/``POST /busy_threshold`` (``busy_threshold``). This module decodes, resolves, admits
-and accounts for requests; ``responder`` writes a generation's response.
+``GET``/``POST /busy_threshold`` (``busy_threshold``), and the response store's routes under
+``/v1/responses/{id}`` and ``/v1/conversations`` (``store_routes``). This module decodes,
+resolves, admits and accounts for requests; ``responder`` writes a generation's response.
+
+Routing is one dict lookup by (method, path). Paths that carry ids (the store's) cannot be
+keys, so they are served by prefix, looked for only when the lookup misses: the generation
+routes never pay for them.
 
 A request is validated and preprocessed before any byte is sent, and the first output is
 awaited before the status line goes out, so every failure that happens before generation
@@ -56,8 +61,16 @@ from .model_manager import KIND_ROUTES, ModelKind, ModelManager
 from .openapi import build_openapi
 from .pipeline import TextPipeline, TokensPipeline
 from .responder import Responder
+from .response_history import ResponseHistory
 from .responses import JSON_HEADERS, new_request_id
 from .responses_api import responses_surface
+from .store_routes import (
+    CONVERSATIONS,
+    CONVERSATIONS_PREFIX,
+    RESPONSES_PREFIX,
+    STORE_ROUTES,
+    StoreRoutes,
+)
 from .surface import (
     MAX_SESSION_ID_CHARS,
     Surface,
@@ -115,9 +128,11 @@ class HttpService:
         busy_thresholds: BusyThresholds | None = None,
         prefill: Callable[[str], dict[str, Any] | None] | None = None,
         limits: RequestLimits | None = None,
+        history: ResponseHistory | None = None,
     ) -> None:
         """``limits``: what one request may ask for (the preprocessors check them; surfaces
-        that translate another API's request check the costly parts before translating)."""
+        that translate another API's request check the costly parts before translating).
+        ``history``: the Responses API's store (None: none, as ``--response-store off``)."""
         self.manager = manager
         #: A model's disaggregated-serving state for ``/health`` (None: none to report).
         self._prefill_health = prefill
@@ -144,10 +159,19 @@ class HttpService:
         if busy_thresholds is not None:
             self._routes[("GET", "/busy_threshold")] = self._busy_threshold_get
             self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
+        history = history if history is not None else ResponseHistory(None)
+        store = StoreRoutes(history, self._read_body)
+        self._routes[("POST", CONVERSATIONS)] = store.create_conversation
         self._paths = {path for _, path in self._routes}
+        #: (prefix, handler(scope, proto, path)): routes whose paths carry ids, tried in order
+        #: when no exact route matches.
+        self._prefix_routes = (
+            (RESPONSES_PREFIX, store.responses),
+            (CONVERSATIONS_PREFIX, store.conversations),
+        )
         #: Each surface's error body by path (OpenAI's elsewhere): its 405s have its shape too.
         self._error_bodies: dict[str, Callable[[HttpError], bytes]] = {}
-        self.add_surface("POST", "/v1/responses", responses_surface(metrics, limits))
+        self.add_surface("POST", "/v1/responses", responses_surface(metrics, limits, history))
         self.add_surface("POST", "/v1/messages", messages_surface(metrics))
         self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
         self.add_surface("POST", "/v1/embeddings", embeddings_surface())
@@ -158,8 +182,8 @@ class HttpService:
 
     @property
     def routes(self) -> set[tuple[str, str]]:
-        """(method, path) of every route served."""
-        return set(self._routes)
+        """(method, path) of every route served; paths with ids as OpenAPI templates."""
+        return set(self._routes) | set(STORE_ROUTES)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -167,6 +191,13 @@ class HttpService:
         path = scope.path.rstrip("/") or "/"
         handler = self._routes.get((scope.method, path))
         if handler is None:
+            for prefix, routed in self._prefix_routes:
+                if path.startswith(prefix):
+                    try:
+                        await routed(scope, proto, path)
+                    except HttpError as exc:
+                        self._send_error(proto, exc)
+                    return
             if path in self._paths:
                 err = HttpError(
                     405, f"method {scope.method} not allowed on {path}", code="method_not_allowed"

@@ -26,6 +26,11 @@ from turnout.protocols.openai import (
 from .anthropic_request import CountTokensRequest, MessagesRequest
 from .busy_threshold import BusyThresholdRequest
 from .responses_request import ResponsesRequest
+from .store_routes import (
+    ConversationCreateRequest,
+    ConversationItemsRequest,
+    ConversationUpdateRequest,
+)
 from .tensor import TensorInferRequest, TensorInferResponse
 
 _REF = "#/components/schemas/{name}"
@@ -61,6 +66,9 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
             EmbeddingsResponse,
             TensorInferRequest,
             TensorInferResponse,
+            ConversationCreateRequest,
+            ConversationUpdateRequest,
+            ConversationItemsRequest,
         ],
         ref_template=_REF,
     )
@@ -75,7 +83,7 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
         },
         "/v1/responses": {
             "post": _generation(
-                "Response (OpenAI's Responses API, stateless)",
+                "Response (OpenAI's Responses API; stored unless store is false)",
                 "ResponsesRequest",
                 None,
                 stream="SSE semantic events (event: + data: lines), the last response.completed",
@@ -154,6 +162,7 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
             }
         },
     }
+    paths.update(_store_paths())
     if busy_thresholds:
         errors = {
             "400": _error("invalid thresholds, or a model not routed by kv"),
@@ -179,6 +188,80 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
         "info": {"title": "turnout", "version": __version__},
         "paths": paths,
         "components": {"schemas": schemas},
+    }
+
+
+#: Statuses every route of the response store may answer besides 200.
+_STORE_ERRORS = {
+    "400": "an invalid query parameter or body (``param`` names it)",
+    "404": "no such response, conversation or item (or --response-store off)",
+    "503": "the response store failed or did not answer in time",
+}
+
+
+def _store_paths() -> dict[str, Any]:
+    """The response store's routes (``store_routes``)."""
+    response = {"name": "response_id", "in": "path", "required": True,
+                "schema": {"type": "string"}}  # fmt: skip
+    conversation = {**response, "name": "conversation_id"}
+    item = {**response, "name": "item_id"}
+    include = {"name": "include", "in": "query", "required": False,
+               "description": "not supported: any value is a 400",
+               "schema": {"type": "array", "items": {"type": "string"}}}  # fmt: skip
+    page = [
+        {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+        {"name": "limit", "in": "query", "required": False,
+         "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+        {"name": "order", "in": "query", "required": False,
+         "schema": {"type": "string", "enum": ["asc", "desc"]}},
+        include,
+    ]  # fmt: skip
+    stream = {"name": "stream", "in": "query", "required": False,
+              "description": "only false: stored responses are finished",
+              "schema": {"type": "boolean"}}  # fmt: skip
+
+    def op(summary: str, params: list[dict[str, Any]], body: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "summary": summary,
+            "parameters": params,
+            "responses": {
+                "200": _json_response(summary, {"type": "object"}),
+                **{status: _error(why) for status, why in _STORE_ERRORS.items()},
+            },
+        }
+        if body is not None:
+            out["requestBody"] = _json_body(body)
+            out["responses"]["413"] = _error("request body too large")
+        return out
+
+    return {
+        "/v1/responses/{response_id}": {
+            "get": op("A stored response", [response, stream]),
+            "delete": op("Delete a stored response", [response]),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": op("The items a stored response was made from", [response, *page]),
+        },
+        "/v1/conversations": {
+            "post": op("Create a conversation", [], "ConversationCreateRequest"),
+        },
+        "/v1/conversations/{conversation_id}": {
+            "get": op("A conversation", [conversation]),
+            "post": op(
+                "Replace a conversation's metadata", [conversation], "ConversationUpdateRequest"
+            ),
+            "delete": op("Delete a conversation and its items", [conversation]),
+        },
+        "/v1/conversations/{conversation_id}/items": {
+            "get": op("A conversation's items (a list page)", [conversation, *page]),
+            "post": op(
+                "Add items to a conversation", [conversation, include], "ConversationItemsRequest"
+            ),
+        },
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": op("One item of a conversation", [conversation, item, include]),
+            "delete": op("Remove an item (answers the conversation)", [conversation, item]),
+        },
     }
 
 

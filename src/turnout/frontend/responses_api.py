@@ -13,6 +13,11 @@ answer text, a ``function_call`` item per tool call. Streamed, the semantic even
               their .done events, [response.content_part.done], response.output_item.done,
     response.completed (or response.incomplete: the token limit; response.failed: an error,
     after an ``error`` event), each carrying the whole response.
+
+Stored responses (``store``, ``previous_response_id``, ``conversation``: ``response_history``):
+the chain's or conversation's items are read before the request runs, and its turn carries the
+chain's session; the finished response is stored before its last event (or its body) is sent,
+so a client that continues the chain at once finds it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from .http_errors import HttpError
 from .metrics import FrontendMetrics
 from .model_manager import ModelKind
 from .pipeline import TextPipeline
+from .response_history import ResponseHistory
+from .response_store import NO_TENANT
 from .responses import new_request_id
 from .responses_request import ResponsesRequest, to_chat
 from .surface import Pipeline, Surface, SurfaceRequest, body_session_key, decode_json
@@ -47,9 +54,21 @@ class ResponseWriter:
     """One response's output items and, when streamed, its events (``events`` collects the
     encoded events of each call; ``None``: a whole response, no events)."""
 
-    def __init__(self, request: ResponsesRequest, *, stream: bool) -> None:
+    def __init__(
+        self,
+        request: ResponsesRequest,
+        *,
+        stream: bool,
+        response_id: str | None = None,
+        store: bool = False,
+        conversation_id: str | None = None,
+    ) -> None:
+        """``store``: what the body says until the response is settled (whether it will be
+        stored); ``conversation_id``: the conversation it belongs to."""
         self.request = request
-        self.id = "resp_" + new_request_id()
+        self.id = response_id or "resp_" + new_request_id()
+        self.store = store
+        self.conversation_id = conversation_id
         self.created_at = int(time.time())
         self.events: list[bytes] | None = [] if stream else None
         self._seq = 0
@@ -76,12 +95,19 @@ class ResponseWriter:
 
     def finish(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
         """Close the open item; the final response (also emitted, when streamed)."""
+        response = self.settle(finish_reason, usage)
+        self.complete(response)
+        return response
+
+    def settle(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        """Close the open item; the final response, not emitted yet (``complete`` does)."""
         incomplete = finish_reason == "length"
         self._close("incomplete" if incomplete else "completed")
-        status = "incomplete" if incomplete else "completed"
-        response = self.response(status, usage=usage)
-        self._emit(f"response.{status}", response=response)
-        return response
+        return self.response("incomplete" if incomplete else "completed", usage=usage)
+
+    def complete(self, response: dict[str, Any]) -> None:
+        """Emit the final event, carrying ``response`` (when streamed)."""
+        self._emit(f"response.{response['status']}", response=response)
 
     def fail(self, err: HttpError) -> None:
         """A failure after streaming started: an ``error`` event, then ``response.failed``."""
@@ -196,8 +222,12 @@ class ResponseWriter:
             "tool_choice": _echo_tool_choice(req.tool_choice),
             "tools": [_echo_tool(t) for t in req.tools or ()],
             "text": req.text or {"format": {"type": "text"}},
-            "store": False,
+            "store": self.store,
         }
+        if req.previous_response_id is not None:
+            body["previous_response_id"] = req.previous_response_id
+        if self.conversation_id is not None:
+            body["conversation"] = {"id": self.conversation_id}
         if req.service_tier is not None:
             body["service_tier"] = "default"
         if usage is not None:
@@ -226,9 +256,15 @@ def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def responses_surface(metrics: FrontendMetrics, limits: RequestLimits | None = None) -> Surface:
+def responses_surface(
+    metrics: FrontendMetrics,
+    limits: RequestLimits | None = None,
+    history: ResponseHistory | None = None,
+) -> Surface:
     """The ``/v1/responses`` route's surface; ``limits`` bound the request before it is
-    translated (``input`` items, tools)."""
+    translated (``input`` items, tools); ``history``: the response store (None: none, as
+    ``--response-store off``)."""
+    history = history if history is not None else ResponseHistory(None)
 
     def decode(body: bytes) -> SurfaceRequest:
         request = decode_json(_decoder, body)
@@ -253,19 +289,29 @@ def responses_surface(metrics: FrontendMetrics, limits: RequestLimits | None = N
                 "completions only; /v1/responses needs a model the frontend tokenizes",
                 param="model",
             )
+        # NO_TENANT until clients map to tenants (as ``store_routes.tenant_of`` says).
+        turn = await history.begin(request, NO_TENANT)
+        if turn.context:  # the chain's or conversation's items, then the request's own
+            items = [*turn.context, *turn.input_items]
+            chat = to_chat(msgspec.structs.replace(request, input=items), limits)
         try:
-            run = await ChatRun.start(pipeline, chat, ctx, metrics, session_id)
+            run = await ChatRun.start(pipeline, chat, ctx, metrics, session_id or turn.session_id)
         except RequestError as exc:
             if exc.param == "reasoning_effort":  # chat's name for this API's reasoning.effort
                 exc.param = "reasoning"
             raise
         try:
-            writer = ResponseWriter(request, stream=request.stream)
-            await write_run(
-                proto, run, writer,
-                start=writer.start,
-                finish=lambda: writer.finish(run.finish_reason, run.usage),
+            writer = ResponseWriter(
+                request, stream=request.stream, response_id=turn.response_id,
+                store=turn.store, conversation_id=turn.conversation_id,
             )  # fmt: skip
+
+            async def finish() -> dict[str, Any]:
+                response = await history.keep(turn, writer.settle(run.finish_reason, run.usage))
+                writer.complete(response)
+                return response
+
+            await write_run(proto, run, writer, start=writer.start, finish=finish)
         finally:
             await run.aclose()
 

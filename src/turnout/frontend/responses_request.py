@@ -1,10 +1,10 @@
 """The Responses API's request (``POST /v1/responses``), and its translation into the chat
 request that runs it.
 
-turnout keeps no responses (stateless, as vLLM serves this API without a store): ``store`` is
-``false`` (``true`` is refused) and ``previous_response_id`` is refused; clients replay the
-conversation as items, as they do with chat completions. Every field is honoured or refused
-with a 400 naming it; unknown fields are refused by the struct.
+``store`` (OpenAI's default: true), ``previous_response_id`` and ``conversation`` are the
+response store's (``response_history``): a chained request runs as if its input held the
+chain's (or the conversation's) items before its own. Every field is honoured or refused with
+a 400 naming it; unknown fields are refused by the struct.
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     top_p: float | None = None
     stream: bool = False
     metadata: dict[str, str] | None = None
+    #: None: OpenAI's default, true (stored when the frontend has a store).
     store: bool | None = None
     previous_response_id: str | None = None
+    #: A conversation id, or ``{"id": ...}`` (``response_history.conversation_of``).
+    conversation: str | dict[str, Any] | None = None
     user: str | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
@@ -98,14 +101,6 @@ def to_chat(req: ResponsesRequest, limits: RequestLimits | None = None) -> ChatC
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    if req.store:
-        raise RequestError("turnout does not store responses; send 'store': false", param="store")
-    if req.previous_response_id is not None:
-        raise RequestError(
-            "'previous_response_id' needs stored responses, which turnout does not keep; "
-            "send the conversation as 'input' items",
-            param="previous_response_id",
-        )
     if req.reasoning and any(v is not None for k, v in req.reasoning.items() if k != "effort"):
         raise RequestError(
             "'reasoning' takes an 'effort' only (chat's 'reasoning_effort'): summaries are not "

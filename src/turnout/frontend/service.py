@@ -31,8 +31,13 @@ from .metrics import FrontendMetrics
 from .model_manager import ModelManager
 from .model_watcher import ModelWatcher
 from .pipeline_factory import PipelineFactory
+from .response_history import DEFAULT_MAX_RECORD_BYTES, DEFAULT_TTL_S, ResponseHistory
+from .response_store import DEFAULT_RESPONSE_STORE, make_response_store
 
 log = logging.getLogger("turnout.frontend")
+
+#: Longest pause between two sweeps of the response store's expired records.
+SWEEP_INTERVAL_S = 60.0
 
 
 @dataclass(slots=True)
@@ -93,6 +98,15 @@ class FrontendConfig:
     #: With no prefill worker, decode workers serve whole requests; when off, requests of a
     #: decode-role model wait (bounded) for a prefill worker, then fail with 503.
     decode_fallback: bool = True
+    #: The Responses API's store (``--response-store``): ``sqlite:PATH`` (``sqlite:``: the
+    #: default file, ``response_store.default_sqlite_path``), ``postgres://...``,
+    #: ``redis://...`` (shared by several frontends), ``memory:`` or ``off``.
+    response_store: str = DEFAULT_RESPONSE_STORE
+    #: Seconds a stored response or conversation lives after its chain's (or its) last write.
+    response_store_ttl: float = DEFAULT_TTL_S
+    #: The largest record stored (one response's input items and body); a larger response is
+    #: answered but not stored (``store: false``).
+    response_store_max_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
 
 class Frontend:
@@ -120,6 +134,12 @@ class Frontend:
             session_affinity_enabled=getattr(config, "router_session_affinity_ttl_s", None)
             is not None,
         )
+        if config.response_store_ttl <= 0 or config.response_store_max_bytes <= 0:
+            raise ConfigError(
+                "--response-store-ttl and --response-store-max-bytes must be positive"
+            )
+        #: The Responses API's store (None: ``off``); opened by ``start``.
+        self.response_store = make_response_store(config.response_store)
         self.admission = AdmissionController(
             AdmissionLimits(
                 max_inflight=config.max_inflight,
@@ -151,6 +171,16 @@ class Frontend:
 
     async def start(self) -> None:
         cfg = self.config
+        store = self.response_store
+        if store is not None:  # first: a store that cannot open leaves nothing else open
+            await store.open()
+            log.info("response store: %s", store.description)
+        history = ResponseHistory(
+            store,
+            ttl=cfg.response_store_ttl,
+            max_record_bytes=cfg.response_store_max_bytes,
+            max_items=cfg.limits.max_messages,
+        )
         if self.runtime is None:
             self.runtime = await open_runtime(cfg.planes)
         factory = self.factory = PipelineFactory(
@@ -196,6 +226,7 @@ class Frontend:
             ),
             prefill=self._prefill_health,
             limits=cfg.limits,
+            history=history,
         )
         self.http = service
         limits = dataclasses.replace(cfg.http, reject_status=cfg.reject_status)
@@ -203,6 +234,9 @@ class Frontend:
         await self._server.start()
         self.metrics.watch_http(self._server)
         self._tasks.append(asyncio.create_task(self._server.serve(), name="http"))
+        if store is not None:
+            sweep = history.sweep_forever(min(SWEEP_INTERVAL_S, cfg.response_store_ttl))
+            self._tasks.append(asyncio.create_task(sweep, name="response-store-sweep"))
         log.info("frontend listening on %s", self.url)
 
     def _prefill_health(self, name: str) -> dict[str, object] | None:
@@ -245,6 +279,8 @@ class Frontend:
         if self.factory is not None:
             await self.factory.close()
         await self.manager.close()
+        if self.response_store is not None:
+            await self.response_store.close()
         if self.runtime is not None and self._owns_runtime:
             await self.runtime.shutdown()
 
