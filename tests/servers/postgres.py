@@ -2,10 +2,13 @@
 its own made by ``initdb`` in a fresh folder, listening on a free port of 127.0.0.1.
 
 PostgreSQL refuses to run as root, and the tests often run as root (CI does). Then the cluster
-is made and run as the ``postgres`` user that Debian's package creates, through ``runuser``;
-its folder lives under ``/tmp`` (not under pytest's ``tmp_path``, which is private to root),
-owned by that user. As any other user, it runs as that user. Start-up takes about a second;
-``fsync`` is off (a test cluster need not survive a power cut).
+is made and run as the ``postgres`` user that Debian's package creates: the child process
+switches to that user itself (``subprocess``'s ``user``/``group``), so the server is this
+process's own child and gets its signals (a ``runuser`` in between would not pass SIGINT on,
+and would leave the server behind when killed). Its folder lives under ``/tmp`` (not under
+pytest's ``tmp_path``, which is private to root), owned by that user. As any other user, it
+runs as that user. Start-up takes about a second; ``fsync`` is off (a test cluster need not
+survive a power cut).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 import uuid
 from types import TracebackType
+from typing import Any
 
 from tests.servers.process import ServerProcess, free_port
 
@@ -39,19 +44,20 @@ def postgres_bin_dir() -> str | None:
     return None
 
 
-def _run_as() -> tuple[list[str], str | None]:
-    """The command prefix that runs the server, and the user who owns its files (None: this
-    user, when not root)."""
+def _run_as() -> dict[str, Any]:
+    """``subprocess`` keywords that run the server as another user: none unless root, then
+    Debian's ``postgres`` user."""
     if os.getuid() != 0:
-        return [], None
+        return {}
     try:
-        pwd.getpwnam("postgres")
+        user = pwd.getpwnam("postgres")
     except KeyError:
         raise RuntimeError(
             "PostgreSQL refuses to run as root, and there is no 'postgres' user to run it as "
             "(Debian's postgresql package creates one)"
         ) from None
-    return ["runuser", "-u", "postgres", "--"], "postgres"
+    return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": [],
+            "env": {**os.environ, "HOME": user.pw_dir, "USER": "postgres"}}  # fmt: skip
 
 
 class PostgresServer(ServerProcess):
@@ -64,21 +70,21 @@ class PostgresServer(ServerProcess):
         if bin_dir is None:
             raise RuntimeError("PostgreSQL is not installed (Debian: postgresql)")
         self.bin_dir = bin_dir
-        self.prefix, self.owner = _run_as()
+        self.run_as = _run_as()
         self.folder = tempfile.mkdtemp(prefix="turnout-pg-")
         self.data_dir = os.path.join(self.folder, "data")
         self.log_path = os.path.join(self.folder, "log")
         self.host = "127.0.0.1"
         self.port = free_port(self.host)
-        if self.owner is not None:
-            shutil.chown(self.folder, self.owner)
+        if self.run_as:
+            os.chown(self.folder, self.run_as["user"], self.run_as["group"])
         self._initdb()
 
     def _initdb(self) -> None:
         subprocess.run(
-            [*self.prefix, os.path.join(self.bin_dir, "initdb"), "-D", self.data_dir,
+            [os.path.join(self.bin_dir, "initdb"), "-D", self.data_dir,
              "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync"],
-            check=True, capture_output=True, timeout=60,
+            check=True, capture_output=True, timeout=60, cwd=self.folder, **self.run_as,
         )  # fmt: skip
 
     def dsn(self, database: str = "postgres") -> str:
@@ -87,7 +93,7 @@ class PostgresServer(ServerProcess):
     def start(self) -> PostgresServer:
         assert self.process is None, "already running"
         args = [
-            *self.prefix, os.path.join(self.bin_dir, "postgres"),
+            os.path.join(self.bin_dir, "postgres"),
             "-D", self.data_dir, "-p", str(self.port), "-k", self.folder,
             "-c", f"listen_addresses={self.host}", "-c", "fsync=off",
             "-c", "full_page_writes=off", "-c", "synchronous_commit=off",
@@ -95,8 +101,9 @@ class PostgresServer(ServerProcess):
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child keeps it)
         try:
             self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=self.folder, **self.run_as,
+            )  # fmt: skip
         finally:
             log.close()
         self._wait_ready()
@@ -139,6 +146,10 @@ class PostgresServer(ServerProcess):
                 return f.read()[-2000:]
         except OSError:
             return "(no log)"
+
+    def stop(self) -> None:
+        """Fast shutdown (SIGINT: clients are disconnected; SIGTERM would wait for them)."""
+        self._end(signal.SIGINT)
 
     def remove(self) -> None:
         """Stop it and remove its cluster."""
