@@ -205,6 +205,12 @@ class Fleet:
     def names(self) -> list[str]:
         return [f"engine{i}" for i in range(len(self.urls))]
 
+    def reset(self) -> None:
+        """Forget the engines (after their processes were stopped), to start anew."""
+        self.urls.clear()
+        self.kv_events.clear()
+        self.kv_replay.clear()
+
     def start_mockers(
         self,
         num: int,

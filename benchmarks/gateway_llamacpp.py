@@ -29,7 +29,14 @@ import httpx
 from benchmarks.gateway_fleet import Fleet, Processes
 from benchmarks.gateway_replay import CHAT, Planned, chat_body, replay
 from benchmarks.gateway_report import print_table
-from benchmarks.gateway_runs import GatewaySpec, measure, start_gateway, warm_up
+from benchmarks.gateway_runs import (
+    Gateway,
+    GatewaySpec,
+    measure,
+    retry_taken_ports,
+    start_gateway,
+    warm_up,
+)
 from tests.helpers import smollm2_path
 
 NUM_SERVERS = 2
@@ -100,12 +107,15 @@ def run_one(spec: GatewaySpec, gguf: str, convo: list[Turn], tmp: Path) -> dict[
     procs = Processes(tmp)
     fleet = Fleet(procs, "llamacpp")
     try:
-        why = fleet.start_llamacpp(NUM_SERVERS, gguf, n_ctx=N_CTX, parallel=PARALLEL)
-        if why is not None:
-            entry["skipped"] = f"llama.cpp servers: {why}"
-            return entry
         attach_args = ["--tokenizer", gguf] if spec.kind == "turnout" else []
-        gateway = start_gateway(spec, fleet, procs, model_name=MODEL_NAME, attach_args=attach_args)
+
+        def start() -> Gateway | str:
+            why = fleet.start_llamacpp(NUM_SERVERS, gguf, n_ctx=N_CTX, parallel=PARALLEL)
+            if why is not None:
+                return f"llama.cpp servers: {why}"
+            return start_gateway(spec, fleet, procs, model_name=MODEL_NAME, attach_args=attach_args)
+
+        gateway = retry_taken_ports(start, fleet)
         if isinstance(gateway, str):
             entry["skipped"] = gateway
             return entry

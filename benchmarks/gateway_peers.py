@@ -81,6 +81,28 @@ VLLM_ROUTER = Peer(
     "vllm-router", "vllm-router", "vllm-router", "TURNOUT_VLLM_ROUTER_VENV", face="vllm"
 )
 PEERS = {p.name: p for p in (SMG, VLLM_ROUTER)}
+#: What the benchmark's output says about how each gateway was run (measured, see above).
+NOTES = {
+    "turnout": (
+        "turnout frontend --router-mode kv|round-robin and one turnout attach for all engines "
+        "(--url and --kv-events/--kv-events-replay per engine; the attach process rehashes the "
+        "engines' native KV events); its CPU is the frontend's and attach's"
+    ),
+    "smg": (
+        "its /v1/completions refuses a token-id prompt (StringOrArray: strings only), so it gets "
+        "SGLang's /generate with input_ids and the engines wear SGLang's face (streamed output "
+        "cumulative, SGLang's default); it polls /loads and /v1/loads, which the mocker-server's "
+        "SGLang face does not serve (404), and /metrics, which it does; its cache_aware tree "
+        "guesses from the requests (KV events only from gRPC workers)"
+    ),
+    "vllm-router": (
+        "relays /v1/completions with a token-id prompt to vLLM's face; cache_aware keys the ids "
+        "as characters in its tree; kv_aware decodes only vLLM 0.29's KV-event wire contract "
+        "(the batch an array, events tagged maps with every field, 32-byte digests, medium GPU): "
+        "turnout mocker-server --kv-events-encoding map writes the batch as a map as well, so "
+        "kv_aware drops every batch and is recorded as skipped"
+    ),
+}
 
 
 def _find_python() -> str | None:

@@ -39,6 +39,8 @@ from turnout.frontend.service import free_port
 MODEL_NAME = "gateway-bench"
 #: What vLLM's router logs when its ``kv_aware`` index drops a KV event batch it cannot read.
 VLLM_ROUTER_DECODE_ERROR = "kv_index decode batch"
+#: A start that failed because a port picked free was taken before it was bound.
+PORT_TAKEN = re.compile(r"address already in use|cannot bind|EADDRINUSE", re.IGNORECASE)
 #: Colour codes some peers write to their logs even when not on a terminal.
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -211,6 +213,22 @@ def _fleet_block_size(fleet: Fleet) -> int:
     return fleet.block_size or 16
 
 
+def retry_taken_ports(
+    start: Callable[[], Gateway | str], fleet: Fleet, tries: int = 3
+) -> Gateway | str:
+    """``start()`` the engines and the gateway; when a process could not bind a port picked
+    free a moment before (another process took it meanwhile, e.g. as an ephemeral port), stop
+    everything and start again on new ports, up to ``tries`` times."""
+    result = start()
+    for _ in range(tries - 1):
+        if not isinstance(result, str) or not PORT_TAKEN.search(result):
+            break
+        fleet.procs.stop()
+        fleet.reset()
+        result = start()
+    return result
+
+
 def warm_up(
     gateway: Gateway, dialect: Dialect, body: dict[str, Any], timeout: float = 60
 ) -> str | None:
@@ -273,17 +291,20 @@ def run_gateway(spec: GatewaySpec, setup: RunSetup, tmp: Path) -> dict[str, Any]
     fleet = Fleet(procs, spec.face, block_size=setup.flags.block_size)
     try:
         started = time.perf_counter()
-        why = fleet.start_mockers(
-            setup.num_engines,
-            setup.flags,
-            model_name=MODEL_NAME,
-            encoding=spec.encoding,
-            hash_type=spec.hash_type,
-        )
-        if why is not None:
-            entry["skipped"] = f"mocker-servers: {why}"
-            return entry
-        gateway = start_gateway(spec, fleet, procs, model_name=MODEL_NAME)
+
+        def start() -> Gateway | str:
+            why = fleet.start_mockers(
+                setup.num_engines,
+                setup.flags,
+                model_name=MODEL_NAME,
+                encoding=spec.encoding,
+                hash_type=spec.hash_type,
+            )
+            if why is not None:
+                return f"mocker-servers: {why}"
+            return start_gateway(spec, fleet, procs, model_name=MODEL_NAME)
+
+        gateway = retry_taken_ports(start, fleet)
         if isinstance(gateway, str):
             entry["skipped"] = gateway
             return entry

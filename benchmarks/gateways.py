@@ -205,6 +205,7 @@ def run_mocker_part(args: argparse.Namespace, report: dict[str, Any]) -> None:
             concurrency=args.concurrency,
             timeout_s=args.request_timeout,
         )
+        part["traces"].append(entry)  # saved after every run: partial results survive
         for label in args.gateways:
             spec = GATEWAYS[label]
             why = peer_info.get(spec.kind, {}).get("unavailable")
@@ -217,7 +218,6 @@ def run_mocker_part(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 print(f"[{label}] skipped: {run['skipped']}", flush=True)
             entry["runs"].append(run)
             save(args.out, report)
-        part["traces"].append(entry)
         print_table(entry)
 
 
@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peers": peer_status(needed, install=not args.no_install),
         "model_name": MODEL_NAME,
         "gateways": args.gateways,
+        "notes": peers.NOTES,
     }
     if "mocker" in args.parts:
         run_mocker_part(args, report)
