@@ -74,7 +74,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(len(blocks), 3, figsize=(15, 3.6 * len(blocks)), squeeze=False)
     for row, (title, block) in zip(axes, blocks, strict=True):
         runs = [r for r in block["runs"] if "summary" in r]
-        labels = [r["gateway"].replace(" ", "\n", 1) for r in runs]
+        labels = [r["gateway"].replace(" (", "\n(") for r in runs]
         xs = range(len(runs))
         share = [100 * (r.get("cached_share") or 0) for r in runs]
         row[0].bar(xs, share, color="tab:blue")
@@ -98,7 +98,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         row[2].legend(fontsize=8)
         for ax in row:
             ax.set_xticks(list(xs))
-            ax.set_xticklabels(labels, fontsize=7)
+            ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
             ax.grid(True, axis="y", alpha=0.3)
         row[0].set_title(title, fontsize=10, loc="left")
     fig.tight_layout()
