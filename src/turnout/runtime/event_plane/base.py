@@ -48,6 +48,9 @@ from turnout.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+PlaneT = TypeVar("PlaneT", bound="EventPlane[Any, Any]")
+PubT = TypeVar("PubT", bound="EventPublisher[Any]")
+SubT = TypeVar("SubT", bound="EventSubscription[Any]")
 
 #: Default high water mark of a subscription's queue, in messages.
 DEFAULT_MAX_PENDING = 8192
@@ -204,11 +207,21 @@ class EventBuffer:
 # --- the interface -----------------------------------------------------------------------------
 
 
-class EventPublisher(abc.ABC):
-    """Publishes messages for one ``(namespace, component)``; see the module contract."""
+class EventPublisher(abc.ABC, Generic[PlaneT]):
+    """Publishes messages for one ``(namespace, component)``; see the module contract.
 
-    namespace: str
-    component: str
+    The bookkeeping every plane shares lives here: the owning plane, the published count and
+    an idempotent ``close`` that withdraws the publisher from its plane; a transport adds
+    ``publish_nowait`` and, in ``_release``, whatever it holds (a socket, a lease).
+    """
+
+    def __init__(self, plane: PlaneT, namespace: str, component: str) -> None:
+        self._plane = plane
+        self.namespace = namespace
+        self.component = component
+        #: Messages accepted so far; transports count each one in ``publish_nowait``.
+        self._num_published = 0
+        self._closed = False
 
     @abc.abstractmethod
     def publish_nowait(self, topic: str, payload: bytes) -> None:
@@ -228,13 +241,26 @@ class EventPublisher(abc.ABC):
         await self.publish(topic, encode_msg(msg))
 
     @property
-    @abc.abstractmethod
     def num_published(self) -> int:
         """Messages accepted by ``publish`` so far."""
+        return self._num_published
 
-    @abc.abstractmethod
+    def _closed_error(self) -> RuntimeError:
+        """What ``publish_nowait`` raises after ``close``."""
+        return RuntimeError(
+            f"{self._plane.kind} event publisher {self.namespace}/{self.component} is closed"
+        )
+
     async def close(self) -> None:
         """Withdraw the publisher; messages published after this raise. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._plane._publishers.discard(self)
+        await self._release()
+
+    async def _release(self) -> None:
+        """Free what the transport holds for this publisher (called once, by ``close``)."""
 
     async def __aenter__(self) -> Self:
         return self
@@ -248,17 +274,25 @@ class EventPublisher(abc.ABC):
         await self.close()
 
 
-class EventSubscription(abc.ABC):
+class EventSubscription(abc.ABC, Generic[PlaneT]):
     """An async iterator of the ``Event`` s of one ``(namespace, component, topic)``.
 
-    Implementations feed an ``EventBuffer`` (``self._buffer``); iteration, counters and
-    ``close`` of the buffer are shared here. One consumer at a time.
+    Transports feed the ``EventBuffer`` (``self._buffer``) made here; iteration, counters and
+    an idempotent ``close`` (which ends the iteration and withdraws the subscription from its
+    plane) are shared. A transport frees what it holds in ``_release``. One consumer at a time.
     """
 
-    namespace: str
-    component: str
-    topic: str
-    _buffer: EventBuffer
+    def __init__(
+        self, plane: PlaneT, namespace: str, component: str, topic: str, max_pending: int
+    ) -> None:
+        self._plane = plane
+        self.namespace = namespace
+        self.component = component
+        self.topic = topic
+        self._buffer = EventBuffer(
+            max_pending, name=f"{plane.kind}:{namespace}/{component}/{topic}"
+        )
+        self._closed = False
 
     def __aiter__(self) -> Self:
         return self
@@ -291,9 +325,17 @@ class EventSubscription(abc.ABC):
     def closed(self) -> bool:
         return self._buffer.closed
 
-    @abc.abstractmethod
     async def close(self) -> None:
         """Stop receiving and end the iteration; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._plane._subscriptions.discard(self)
+        self._buffer.close()
+        await self._release()
+
+    async def _release(self) -> None:
+        """Free what the transport holds for this subscription (called once, by ``close``)."""
 
     async def __aenter__(self) -> Self:
         return self
@@ -317,7 +359,7 @@ class TypedSubscription(Generic[T]):
 
     __slots__ = ("_logged", "_type", "num_invalid", "subscription")
 
-    def __init__(self, subscription: EventSubscription, type_: type[T]) -> None:
+    def __init__(self, subscription: EventSubscription[Any], type_: type[T]) -> None:
         self.subscription = subscription
         self._type = type_
         self.num_invalid = 0
@@ -346,17 +388,35 @@ class TypedSubscription(Generic[T]):
                     )
 
 
-class EventPlane(abc.ABC):
-    """Factory of publishers and subscriptions; owns them and closes them on ``close``."""
+class EventPlane(abc.ABC, Generic[PubT, SubT]):
+    """Factory of publishers and subscriptions; owns them and closes them on ``close``.
 
-    #: Registry name: ``local``, ``zmq``.
+    Shared here: the closed state, the name checks, and the sets of live publishers and
+    subscriptions (each removes itself on ``close``). A transport makes the objects
+    (``_open_publisher``, ``_open_subscription``) and frees its own state in ``_release``.
+    """
+
+    #: Registry name: ``local``, ``zmq``, ``nats``.
     kind: str
 
-    @abc.abstractmethod
-    async def publisher(self, namespace: str, component: str) -> EventPublisher:
-        """A new publisher for ``(namespace, component)``, ready to publish."""
+    def __init__(self) -> None:
+        self._publishers: set[PubT] = set()
+        self._subscriptions: set[SubT] = set()
+        self._closed = False
 
-    @abc.abstractmethod
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.kind} event plane is closed")
+
+    async def publisher(self, namespace: str, component: str) -> PubT:
+        """A new publisher for ``(namespace, component)``, ready to publish."""
+        self._check_open()
+        check_name("namespace", namespace)
+        check_name("component", component)
+        pub = await self._open_publisher(namespace, component)
+        self._publishers.add(pub)
+        return pub
+
     async def subscribe(
         self,
         namespace: str,
@@ -364,17 +424,43 @@ class EventPlane(abc.ABC):
         topic: str,
         *,
         max_pending: int = DEFAULT_MAX_PENDING,
-    ) -> EventSubscription:
+    ) -> SubT:
         """A new subscription to ``topic`` (``""``: every topic) of ``(namespace, component)``.
 
         ``max_pending`` is the high water mark of its queue (see the module docstring).
         Distributed implementations join asynchronously: messages published right after this
         returns may be missed (see the implementation's notes on joining).
         """
+        self._check_open()
+        check_name("namespace", namespace)
+        check_name("component", component)
+        sub = await self._open_subscription(namespace, component, topic, max_pending)
+        self._subscriptions.add(sub)
+        return sub
 
     @abc.abstractmethod
+    async def _open_publisher(self, namespace: str, component: str) -> PubT:
+        """Make a publisher ready to publish (names already checked)."""
+
+    @abc.abstractmethod
+    async def _open_subscription(
+        self, namespace: str, component: str, topic: str, max_pending: int
+    ) -> SubT:
+        """Make a subscription, joined as far as the transport allows (names checked)."""
+
     async def close(self) -> None:
         """Close every publisher and subscription made by this plane; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for sub in list(self._subscriptions):
+            await sub.close()
+        for pub in list(self._publishers):
+            await pub.close()
+        await self._release()
+
+    async def _release(self) -> None:
+        """Free the transport's own state, after every publisher and subscription closed."""
 
     async def __aenter__(self) -> Self:
         return self

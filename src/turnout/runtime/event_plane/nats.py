@@ -44,13 +44,10 @@ from nats.aio.subscription import Subscription
 
 from turnout.errors import ConfigError
 from turnout.runtime.event_plane.base import (
-    DEFAULT_MAX_PENDING,
     Event,
-    EventBuffer,
     EventPlane,
     EventPublisher,
     EventSubscription,
-    check_name,
     check_topic,
 )
 from turnout.runtime.nats import NatsConnection, subscribe_confirmed
@@ -97,15 +94,11 @@ def component_subject(namespace: str, component: str) -> str:
     return f"{SUBJECT_ROOT}.{subject_token(namespace)}.{subject_token(component)}"
 
 
-class NatsEventPublisher(EventPublisher):
+class NatsEventPublisher(EventPublisher["NatsEventPlane"]):
     def __init__(self, plane: NatsEventPlane, namespace: str, component: str) -> None:
-        self._plane = plane
-        self.namespace = namespace
-        self.component = component
+        super().__init__(plane, namespace, component)
         self._prefix = component_subject(namespace, component) + "."
         self._subjects: dict[str, str] = {}
-        self._num_published = 0
-        self._closed = False
 
     def publish_nowait(self, topic: str, payload: bytes) -> None:
         subject = self._subjects.get(topic)
@@ -113,35 +106,20 @@ class NatsEventPublisher(EventPublisher):
             check_topic(topic)
             subject = self._subjects[topic] = self._prefix + subject_token(topic)
         if self._closed:
-            raise RuntimeError(f"event publisher {self._prefix[:-1]} is closed")
+            raise self._closed_error()
         self._plane._put(subject, payload)
         self._num_published += 1
 
-    @property
-    def num_published(self) -> int:
-        return self._num_published
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._plane._publishers.discard(self)
-
-
-class NatsEventSubscription(EventSubscription):
+class NatsEventSubscription(EventSubscription["NatsEventPlane"]):
     def __init__(
         self, plane: NatsEventPlane, namespace: str, component: str, topic: str, max_pending: int
     ) -> None:
-        self._plane = plane
-        self.namespace = namespace
-        self.component = component
-        self.topic = topic
+        super().__init__(plane, namespace, component, topic, max_pending)
         prefix = component_subject(namespace, component)
         self.subject = f"{prefix}.{subject_token(topic) if topic else '*'}"
         self._prefix_len = len(prefix) + 1
-        self._buffer = EventBuffer(max_pending, name=f"nats:{namespace}/{component}/{topic}")
         self._sub: Subscription | None = None
-        self._closed = False
         #: Topic tokens already decoded, at most ``MAX_CACHED_TOPICS`` (a wildcard
         #: subscription usually sees few distinct ones, but any publisher may invent more).
         self._topics: dict[str, str] = {}
@@ -168,19 +146,14 @@ class NatsEventSubscription(EventSubscription):
             topic = cached
         self._buffer.offer(Event(topic, msg.data))
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._plane._subscriptions.discard(self)
-        self._buffer.close()
+    async def _release(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None
             with contextlib.suppress(Exception):  # the connection may be closed already
                 await sub.unsubscribe()
 
 
-class NatsEventPlane(EventPlane):
+class NatsEventPlane(EventPlane[NatsEventPublisher, NatsEventSubscription]):
     """Publish/subscribe through the NATS server of ``conn``; see the module docstring."""
 
     kind = "nats"
@@ -192,6 +165,7 @@ class NatsEventPlane(EventPlane):
         max_outbox: int = DEFAULT_MAX_OUTBOX,
         subscribe_timeout: float = DEFAULT_SUBSCRIBE_TIMEOUT,
     ) -> None:
+        super().__init__()
         self.conn = conn
         self.max_outbox = max_outbox
         self.subscribe_timeout = subscribe_timeout
@@ -199,16 +173,9 @@ class NatsEventPlane(EventPlane):
         self._wakeup: asyncio.Future[None] | None = None
         self._idle: asyncio.Future[None] | None = None
         self._writer: asyncio.Task[None] | None = None
-        self._publishers: set[NatsEventPublisher] = set()
-        self._subscriptions: set[NatsEventSubscription] = set()
         #: Messages dropped because the outbox was full (or the client refused them).
         self.num_dropped = 0
         self._dropping = False
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("nats event plane is closed")
 
     # -- the outbox -----------------------------------------------------------------------------
 
@@ -258,42 +225,21 @@ class NatsEventPlane(EventPlane):
 
     # -- the interface --------------------------------------------------------------------------
 
-    async def publisher(self, namespace: str, component: str) -> NatsEventPublisher:
-        self._check_open()
-        check_name("namespace", namespace)
-        check_name("component", component)
+    async def _open_publisher(self, namespace: str, component: str) -> NatsEventPublisher:
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(
                 self._write(), name="nats-event-plane-writer"
             )
-        pub = NatsEventPublisher(self, namespace, component)
-        self._publishers.add(pub)
-        return pub
+        return NatsEventPublisher(self, namespace, component)
 
-    async def subscribe(
-        self,
-        namespace: str,
-        component: str,
-        topic: str,
-        *,
-        max_pending: int = DEFAULT_MAX_PENDING,
+    async def _open_subscription(
+        self, namespace: str, component: str, topic: str, max_pending: int
     ) -> NatsEventSubscription:
-        self._check_open()
-        check_name("namespace", namespace)
-        check_name("component", component)
         sub = NatsEventSubscription(self, namespace, component, topic, max_pending)
         await sub._start()
-        self._subscriptions.add(sub)
         return sub
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for pub in list(self._publishers):
-            await pub.close()
-        for sub in list(self._subscriptions):
-            await sub.close()
+    async def _release(self) -> None:
         if self._writer is not None:
             await self.flush()
             self._writer.cancel()

@@ -48,13 +48,10 @@ import zmq.asyncio
 from turnout.errors import ConfigError
 from turnout.runtime.discovery.base import DiscoveryStore, WatchEventKind
 from turnout.runtime.event_plane.base import (
-    DEFAULT_MAX_PENDING,
     Event,
-    EventBuffer,
     EventPlane,
     EventPublisher,
     EventSubscription,
-    check_name,
     check_topic,
 )
 from turnout.runtime.lease import Lease
@@ -106,7 +103,7 @@ def _close_socket(sock: zmq.asyncio.Socket) -> None:
         sock.close(linger=0)
 
 
-class ZmqEventPublisher(EventPublisher):
+class ZmqEventPublisher(EventPublisher["ZmqEventPlane"]):
     """A bound PUB socket and its record in the store, kept under its own lease.
 
     If the lease is lost (the store could not be reached for a TTL), the record is gone for
@@ -122,9 +119,7 @@ class ZmqEventPublisher(EventPublisher):
         sock: zmq.asyncio.Socket,
         address: str,
     ) -> None:
-        self._plane = plane
-        self.namespace = namespace
-        self.component = component
+        super().__init__(plane, namespace, component)
         self.publisher_id = publisher_id
         self.address = address
         self.key = publishers_key(namespace, component, publisher_id)
@@ -133,8 +128,6 @@ class ZmqEventPublisher(EventPublisher):
         # await, and skipping the asyncio wrapper's future per message saves most of the cost.
         self._send = zmq.Socket.shadow(sock.underlying).send
         self._topics: dict[str, bytes] = {}
-        self._num_published = 0
-        self._closed = False
         self.lease: Lease | None = None
         self._guard: asyncio.Task[None] | None = None
 
@@ -189,22 +182,14 @@ class ZmqEventPublisher(EventPublisher):
             check_topic(topic)
             topic_bytes = self._topics[topic] = topic.encode()
         if self._closed:
-            raise RuntimeError(f"event publisher {self.key} is closed")
+            raise self._closed_error()
         # PUB never blocks: a subscriber whose pipe is at its high water mark loses the message.
         # Two send() calls, not send_multipart(): a third of the cost for two frames.
         self._send(topic_bytes, _SNDMORE_NOBLOCK)
         self._send(payload, _NOBLOCK)
         self._num_published += 1
 
-    @property
-    def num_published(self) -> int:
-        return self._num_published
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._plane._publishers.discard(self)
+    async def _release(self) -> None:
         if self._guard is not None:
             self._guard.cancel()
             await asyncio.wait([self._guard])
@@ -214,7 +199,7 @@ class ZmqEventPublisher(EventPublisher):
         _close_socket(self._sock)
 
 
-class ZmqEventSubscription(EventSubscription):
+class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
     """A SUB socket connected to every publisher of a component, following the store.
 
     Two tasks: the watch (connects and disconnects as records come and go) and the reader
@@ -229,13 +214,8 @@ class ZmqEventSubscription(EventSubscription):
         topic: str,
         max_pending: int,
     ) -> None:
-        self._plane = plane
-        self.namespace = namespace
-        self.component = component
-        self.topic = topic
+        super().__init__(plane, namespace, component, topic, max_pending)
         self._topic_bytes = topic.encode()
-        name = f"zmq:{namespace}/{component}/{topic}"
-        self._buffer = EventBuffer(max_pending, name=name)
         sock = plane._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, plane.rcvhwm)
@@ -249,7 +229,6 @@ class ZmqEventSubscription(EventSubscription):
         #: address -> number of keys naming it (ZeroMQ would duplicate a doubly connected pipe).
         self._address_refs: collections.Counter[str] = collections.Counter()
         self._changed = asyncio.Event()
-        self._closed = False
         self.num_invalid = 0
         self._watch_task: asyncio.Task[None] | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -387,12 +366,7 @@ class ZmqEventSubscription(EventSubscription):
                 return
         self._buffer.offer(Event(topic, payload))
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._plane._subscriptions.discard(self)
-        self._buffer.close()
+    async def _release(self) -> None:
         tasks = [t for t in (self._watch_task, self._reader_task) if t is not None]
         for task in tasks:
             task.cancel()
@@ -402,7 +376,7 @@ class ZmqEventSubscription(EventSubscription):
         _close_socket(self._sock)
 
 
-class ZmqEventPlane(EventPlane):
+class ZmqEventPlane(EventPlane[ZmqEventPublisher, ZmqEventSubscription]):
     """Brokerless PUB/SUB over TCP; publishers are found in the discovery ``store``.
 
     ``host`` is the interface publishers bind to; ``advertise_host`` the name subscribers
@@ -423,6 +397,7 @@ class ZmqEventPlane(EventPlane):
     ) -> None:
         if lease_ttl <= 0:
             raise ConfigError(f"event plane lease TTL must be positive, got {lease_ttl}")
+        super().__init__()
         self.store = store
         self.host = host
         if advertise_host is None:
@@ -432,18 +407,8 @@ class ZmqEventPlane(EventPlane):
         self.sndhwm = sndhwm
         self.rcvhwm = rcvhwm
         self._ctx = zmq.asyncio.Context()
-        self._publishers: set[ZmqEventPublisher] = set()
-        self._subscriptions: set[ZmqEventSubscription] = set()
-        self._closed = False
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("zmq event plane is closed")
-
-    async def publisher(self, namespace: str, component: str) -> ZmqEventPublisher:
-        self._check_open()
-        check_name("namespace", namespace)
-        check_name("component", component)
+    async def _open_publisher(self, namespace: str, component: str) -> ZmqEventPublisher:
         sock = self._ctx.socket(zmq.PUB)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -466,33 +431,16 @@ class ZmqEventPlane(EventPlane):
             _close_socket(sock)
             raise
         pub._start_guard()
-        self._publishers.add(pub)
         return pub
 
-    async def subscribe(
-        self,
-        namespace: str,
-        component: str,
-        topic: str,
-        *,
-        max_pending: int = DEFAULT_MAX_PENDING,
+    async def _open_subscription(
+        self, namespace: str, component: str, topic: str, max_pending: int
     ) -> ZmqEventSubscription:
-        self._check_open()
-        check_name("namespace", namespace)
-        check_name("component", component)
         sub = ZmqEventSubscription(self, namespace, component, topic, max_pending)
         sub._start()
-        self._subscriptions.add(sub)
         return sub
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for sub in list(self._subscriptions):
-            await sub.close()
-        for pub in list(self._publishers):
-            await pub.close()
+    async def _release(self) -> None:
         self._ctx.destroy(linger=0)
 
 
