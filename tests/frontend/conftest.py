@@ -19,7 +19,7 @@ from tests.servers.redis import RedisServer, redis_binary
 
 from turnout.engines.llamacpp import LlamaCppEngine
 from turnout.engines.mocker import MockerConfig, MockerEngine, make_mocker_engines
-from turnout.frontend.artifacts import CACHE_ENV
+from turnout.frontend.models.artifacts import CACHE_ENV
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from tests.frontend.fake_clock import FakeClock
 
 from turnout.errors import ConfigError, FrontendOverloaded
-from turnout.frontend.admission import AdmissionController, AdmissionLimits, Ticket
+from turnout.frontend.admission.limiter import AdmissionController, AdmissionLimits, Ticket
 
 
 def controller(clock: FakeClock, **limits: object) -> AdmissionController:

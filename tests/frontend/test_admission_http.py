@@ -19,7 +19,7 @@ from tests.frontend.stack import ENDPOINT, Stack, echo_engine
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.echo import EchoEngine
-from turnout.frontend.admission import Clock
+from turnout.frontend.admission.limiter import Clock
 from turnout.frontend.service import Frontend, FrontendConfig, free_port
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import EndpointId

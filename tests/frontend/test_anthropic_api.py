@@ -19,9 +19,9 @@ from tests.frontend.stack import Stack, WholePromptEcho, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.mocker import MockerConfig, make_mocker_engines
-from turnout.frontend.anthropic_api import MessageWriter
-from turnout.frontend.choice_output import ChoicePiece
-from turnout.frontend.responses import make_usage
+from turnout.frontend.anthropic.api import MessageWriter
+from turnout.frontend.openai.choice_output import ChoicePiece
+from turnout.frontend.openai.chunk_writer import make_usage
 from turnout.llm.parsers import ToolCallDelta
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

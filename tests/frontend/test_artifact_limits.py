@@ -29,7 +29,7 @@ from tests.watchdog import MemoryWatchdog
 from turnout.cli.frontend import frontend_config
 from turnout.cli.main import build_parser
 from turnout.errors import ConfigError
-from turnout.frontend.artifacts import ArtifactFetcher
+from turnout.frontend.models.artifacts import ArtifactFetcher
 from turnout.frontend.service import free_port
 from turnout.llm.artifacts import CHUNK_SIZE, ArtifactError
 from turnout.llm.model_card import load_model_card

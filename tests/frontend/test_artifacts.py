@@ -26,7 +26,7 @@ from tests.llm.conftest import make_small_hf_tokenizer
 from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker, artifact_handler
 from turnout.errors import ConfigError
-from turnout.frontend.artifacts import CACHE_ENV, ArtifactFetcher, DiskArtifactCache
+from turnout.frontend.models.artifacts import CACHE_ENV, ArtifactFetcher, DiskArtifactCache
 from turnout.frontend.service import Frontend, FrontendConfig, free_port
 from turnout.llm.artifacts import (
     CHUNK_SIZE,
@@ -47,7 +47,7 @@ from turnout.runtime.component import DistributedRuntime, EndpointClient, Servin
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.memory import MemoryStore
 
-WATCHER_LOG = "turnout.frontend.model_watcher"
+WATCHER_LOG = "turnout.frontend.models.watcher"
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -182,7 +182,7 @@ async def test_tokenizer_loaded_once_per_content(
 async def test_dead_or_silent_instance_falls_back_to_another(
     runtime: DistributedRuntime, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="turnout.frontend.artifacts")
+    caplog.set_level(logging.DEBUG, logger="turnout.frontend.models.artifacts")
     data = b"x" * 1000
     ref = make_ref("blob", "opaque", data)
     good_registry = ArtifactRegistry()

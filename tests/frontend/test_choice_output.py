@@ -8,8 +8,8 @@ from typing import Any
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from turnout.frontend.choice_output import ChoiceOutput
-from turnout.frontend.responses import ChunkWriter, make_usage, whole_response
+from turnout.frontend.openai.choice_output import ChoiceOutput
+from turnout.frontend.openai.chunk_writer import ChunkWriter, make_usage, whole_response
 from turnout.llm.backend import DecodedDelta
 from turnout.llm.parsers.forced import NamedToolOutput, RequiredToolsOutput
 from turnout.protocols.llm import FinishReason
@@ -99,7 +99,7 @@ def test_a_length_cut_is_length_even_after_a_call() -> None:
 
 
 def test_reasoning_and_content_pieces_become_delta_fields() -> None:
-    from turnout.frontend.choice_output import ChoicePiece
+    from turnout.frontend.openai.choice_output import ChoicePiece
 
     writer = ChunkWriter("m", True)
     raw = writer.piece(ChoicePiece(content="", reasoning="hmm"))
@@ -109,7 +109,7 @@ def test_reasoning_and_content_pieces_become_delta_fields() -> None:
 
 
 def test_harmony_parses_channels_even_without_tools() -> None:
-    from turnout.frontend.choice_output import output_parser
+    from turnout.frontend.openai.choice_output import output_parser
     from turnout.protocols.model import ModelCapabilities
 
     caps = ModelCapabilities(tool_call_parser="harmony")

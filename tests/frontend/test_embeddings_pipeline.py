@@ -8,7 +8,7 @@ import pytest
 
 from turnout.engines.embeddings.model import SentenceEmbeddingModel
 from turnout.errors import RequestError, WorkerProtocolError
-from turnout.frontend.embeddings import EmbeddingsPipeline
+from turnout.frontend.unary.embeddings import EmbeddingsPipeline
 from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.model import EndpointId, ModelDeploymentCard, ModelInput, ModelType
 from turnout.protocols.openai import EmbeddingsRequest

@@ -26,7 +26,7 @@ from turnout.engines.echo import EchoEngine
 from turnout.protocols.model import ModelDeploymentCard, RuntimeConfig, mdc_key
 from turnout.router.mode import RouterMode
 
-WATCHER = "turnout.frontend.model_watcher"
+WATCHER = "turnout.frontend.models.watcher"
 TIMEOUT = 10.0
 #: Two nested loops the sandbox's range cap allows: 10^10 iterations.
 SPIN = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from turnout.errors import ModelNotFound
-from turnout.frontend.model_manager import ModelAlreadyExists, ModelManager
+from turnout.frontend.models.manager import ModelAlreadyExists, ModelManager
 from turnout.protocols.model import (
     EndpointId,
     ModelDeploymentCard,

@@ -17,10 +17,10 @@ import msgspec
 import pytest
 
 from turnout.errors import DiscoveryError, ModelNotFound
-from turnout.frontend import model_watcher
-from turnout.frontend.metrics import FrontendMetrics
-from turnout.frontend.model_manager import ModelManager
-from turnout.frontend.model_watcher import (
+from turnout.frontend.metrics.frontend import FrontendMetrics
+from turnout.frontend.models import watcher as model_watcher
+from turnout.frontend.models.manager import ModelManager
+from turnout.frontend.models.watcher import (
     SUPPORTED_PAIRS,
     ModelAdded,
     ModelRemoved,
@@ -41,7 +41,7 @@ from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import KeyValue, WatchEvent, WatchEventKind
 from turnout.runtime.discovery.memory import MemoryStore
 
-LOGGER = "turnout.frontend.model_watcher"
+LOGGER = "turnout.frontend.models.watcher"
 CHAT_COMPL = ModelType.Chat | ModelType.Completions
 TIMEOUT = 2.0
 BARRIER = "barrier-"

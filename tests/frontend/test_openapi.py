@@ -17,7 +17,7 @@ from tests.frontend.stack import Stack
 
 from turnout.engines.embeddings import EmbeddingEngine
 from turnout.engines.tensor import NumericEngine
-from turnout.frontend.openapi import build_openapi
+from turnout.frontend.http.openapi import build_openapi
 from turnout.protocols.model import EndpointId
 
 SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent))

@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from turnout.frontend.model_manager import ModelManager
-from turnout.frontend.model_watcher import ModelWatcher
+from turnout.frontend.models.manager import ModelManager
+from turnout.frontend.models.watcher import ModelWatcher
 from turnout.protocols.model import (
     EndpointId,
     ModelDeploymentCard,
@@ -170,7 +170,7 @@ async def test_prefill_instances_on_a_second_endpoint_are_refused(
     p = await h.serve("m", PREFILL, prefill=True)
     await until(lambda: h.active("m"))
     other = EndpointId(namespace="ns", component="prefill2", name="generate")
-    with caplog.at_level(logging.ERROR, logger="turnout.frontend.prefill_watch"):
+    with caplog.at_level(logging.ERROR, logger="turnout.frontend.models.prefill_watch"):
         q = await h.serve("m", other, prefill=True)
         await until(lambda: "prefill instance refused" in caplog.text)
     assert h.watcher.prefill.instances("m") == [p.instance_id]  # type: ignore[union-attr]

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 
 from turnout.errors import RequestError
-from turnout.frontend.http_errors import HttpError
-from turnout.frontend.response_history import ResponseHistory, to_items
-from turnout.frontend.response_store import (
+from turnout.frontend.http.errors import HttpError
+from turnout.frontend.responses.history import ResponseHistory, to_items
+from turnout.frontend.responses.request import ResponsesRequest
+from turnout.frontend.responses.store import (
     MemoryResponseStore,
     ResponseStore,
     make_response_store,
 )
-from turnout.frontend.response_store.sqlite import SqliteResponseStore
-from turnout.frontend.responses_request import ResponsesRequest
+from turnout.frontend.responses.store.sqlite import SqliteResponseStore
 
 
 class Clock:
@@ -200,7 +200,7 @@ async def test_the_sqlite_file_is_private_and_in_wal_mode(tmp_path: Path) -> Non
 
 def test_the_store_is_named_by_the_flag(tmp_path: Path) -> None:
     from turnout.errors import ConfigError
-    from turnout.frontend.response_store import default_sqlite_path
+    from turnout.frontend.responses.store import default_sqlite_path
 
     assert make_response_store("off") is None
     default = make_response_store("sqlite:")

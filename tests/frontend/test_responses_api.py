@@ -12,10 +12,10 @@ import openai
 import pytest
 from tests.frontend.stack import Stack
 
-from turnout.frontend.choice_output import ChoicePiece
-from turnout.frontend.responses import make_usage
-from turnout.frontend.responses_api import ResponseWriter
-from turnout.frontend.responses_request import ResponsesRequest
+from turnout.frontend.openai.choice_output import ChoicePiece
+from turnout.frontend.openai.chunk_writer import make_usage
+from turnout.frontend.responses.api import ResponseWriter
+from turnout.frontend.responses.request import ResponsesRequest
 from turnout.llm.parsers import ToolCallDelta
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -138,8 +138,10 @@ async def test_tool_calls_become_function_call_items(stack: Stack) -> None:
     ("body", "param"),
     [
         ({"input": "hi", "conversation": {"id": "conv_1", "x": 1}}, "conversation"),
-        ({"input": "hi", "previous_response_id": "resp_1", "conversation": "conv_1"},
-         "conversation"),
+        (
+            {"input": "hi", "previous_response_id": "resp_1", "conversation": "conv_1"},
+            "conversation",
+        ),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
@@ -153,8 +155,10 @@ async def test_tool_calls_become_function_call_items(stack: Stack) -> None:
         ({"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
         ({"input": "hi", "service_tier": "flex"}, "service_tier"),
         ({"input": "hi", "prompt_cache_key": "k" * 257}, "prompt_cache_key"),
-        ({"input": "hi", "stream_options": {"include_usage": True}},
-         "stream_options.include_usage"),
+        (
+            {"input": "hi", "stream_options": {"include_usage": True}},
+            "stream_options.include_usage",
+        ),
     ],
 )
 async def test_what_it_cannot_honour_is_a_400_naming_it(

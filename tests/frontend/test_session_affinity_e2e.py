@@ -13,7 +13,7 @@ from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.echo import EchoEngine
 from turnout.errors import ConfigError
-from turnout.frontend.pipeline_factory import PipelineFactory
+from turnout.frontend.models.factory import PipelineFactory
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.router.mode import RouterMode
 from turnout.runtime.context import RequestContext

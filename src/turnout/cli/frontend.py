@@ -7,10 +7,10 @@ import logging
 from typing import Any
 
 from turnout.errors import ConfigError
-from turnout.frontend.http import DEFAULT_MAX_BODY_BYTES
-from turnout.frontend.http_errors import REJECT_STATUSES
-from turnout.frontend.response_history import DEFAULT_MAX_RECORD_BYTES, DEFAULT_TTL_S
-from turnout.frontend.response_store import DEFAULT_RESPONSE_STORE, default_sqlite_path
+from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES
+from turnout.frontend.http.errors import REJECT_STATUSES
+from turnout.frontend.responses.history import DEFAULT_MAX_RECORD_BYTES, DEFAULT_TTL_S
+from turnout.frontend.responses.store import DEFAULT_RESPONSE_STORE, default_sqlite_path
 from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.llm.limits import RequestLimits
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES

@@ -10,6 +10,24 @@ import socket
 from dataclasses import dataclass, field
 
 from turnout.errors import ConfigError, TurnoutError
+from turnout.frontend.admission.busy_threshold import BusyThresholds
+from turnout.frontend.admission.limiter import AdmissionController, AdmissionLimits, Clock
+from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, HttpService
+from turnout.frontend.http.errors import REJECT_STATUSES
+from turnout.frontend.metrics.affinity import SessionAffinityCollector
+from turnout.frontend.metrics.disagg import DisaggMetrics
+from turnout.frontend.metrics.frontend import FrontendMetrics
+from turnout.frontend.models.artifacts import ArtifactFetcher, DiskArtifactCache
+from turnout.frontend.models.factory import PipelineFactory
+from turnout.frontend.models.lora import LoraModels
+from turnout.frontend.models.manager import ModelManager
+from turnout.frontend.models.watcher import ModelWatcher
+from turnout.frontend.responses.history import (
+    DEFAULT_MAX_RECORD_BYTES,
+    DEFAULT_TTL_S,
+    ResponseHistory,
+)
+from turnout.frontend.responses.store import DEFAULT_RESPONSE_STORE, make_response_store
 from turnout.llm.limits import RequestLimits
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig
@@ -18,21 +36,6 @@ from turnout.router.mode import RouterMode, validate_router_mode_for_lora
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.http import HttpLimits, HttpServer
 from turnout.runtime.planes import PlanesConfig, open_runtime
-
-from .admission import AdmissionController, AdmissionLimits, Clock
-from .affinity_metrics import SessionAffinityCollector
-from .artifacts import ArtifactFetcher, DiskArtifactCache
-from .busy_threshold import BusyThresholds
-from .disagg_metrics import DisaggMetrics
-from .http import DEFAULT_MAX_BODY_BYTES, HttpService
-from .http_errors import REJECT_STATUSES
-from .lora import LoraModels
-from .metrics import FrontendMetrics
-from .model_manager import ModelManager
-from .model_watcher import ModelWatcher
-from .pipeline_factory import PipelineFactory
-from .response_history import DEFAULT_MAX_RECORD_BYTES, DEFAULT_TTL_S, ResponseHistory
-from .response_store import DEFAULT_RESPONSE_STORE, make_response_store
 
 log = logging.getLogger("turnout.frontend")
 

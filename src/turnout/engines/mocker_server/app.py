@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from turnout.frontend.http_errors import SERVER_ERROR, HttpError
+from turnout.frontend.http.errors import SERVER_ERROR, HttpError
 from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
 
 log = logging.getLogger("turnout.mocker_server")

@@ -24,7 +24,7 @@ from types import TracebackType
 from turnout.engines.mocker import MockerEngine
 from turnout.engines.mocker_server.metrics import ServerMetrics
 from turnout.engines.mocker_server.model import ServedModel
-from turnout.frontend.http_errors import SERVER_ERROR, HttpError, unavailable
+from turnout.frontend.http.errors import SERVER_ERROR, HttpError, unavailable
 from turnout.protocols.llm import (
     ErrorKind,
     FinishReason,

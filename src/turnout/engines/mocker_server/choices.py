@@ -17,7 +17,7 @@ from typing import Any
 
 from turnout.engines.mocker_server.backend import Generation, engine_error
 from turnout.engines.mocker_server.text import TextStream
-from turnout.frontend.http_errors import SERVER_ERROR, HttpError
+from turnout.frontend.http.errors import SERVER_ERROR, HttpError
 from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.llm import FinishReason, LLMEngineOutput
 

@@ -55,7 +55,7 @@ from turnout.engines.mocker_server.metrics import Api
 from turnout.engines.mocker_server.openai_bodies import OpenAIWriter
 from turnout.engines.mocker_server.text import TextStream
 from turnout.errors import RequestError, TemplateLimitExceeded
-from turnout.frontend.http_errors import SERVER_ERROR, HttpError
+from turnout.frontend.http.errors import SERVER_ERROR, HttpError
 from turnout.runtime.context import RequestContext
 from turnout.runtime.http import Exchange, Scope
 

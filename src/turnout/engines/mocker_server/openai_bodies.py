@@ -11,7 +11,7 @@ from turnout.engines.mocker_server.app import SseStream, error_event, send_json
 from turnout.engines.mocker_server.backend import GenerateParams
 from turnout.engines.mocker_server.choices import Delta, chat_logprobs, completion_logprobs
 from turnout.engines.mocker_server.metrics import Api
-from turnout.frontend.http_errors import HttpError
+from turnout.frontend.http.errors import HttpError
 from turnout.llm.tokenizer import Tokenizer
 from turnout.runtime.http import Exchange
 

@@ -54,7 +54,7 @@ from turnout.engines.mocker_server.metrics import Api
 from turnout.engines.mocker_server.openai_api import OpenAIRoutes
 from turnout.engines.mocker_server.text import TextStream
 from turnout.engines.mocker_server.vllm_api import decode_checked
-from turnout.frontend.http_errors import SERVER_ERROR, HttpError
+from turnout.frontend.http.errors import SERVER_ERROR, HttpError
 from turnout.runtime.context import RequestContext
 from turnout.runtime.http import Exchange, Scope
 

@@ -24,7 +24,7 @@ from turnout.engines.mocker_server.app import (
 from turnout.engines.mocker_server.backend import MockerBackend
 from turnout.engines.mocker_server.metrics import Api
 from turnout.engines.mocker_server.openai_api import OpenAIRoutes
-from turnout.frontend.http_errors import HttpError
+from turnout.frontend.http.errors import HttpError
 from turnout.runtime.http import Exchange, Scope
 
 #: What ``GET /version`` answers: a mocker, not a vLLM release.

@@ -1,0 +1,431 @@
+"""The OpenAI-compatible HTTP service: the application ``runtime.http.HttpServer`` runs.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``
+(``embeddings``), ``POST /v1/tensor`` (``tensor``), ``POST /v1/responses``,
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (surfaces of their own),
+``GET /v1/models``,
+``GET /health``, ``GET /live``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``),
+``GET``/``POST /busy_threshold`` (``busy_threshold``), and the response store's routes under
+``/v1/responses/{id}`` and ``/v1/conversations`` (``store_routes``). This module decodes,
+resolves, admits and accounts for requests; ``responder`` writes a generation's response.
+
+Routing is one dict lookup by (method, path). Paths that carry ids (the store's) cannot be
+keys, so they are served by prefix, looked for only when the lookup misses: the generation
+routes never pay for them.
+
+A request is validated and preprocessed before any byte is sent, and the first output is
+awaited before the status line goes out, so every failure that happens before generation
+starts (bad input, unknown model, no instance, a worker dying before answering) gets its own
+status and an OpenAI-style body. A failure after streaming started is sent as an SSE
+``error`` event (OpenAI clients raise it). A client that disconnects cancels its request:
+the handler task is cancelled, which closes the pipeline and sends a cancel to the worker.
+
+A request's session (the KV router's soft routing hint, ``session_id_from``) is named by a
+session header, or else by the body's ``prompt_cache_key`` (OpenAI's cache-routing hint, on
+chat completions and the Responses API): the header wins, since a gateway or an agent harness
+that sets it speaks for the whole conversation, where a client library fills the body field
+per call.
+
+Admission (``admission.AdmissionController``) comes after the body is decoded and the model
+resolved (a 400 or 404 never takes a slot or a place in the queue) and before preprocessing
+(tokenizing is work worth bounding); the slot is held until the response's last byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from turnout.errors import FrontendOverloaded
+from turnout.frontend.admission.busy_threshold import BusyThresholds
+from turnout.frontend.admission.limiter import AdmissionController
+from turnout.frontend.anthropic.api import count_tokens_surface, messages_surface
+from turnout.frontend.http.errors import HttpError, to_http_error
+from turnout.frontend.http.openapi import build_openapi
+from turnout.frontend.http.surface import (
+    MAX_SESSION_ID_CHARS,
+    Surface,
+    SurfaceRequest,
+    body_session_key,
+    decode_json,
+)
+from turnout.frontend.metrics.frontend import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics
+from turnout.frontend.models.manager import KIND_ROUTES, ModelKind, ModelManager
+from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline
+from turnout.frontend.openai.chunk_writer import JSON_HEADERS, new_request_id
+from turnout.frontend.openai.responder import Responder
+from turnout.frontend.responses.api import responses_surface
+from turnout.frontend.responses.history import ResponseHistory
+from turnout.frontend.responses.store_routes import (
+    CONVERSATIONS,
+    CONVERSATIONS_PREFIX,
+    RESPONSES_PREFIX,
+    STORE_ROUTES,
+    StoreRoutes,
+)
+from turnout.frontend.unary.embeddings import embeddings_surface
+from turnout.frontend.unary.tensor import tensor_surface
+from turnout.llm.limits import RequestLimits
+from turnout.protocols.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelList,
+    ModelObject,
+)
+from turnout.runtime.context import RequestContext
+from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
+
+log = logging.getLogger("turnout.frontend")
+
+_json = msgspec.json.Encoder()
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: Routes of other APIs that a token-input chat model serves (text-input ones are refused
+#: there: the worker, not the frontend, templates their requests).
+CHAT_SURFACE_ROUTES = ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
+#: Headers that name a conversation, in order of precedence: ours, then those coding agents
+#: send by themselves (Claude Code; Codex, in its current and legacy spelling; OpenCode).
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-claude-code-session-id",
+    "session-id",
+    "session_id",
+    "x-opencode-session",
+)
+
+
+def session_id_from(headers: Any) -> str | None:
+    """The request's session id (a soft routing hint for the KV router), or None."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            if len(value) > MAX_SESSION_ID_CHARS:
+                raise HttpError(
+                    400,
+                    f"header '{name}' is longer than {MAX_SESSION_ID_CHARS} characters",
+                    param=name,
+                )
+            return str(value)
+    return None
+
+
+class HttpService:
+    def __init__(
+        self,
+        manager: ModelManager,
+        metrics: FrontendMetrics,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        admission: AdmissionController | None = None,
+        reject_status: int = 503,
+        busy_thresholds: BusyThresholds | None = None,
+        prefill: Callable[[str], dict[str, Any] | None] | None = None,
+        limits: RequestLimits | None = None,
+        history: ResponseHistory | None = None,
+    ) -> None:
+        """``limits``: what one request may ask for (the preprocessors check them; surfaces
+        that translate another API's request check the costly parts before translating).
+        ``history``: the Responses API's store (None: none, as ``--response-store off``)."""
+        self.manager = manager
+        #: A model's disaggregated-serving state for ``/health`` (None: none to report).
+        self._prefill_health = prefill
+        self.metrics = metrics
+        self._responder = Responder(metrics)
+        self.max_body_bytes = max_body_bytes
+        #: None: no admission limits (every request runs at once).
+        self.admission = admission
+        #: The status of admission rejections (``--reject-status``: 429, 503 or 529).
+        self.reject_status = reject_status
+        if admission is not None:
+            metrics.watch_admission(lambda: admission.queued)
+        self._routes: dict[tuple[str, str], Any] = {
+            ("POST", "/v1/chat/completions"): self._bind(self._openai_surface(is_chat=True)),
+            ("POST", "/v1/completions"): self._bind(self._openai_surface(is_chat=False)),
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/live"): self._live,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/openapi.json"): self._openapi,
+        }
+        #: None: the frontend has no routers to tune (e.g. a bare service in tests).
+        self.busy_thresholds = busy_thresholds
+        if busy_thresholds is not None:
+            self._routes[("GET", "/busy_threshold")] = self._busy_threshold_get
+            self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
+        history = history if history is not None else ResponseHistory(None)
+        store = StoreRoutes(history, self._read_body)
+        self._routes[("POST", CONVERSATIONS)] = store.create_conversation
+        self._paths = {path for _, path in self._routes}
+        #: (prefix, handler(scope, proto, path)): routes whose paths carry ids, tried in order
+        #: when no exact route matches.
+        self._prefix_routes = (
+            (RESPONSES_PREFIX, store.responses),
+            (CONVERSATIONS_PREFIX, store.conversations),
+        )
+        #: Each surface's error body by path (OpenAI's elsewhere): its 405s have its shape too.
+        self._error_bodies: dict[str, Callable[[HttpError], bytes]] = {}
+        self.add_surface("POST", "/v1/responses", responses_surface(metrics, limits, history))
+        self.add_surface("POST", "/v1/messages", messages_surface(metrics))
+        self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
+        self.add_surface("POST", "/v1/embeddings", embeddings_surface())
+        self.add_surface("POST", "/v1/tensor", tensor_surface())
+        self._openapi_body = _json.encode(
+            build_openapi(busy_thresholds=busy_thresholds is not None)
+        )
+
+    @property
+    def routes(self) -> set[tuple[str, str]]:
+        """(method, path) of every route served; paths with ids as OpenAPI templates."""
+        return set(self._routes) | set(STORE_ROUTES)
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def __call__(self, scope: Scope, proto: Exchange) -> None:
+        path = scope.path.rstrip("/") or "/"
+        handler = self._routes.get((scope.method, path))
+        if handler is None:
+            for prefix, routed in self._prefix_routes:
+                if path.startswith(prefix):
+                    try:
+                        await routed(scope, proto, path)
+                    except HttpError as exc:
+                        self._send_error(proto, exc)
+                    return
+            if path in self._paths:
+                err = HttpError(
+                    405, f"method {scope.method} not allowed on {path}", code="method_not_allowed"
+                )
+            else:
+                err = HttpError(404, f"no route for {scope.method} {path}", code="unknown_url")
+            self._send_error(proto, err, self._error_bodies.get(path))
+            return
+        try:
+            await handler(scope, proto)
+        except HttpError as exc:
+            self._send_error(proto, exc, self._error_bodies.get(path))
+
+    @staticmethod
+    def _send_error(
+        proto: Exchange,
+        err: HttpError,
+        error_body: Callable[[HttpError], bytes] | None = None,
+    ) -> None:
+        body = error_body(err) if error_body is not None else err.body()
+        proto.response_bytes(err.status, JSON_HEADERS + err.headers, body)
+
+    async def _read_body(self, scope: Scope, proto: Exchange) -> bytes:
+        declared = scope.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await discard_body(proto, _DRAIN_BYTES)
+            raise HttpError(
+                413,
+                f"request body of {declared} bytes exceeds the limit of "
+                f"{self.max_body_bytes} bytes",
+                code="request_too_large",
+            )
+        if declared is not None:
+            return await proto()
+        parts: list[bytes] = []
+        size = 0
+        async for part in proto:
+            size += len(part)
+            if size > self.max_body_bytes:
+                await discard_body(proto, _DRAIN_BYTES)
+                raise HttpError(
+                    413,
+                    f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                    code="request_too_large",
+                )
+            parts.append(part)
+        return b"".join(parts)
+
+    # ------------------------------------------------------------------ simple routes
+
+    async def _models(self, scope: Scope, proto: Exchange) -> None:
+        manager = self.manager
+        models = [
+            ModelObject(
+                id=name, created=manager.created(name), root=name, endpoints=self._routes_of(name)
+            )
+            for name in manager.list_models()
+        ]
+        if manager.lora is not None:  # loaded LoRA adapters, vLLM's way
+            models += [
+                ModelObject(
+                    id=name,
+                    created=manager.created(base),
+                    root=name,
+                    parent=base,
+                    endpoints=self._routes_of(base),
+                )
+                for name, base in manager.lora.listed()
+            ]
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(ModelList(data=models)))
+
+    def _routes_of(self, name: str) -> list[str]:
+        """The generation routes that serve ``name``: its kinds' own, and for a chat model
+        the other APIs' routes its pipeline serves (token-input models only)."""
+        routes = []
+        for kind in self.manager.kinds(name):
+            routes.append(KIND_ROUTES[kind])
+            if kind is ModelKind.CHAT and isinstance(
+                self.manager.get_engine(kind, name), TokensPipeline
+            ):
+                routes += CHAT_SURFACE_ROUTES
+        return routes
+
+    async def _health(self, scope: Scope, proto: Exchange) -> None:
+        models = []
+        for name in self.manager.list_models():
+            instances = self.manager.model_instances(name)
+            entry: dict[str, Any] = {"name": name, "instances": [f"{i:x}" for i in instances]}
+            disagg = self._prefill_health(name) if self._prefill_health is not None else None
+            if disagg is not None:
+                entry["disaggregation"] = disagg
+            models.append(entry)
+        healthy = bool(models) and all(
+            m["instances"] and m.get("disaggregation", {}).get("ready", True) for m in models
+        )
+        body = {"status": "healthy" if healthy else "unhealthy", "models": models}
+        proto.response_bytes(200 if healthy else 503, JSON_HEADERS, _json.encode(body))
+
+    async def _live(self, scope: Scope, proto: Exchange) -> None:
+        proto.response_bytes(200, JSON_HEADERS, b'{"status":"live"}')
+
+    async def _openapi(self, scope: Scope, proto: Exchange) -> None:
+        proto.response_bytes(200, JSON_HEADERS, self._openapi_body)
+
+    async def _metrics(self, scope: Scope, proto: Exchange) -> None:
+        proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
+
+    async def _busy_threshold_get(self, scope: Scope, proto: Exchange) -> None:
+        assert self.busy_thresholds is not None
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.get_all()))
+
+    async def _busy_threshold_post(self, scope: Scope, proto: Exchange) -> None:
+        assert self.busy_thresholds is not None
+        body = await self._read_body(scope, proto)
+        proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.post(body)))
+
+    # ------------------------------------------------------------------ generation
+
+    def add_surface(self, method: str, path: str, surface: Surface) -> None:
+        """Serve another generation route (another API's shapes over the same pipelines)."""
+        self._routes[(method, path)] = self._bind(surface)
+        self._paths.add(path)
+        self._error_bodies[path] = surface.error_body
+
+    def _bind(self, surface: Surface) -> Any:
+        async def handler(scope: Scope, proto: Exchange) -> None:
+            await self._generate(scope, proto, surface)
+
+        return handler
+
+    def _openai_surface(self, *, is_chat: bool) -> Surface:
+        decoder = _chat_decoder if is_chat else _completion_decoder
+
+        def decode(body: bytes) -> SurfaceRequest:
+            request = decode_json(decoder, body)
+            nvext = request.nvext
+            priority = nvext.priority if nvext is not None else None
+            key = getattr(request, "prompt_cache_key", None)
+            return SurfaceRequest(
+                request.model, request.stream, request, priority or 0,
+                body_session_key(key, "prompt_cache_key"),
+            )  # fmt: skip
+
+        async def serve(
+            proto: Exchange,
+            pipeline: TokensPipeline | TextPipeline,
+            req: SurfaceRequest,
+            body: bytes,
+            ctx: RequestContext,
+            session_id: str | None,
+        ) -> None:
+            if isinstance(pipeline, TextPipeline):
+                await self._responder.relay_text(proto, pipeline, body, req.request, ctx)
+            else:
+                await self._responder.serve_tokens(proto, pipeline, req.request, ctx, session_id)
+
+        endpoint = "chat_completions" if is_chat else "completions"
+        return Surface(
+            endpoint, ModelKind.CHAT if is_chat else ModelKind.COMPLETIONS, decode, serve
+        )
+
+    async def _generate(self, scope: Scope, proto: Exchange, surface: Surface) -> None:
+        endpoint = surface.endpoint
+        # The metrics label: a served model's name once resolved, never a client's string.
+        model = UNKNOWN_MODEL
+        stream = False
+        status = 200
+        # A client's x-request-id is kept for logs but never trusted to be unique: ids key the
+        # router's bookings, and two requests sharing one would share (and free) one booking.
+        client_id = scope.headers.get("x-request-id")
+        ctx = RequestContext(f"{client_id}.{new_request_id()}" if client_id else new_request_id())
+        task = asyncio.current_task()
+        assert task is not None
+        client_gone = False
+
+        def on_disconnect(_: object) -> None:
+            nonlocal client_gone
+            client_gone = True
+            ctx.cancel()
+            task.cancel()
+
+        disconnect = proto.client_disconnect()
+        disconnect.add_done_callback(on_disconnect)
+        try:
+            body = await self._read_body(scope, proto)
+            request = surface.decode(body)
+            stream = request.stream
+            pipeline = self.manager.get_engine(surface.serves, request.model)
+            model = request.model
+            metrics = self.metrics.model(model)
+            ticket = None
+            if self.admission is not None:
+                ticket = await self.admission.acquire(model, request.priority)
+                metrics.queue_wait.observe(ticket.waited)
+            inflight = metrics.inflight
+            inflight.inc()
+            try:
+                session_id = session_id_from(scope.headers) or request.session_key
+                await surface.serve(proto, pipeline, request, body, ctx, session_id)
+            finally:
+                inflight.dec()
+                if ticket is not None:
+                    ticket.release()
+        except asyncio.CancelledError:
+            if not client_gone:
+                raise
+            status = 499
+            task.uncancel()
+            log.debug("request %s: client disconnected; work cancelled", ctx.request_id)
+        except ClientDisconnected as exc:  # gone (or stalled) while its response was written
+            status = exc.status
+            ctx.cancel()
+            log.debug("request %s: %s; work cancelled", ctx.request_id, exc)
+        except Exception as exc:  # every failure becomes one HTTP error
+            err = to_http_error(exc, reject_status=self.reject_status)
+            status = err.status
+            if isinstance(exc, FrontendOverloaded):
+                self.metrics.rejections.labels(model, exc.reason).inc()
+                if exc.waited:
+                    self.metrics.model(model).queue_wait.observe(exc.waited)
+            elif status in (503, 429):
+                self.metrics.rejections.labels(model, "unavailable").inc()
+            proto.response_bytes(err.status, JSON_HEADERS + err.headers, surface.error_body(err))
+        finally:
+            disconnect.remove_done_callback(on_disconnect)
+            self.metrics.count_request(model, endpoint, stream, status)
+
+
+#: How much of a refused (too large) body is read and dropped before the 413 goes out: a
+#: server that closes with the client's bytes unread makes the kernel reset the connection,
+#: and the client sees a reset instead of the 413. Past this, the reset is the lesser cost.
+_DRAIN_BYTES = 4 << 20

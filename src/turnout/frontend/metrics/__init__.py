@@ -1,0 +1,1 @@
+"""The frontend's Prometheus metrics."""

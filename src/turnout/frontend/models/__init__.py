@@ -1,0 +1,1 @@
+"""Model lifecycle: discovery events become served models with their pipelines."""

@@ -1,0 +1,469 @@
+"""Builds each model's pipelines for the model watcher, from its card and endpoint client.
+
+One factory per frontend: it holds what pipelines of one model share (a KV router, load
+counts, session tables, the prefill slot) and what every model shares (router mode, timeouts,
+the artifact fetcher). Which pipelines a card gets is the watcher's decision
+(``model_watcher``); how each is put together is decided here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from turnout.errors import ConfigError, TemplateLimitExceeded
+from turnout.frontend.metrics.disagg import DisaggMetrics
+from turnout.frontend.metrics.frontend import FrontendMetrics
+from turnout.frontend.models.artifacts import ArtifactFetcher
+from turnout.frontend.models.pairs import InvalidCard
+from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline, WorkerGate
+from turnout.frontend.unary.embeddings import EmbeddingsPipeline
+from turnout.frontend.unary.tensor import TensorPipeline
+from turnout.llm.backend import Backend
+from turnout.llm.chat_template import ChatTemplate
+from turnout.llm.limits import RequestLimits
+from turnout.llm.migration import Migration
+from turnout.llm.preprocessor import Preprocessor
+from turnout.llm.tokenizer import Tokenizer
+from turnout.protocols.llm import LLMEngineOutput
+from turnout.protocols.model import ModelDeploymentCard
+from turnout.protocols.unary import EmbeddingOutput, TensorOutput
+from turnout.router.instance_load import InstanceLoad
+from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.push import KvPushRouter
+from turnout.router.kv.router import KvRouter
+from turnout.router.lora import LoraRegistry, LoraSelector
+from turnout.router.mode import RouterMode
+from turnout.router.prefill_router import PrefillPool, PrefillRouter, PrefillSlots
+from turnout.router.push_router import InstanceSource, PushRouter
+from turnout.router.selectors import InstanceSelector, make_selector
+from turnout.router.session_affinity import MAX_TTL_S, SessionAffinityRouter, SessionTable
+from turnout.router.unary import UnaryCaller
+from turnout.runtime.event_plane import EventPlane
+
+_msgpack_encode = msgspec.msgpack.Encoder().encode
+#: Router modes that read the push router's in-flight counts.
+LOAD_MODES = frozenset(
+    {RouterMode.POWER_OF_TWO, RouterMode.LEAST_LOADED, RouterMode.DEVICE_AWARE_WEIGHTED}
+)
+_output_decoder = msgspec.msgpack.Decoder(LLMEngineOutput)
+_embedding_decoder = msgspec.msgpack.Decoder(EmbeddingOutput)
+_tensor_decoder = msgspec.msgpack.Decoder(TensorOutput)
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+class PipelineFactory:
+    """Builds pipelines for the model watcher (see ``model_watcher.PipelineFactory``)."""
+
+    def __init__(
+        self,
+        *,
+        router_mode: RouterMode = RouterMode.ROUND_ROBIN,
+        migration_limit: int = 3,
+        metrics: FrontendMetrics | None = None,
+        router_seed: int | None = None,
+        kv_config: KvRouterConfig | None = None,
+        kv_share_active: bool = True,
+        event_plane: EventPlane | None = None,
+        min_initial_workers: int = 0,
+        artifacts: ArtifactFetcher | None = None,
+        request_timeout: float = 0.0,
+        ttft_timeout: float = 0.0,
+        stall_timeout: float = 0.0,
+        session_affinity_ttl_s: float | None = None,
+        lora: LoraRegistry | None = None,
+        device_types: Callable[[str], Mapping[int, str]] | None = None,
+        cpu_gpu_ratio: int | None = None,
+        prefill_min_tokens: int = 512,
+        decode_fallback: bool = True,
+        disagg_metrics: DisaggMetrics | None = None,
+        limits: RequestLimits | None = None,
+        max_artifact_bytes: int | None = None,
+    ) -> None:
+        # Fail at start-up for a mode that is not built, not at the first request.
+        if router_mode is not RouterMode.KV:
+            make_selector(router_mode, seed=router_seed, cpu_gpu_ratio=cpu_gpu_ratio)
+        elif event_plane is None:
+            raise ValueError("router mode kv needs the event plane")
+        if min_initial_workers < 0:
+            raise ConfigError(
+                f"--router-min-initial-workers must be >= 0, got {min_initial_workers}"
+            )
+        self.min_initial_workers = min_initial_workers
+        #: What one request may ask for, checked by every model's preprocessor.
+        self.limits = limits if limits is not None else RequestLimits()
+        for flag, value in (
+            ("--request-timeout", request_timeout),
+            ("--ttft-timeout", ttft_timeout),
+            ("--stall-timeout", stall_timeout),
+        ):
+            if not (value >= 0) or value == float("inf"):
+                raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {value}")
+        #: Seconds (0: none): a request's whole deadline, the silence allowed before an
+        #: attempt's first output, and between outputs (see ``Migration``).
+        self.request_timeout = request_timeout
+        self.ttft_timeout = ttft_timeout
+        self.stall_timeout = stall_timeout
+        self.router_mode = router_mode
+        self.migration_limit = migration_limit
+        self.metrics = metrics
+        self.router_seed = router_seed
+        self.kv_config = kv_config or KvRouterConfig()
+        self.kv_share_active = kv_share_active
+        self.event_plane = event_plane
+        #: Where tokenizers come from: fetched by content from the model's instances, cached.
+        #: ``max_artifact_bytes`` (``--max-artifact-bytes``) bounds what it takes; None: the
+        #: fetcher's own bound.
+        self.artifacts = artifacts or ArtifactFetcher()
+        if max_artifact_bytes is not None:
+            if max_artifact_bytes < 1:
+                raise ConfigError(
+                    f"--max-artifact-bytes must be at least 1, got {max_artifact_bytes}"
+                )
+            self.artifacts.max_bytes = max_artifact_bytes
+        #: One KV router per model, shared by its chat and completions pipelines.
+        self.kv_routers: dict[str, KvRouter] = {}
+        #: ``--router-session-affinity-ttl-secs`` (None: off); one binding table per model,
+        #: shared by its chat and completions pipelines (see ``router.session_affinity``).
+        if session_affinity_ttl_s is not None and not (0 < session_affinity_ttl_s <= MAX_TTL_S):
+            raise ConfigError(
+                "--router-session-affinity-ttl-secs must be seconds > 0 and at most "
+                f"{MAX_TTL_S:g} (a year), got {session_affinity_ttl_s}"
+            )
+        self.session_affinity_ttl_s = session_affinity_ttl_s
+        self.session_tables: dict[str, tuple[InstanceSource, SessionTable]] = {}
+        #: ``--enable-lora``: adapter requests go only to instances holding (or loading) the
+        #: adapter (see ``router.lora``); None: LoRA serving off.
+        self.lora = lora
+        #: Load-based modes: per model, its client, the in-flight counts its push routers
+        #: keep and the selector reading them (shared by its chat and completions pipelines,
+        #: forgetting instances that leave), and the listener that prunes them.
+        self.device_types = device_types
+        self.cpu_gpu_ratio = cpu_gpu_ratio
+        self.load_selectors: dict[
+            str, tuple[InstanceSource, InstanceLoad, InstanceSelector, Callable[[], None]]
+        ] = {}
+        #: Disaggregated serving: each model's prefill side, activated by the model watcher
+        #: (``frontend.prefill_watch``) while it has prefill instances.
+        if prefill_min_tokens < 0:
+            raise ConfigError(f"--prefill-min-tokens must be >= 0, got {prefill_min_tokens}")
+        self.prefill_slots = PrefillSlots()
+        self.prefill_min_tokens = prefill_min_tokens
+        self.decode_fallback = decode_fallback
+        self.disagg_metrics = disagg_metrics
+
+    def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
+        mode = self.router_mode
+        if mode is RouterMode.KV:
+            # Text-input models send no tokens to hash: spread them round-robin.
+            mode = RouterMode.ROUND_ROBIN
+        if mode in LOAD_MODES:
+            load, selector = self._load_selector(card.display_name, client)
+            return PushRouter(
+                client,
+                self._lora_selector(selector),
+                endpoint_name=card.endpoint.path(),
+                load=load,
+                **codec,
+            )
+        return PushRouter(
+            client,
+            self._lora_selector(make_selector(mode, seed=self.router_seed)),
+            endpoint_name=card.endpoint.path(),
+            **codec,
+        )
+
+    def _load_selector(
+        self, name: str, client: InstanceSource
+    ) -> tuple[InstanceLoad, InstanceSelector]:
+        """The model's in-flight counts and load-based selector (new for a new client)."""
+        entry = self.load_selectors.get(name)
+        if entry is not None and entry[0] is client:
+            return entry[1], entry[2]
+        self._drop_load_selector(name)
+        load = InstanceLoad()
+        accessor = self.device_types
+        selector = make_selector(
+            self.router_mode,
+            seed=self.router_seed,
+            load=load,
+            device_types=(lambda: accessor(name)) if accessor is not None else None,
+            cpu_gpu_ratio=self.cpu_gpu_ratio,
+        )
+        mm_cache = getattr(selector, "mm_cache", None)
+        members = getattr(client, "announced_ids", client.instance_ids)
+
+        def prune() -> None:
+            live = set(members())
+            load.retain(live)
+            if mm_cache is not None:
+                mm_cache.retain(live)
+
+        add_listener = getattr(client, "add_listener", None)
+        if add_listener is not None:
+            add_listener(prune)
+        self.load_selectors[name] = (client, load, selector, prune)
+        return load, selector
+
+    def _drop_load_selector(self, name: str) -> None:
+        entry = self.load_selectors.pop(name, None)
+        if entry is None:
+            return
+        remove_listener = getattr(entry[0], "remove_listener", None)
+        if remove_listener is not None:
+            remove_listener(entry[3])
+
+    def _lora_selector(self, selector: InstanceSelector) -> InstanceSelector:
+        return selector if self.lora is None else LoraSelector(selector, self.lora)
+
+    def _gate(self, client: Any) -> WorkerGate | None:
+        if self.min_initial_workers <= 1:
+            return None
+        return WorkerGate(client, self.min_initial_workers)
+
+    async def _kv_router(self, card: ModelDeploymentCard, client: Any) -> KvRouter:
+        router = self.kv_routers.get(card.display_name)
+        if router is not None and router.client is client:
+            return router
+        if router is not None:  # the model came back with a new client: start afresh
+            await router.close()
+        assert self.event_plane is not None
+        config = msgspec.structs.replace(self.kv_config, block_size=card.kv_cache_block_size)
+        router = KvRouter(
+            config,
+            client,
+            self.event_plane,
+            card.endpoint,
+            dp_size=card.runtime_config.data_parallel_size,
+            share_active=self.kv_share_active,
+        )
+        await router.start()
+        self.kv_routers[card.display_name] = router
+        return router
+
+    def _session_table(self, name: str, client: InstanceSource) -> SessionTable:
+        entry = self.session_tables.get(name)
+        if entry is None or entry[0] is not client:  # new model, or back with a new client
+            assert self.session_affinity_ttl_s is not None
+            entry = self.session_tables[name] = (client, SessionTable(self.session_affinity_ttl_s))
+        return entry[1]
+
+    async def build_prefill_pool(
+        self, card: ModelDeploymentCard, client: InstanceSource
+    ) -> PrefillPool:
+        """The router among a model's prefill workers (its prefill card, its endpoint):
+        KV-aware in KV mode (the prompt goes where most of it is cached, weighed against
+        load), else the configured mode's selector."""
+        if self.router_mode is RouterMode.KV:
+            assert self.event_plane is not None
+            config = msgspec.structs.replace(self.kv_config, block_size=card.kv_cache_block_size)
+            kv_router = KvRouter(
+                config,
+                client,  # type: ignore[arg-type]
+                self.event_plane,
+                card.endpoint,
+                dp_size=card.runtime_config.data_parallel_size,
+                share_active=self.kv_share_active,
+            )
+            await kv_router.start()
+            generate = KvPushRouter(kv_router).generate
+            return PrefillPool(card.endpoint, client, generate, card.checksum(), kv_router)
+        mode = self.router_mode
+        load = InstanceLoad() if mode in LOAD_MODES else None
+        selector = make_selector(
+            mode, seed=self.router_seed, load=load, cpu_gpu_ratio=self.cpu_gpu_ratio
+        )
+        router = PushRouter(
+            client,
+            selector,
+            endpoint_name=card.endpoint.path(),
+            load=load,
+            encode=_msgpack_encode,
+            decode=_output_decoder.decode,
+        )
+        return PrefillPool(card.endpoint, client, router.generate, card.checksum())
+
+    async def release(self, name: str) -> None:
+        self.session_tables.pop(name, None)
+        self._drop_load_selector(name)
+        router = self.kv_routers.pop(name, None)
+        if router is not None:
+            await router.close()
+
+    async def close(self) -> None:
+        for pool in self.prefill_slots.deactivate_all():
+            await pool.close()
+        for router in self.kv_routers.values():
+            await router.close()
+        self.kv_routers.clear()
+
+    async def _tokenizer(self, card: ModelDeploymentCard, client: InstanceSource) -> Tokenizer:
+        """The card's tokenizer, by content from the workers (or the caches), never from a
+        path: ``ArtifactError`` when no instance delivers it (the watcher builds nothing)."""
+        if card.tokenizer is None:
+            raise ValueError(f"model {card.display_name!r} has Tokens input but no tokenizer")
+        return await self.artifacts.tokenizer(
+            card.tokenizer,
+            client,
+            prefer=card.instance_id,
+            bos_token=card.bos_token,
+            eos_token=card.eos_token,
+        )
+
+    @property
+    def max_artifact_bytes(self) -> int:
+        """The largest artifact a card may name (the model watcher refuses larger)."""
+        return self.artifacts.max_bytes
+
+    async def _chat_template(self, card: ModelDeploymentCard) -> ChatTemplate:
+        """The card's chat template, compiled and probed off the event loop: ``InvalidCard``
+        when it does not compile or runs past its budget on a small conversation (it would
+        on every request)."""
+        source = card.chat_template
+        if not source:
+            raise ValueError(f"chat model {card.display_name!r} has no chat template")
+
+        def load() -> ChatTemplate:
+            template = ChatTemplate(source, card.bos_token, card.eos_token)
+            template.probe()
+            return template
+
+        try:
+            return await asyncio.to_thread(load)
+        except (ConfigError, TemplateLimitExceeded) as err:
+            raise InvalidCard("chat_template", str(err)) from err
+
+    async def _tokens_pipeline(
+        self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
+    ) -> TokensPipeline:
+        # The template first: refusing a card for it costs no tokenizer fetch.
+        template = await self._chat_template(card) if is_chat else None
+        tokenizer = await self._tokenizer(card, client)
+        # The preprocessor's fit check reads it: computed once per tokenizer, not on the loop.
+        await asyncio.to_thread(lambda: tokenizer.max_token_chars)
+        if self.router_mode is RouterMode.KV:
+            router: Any = KvPushRouter(
+                await self._kv_router(card, client),
+                allow=self.lora.allowed if self.lora is not None else None,
+            )
+        else:
+            router = self._router(
+                card, client, encode=_msgpack_encode, decode=_output_decoder.decode
+            )
+        migrations = self.metrics.migrations.labels(card.display_name) if self.metrics else None
+        generate = router.generate
+        if self.session_affinity_ttl_s is not None:
+            generate = SessionAffinityRouter(
+                generate, self._session_table(card.display_name, client), client
+            ).generate
+        generate = self._prefill_router(card, generate, router).generate
+        migration = Migration(
+            generate,
+            migration_limit=self.migration_limit,
+            on_migration=migrations.inc if migrations is not None else None,
+            request_timeout=self.request_timeout,
+            ttft_timeout=self.ttft_timeout,
+            stall_timeout=self.stall_timeout,
+            report_down=getattr(client, "report_instance_down", None),
+        )
+        return TokensPipeline(
+            name=card.display_name,
+            card=card,
+            preprocessor=Preprocessor(card, tokenizer, template, self.limits),
+            backend=Backend(tokenizer),
+            migration=migration,
+            client=client,
+            is_chat=is_chat,
+            gate=self._gate(client),
+        )
+
+    def _prefill_router(self, card: ModelDeploymentCard, decode: Any, router: Any) -> PrefillRouter:
+        # The decode worker is chosen before the prefill (push target, conditional prefill)
+        # where the KV router decides alone; with session affinity the session's binding
+        # decides, at dispatch.
+        decode_kv = router if isinstance(router, KvPushRouter) else None
+        if self.session_affinity_ttl_s is not None:
+            decode_kv = None
+        metrics = self.disagg_metrics
+        return PrefillRouter(
+            self.prefill_slots.slot(card.display_name),
+            decode,
+            checksum=card.checksum(),
+            role=card.worker_role,
+            decode_endpoint=card.endpoint,
+            block_size=card.kv_cache_block_size,
+            min_tokens=self.prefill_min_tokens,
+            fallback=self.decode_fallback,
+            decode_kv=decode_kv,
+            observer=metrics.observer(card.display_name) if metrics is not None else None,
+        )
+
+    async def build_chat(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:
+        return await self._tokens_pipeline(card, client, is_chat=True)
+
+    async def build_completions(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:
+        return await self._tokens_pipeline(card, client, is_chat=False)
+
+    async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+        return self._text_pipeline(card, client, is_chat=True)
+
+    async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+        return self._text_pipeline(card, client, is_chat=False)
+
+    def _text_pipeline(
+        self, card: ModelDeploymentCard, client: Any, *, is_chat: bool
+    ) -> TextPipeline:
+        router = self._router(card, client, encode=_identity, decode=_identity)
+        return TextPipeline(
+            card.display_name,
+            card,
+            router,
+            client,
+            is_chat=is_chat,
+            gate=self._gate(client),
+            request_timeout=self.request_timeout,
+        )
+
+    async def build_embeddings(self, card: ModelDeploymentCard, client: Any) -> EmbeddingsPipeline:
+        """Tokens + Embedding: tokenize here, route (no KV routing: nothing is cached), reply."""
+        if card.embedding is None:
+            raise ValueError(
+                f"embedding model {card.display_name!r} does not say its vectors' length "
+                "(card field 'embedding')"
+            )
+        tokenizer = await self._tokenizer(card, client)
+        caller = self._unary_caller(card, client, _embedding_decoder.decode)
+        return EmbeddingsPipeline(
+            card.display_name, card, tokenizer, caller, client, gate=self._gate(client)
+        )
+
+    async def build_tensor(self, card: ModelDeploymentCard, client: Any) -> TensorPipeline:
+        """Tensor + TensorBased: checked against the card's tensors, routed, one reply."""
+        if card.tensor is None:
+            raise ValueError(
+                f"tensor model {card.display_name!r} does not declare its tensors "
+                "(card field 'tensor')"
+            )
+        caller = self._unary_caller(card, client, _tensor_decoder.decode)
+        return TensorPipeline(card.display_name, card, caller, client, gate=self._gate(client))
+
+    def _unary_caller(
+        self, card: ModelDeploymentCard, client: Any, decode: Callable[[bytes], Any]
+    ) -> UnaryCaller[Any, Any]:
+        """Routes a one-reply request (no KV routing: nothing is cached), sent again to
+        another instance when one fails, under ``--request-timeout``."""
+        router = self._router(card, client, encode=_msgpack_encode, decode=decode)
+        retries = self.metrics.migrations.labels(card.display_name) if self.metrics else None
+        return UnaryCaller(
+            router.generate,
+            retries=self.migration_limit,
+            request_timeout=self.request_timeout,
+            report_down=getattr(client, "report_instance_down", None),
+            on_retry=retries.inc if retries is not None else None,
+        )

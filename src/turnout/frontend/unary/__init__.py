@@ -1,0 +1,1 @@
+"""The one-reply routes: embeddings and tensors."""
