@@ -91,10 +91,6 @@ class KvRouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if limit is not None and limit < 0:
             raise ConfigError(f"busy_num_waiting_threshold must be >= 0, got {limit}")
 
-    @property
-    def prefill_load_scale(self) -> float:
-        return self.overlap_score_weight
-
 
 def _check_finite(name: str, value: float, *, minimum: float) -> None:
     if not (math.isfinite(value) and value >= minimum):

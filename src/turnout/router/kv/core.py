@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
 
 from turnout.protocols.block_hashing import compute_seq_hashes
-from turnout.protocols.kv import KvCacheEvent, KvEventBatch, LoadReport
+from turnout.protocols.kv import KvCacheEvent, LoadReport
 from turnout.router.kv.active_sequences import (
     ActiveSequenceEvent,
     ActiveSequences,
@@ -219,10 +219,6 @@ class KvRouterCore:
         if outcome is EventOutcome.IGNORED:
             self._kv_events_ignored += 1
         return outcome
-
-    def on_kv_events(self, events: KvEventBatch | Iterable[KvCacheEvent]) -> None:
-        for event in events.events if isinstance(events, KvEventBatch) else events:
-            self.on_kv_event(event)
 
     def on_kv_snapshot(
         self,
