@@ -32,9 +32,9 @@ from turnout.runtime.event_plane.nats import (
     token_name,
 )
 from turnout.runtime.nats import NatsConnection, NatsOptions, NatsUnavailable, connect_nats
-from turnout.runtime.request_plane import nats as rpn
 from turnout.runtime.request_plane.framing import Kind
 from turnout.runtime.request_plane.nats import NatsClient, NatsServer
+from turnout.runtime.request_plane.nats import wire as rpn
 
 
 @pytest.fixture(autouse=True)
@@ -459,7 +459,7 @@ async def test_a_lost_ack_is_not_peer_unavailable(conn: NatsConnection, lose: st
     dropped: list[int] = []
 
     async def lossy(msg: Msg) -> None:
-        kind = rpn._decode(msg.data).kind if msg.data else None
+        kind = rpn.decode_frame(msg.data).kind if msg.data else None
         targeted = kind == Kind.ACK or (lose == "ack and data" and kind == Kind.DATA)
         if targeted and kind not in dropped:
             dropped.append(kind)
@@ -513,10 +513,10 @@ async def test_a_huge_error_message_is_truncated_to_fit(conn: NatsConnection) ->
 
 
 def test_fit_text_cuts_on_a_character_boundary() -> None:
-    assert rpn._fit_text("short", 100) == "short"
-    cut = rpn._fit_text("€" * 100, 60)
-    assert cut.endswith(rpn._TRUNCATED) and len(cut.encode()) <= 60
-    assert set(cut.removesuffix(rpn._TRUNCATED)) == {"€"}
+    assert rpn.fit_text("short", 100) == "short"
+    cut = rpn.fit_text("€" * 100, 60)
+    assert cut.endswith(rpn.TRUNCATED) and len(cut.encode()) <= 60
+    assert set(cut.removesuffix(rpn.TRUNCATED)) == {"€"}
 
 
 # --- event plane ---------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ Servers find each other through a module-level registry keyed by a unique addres
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 import uuid
+import weakref
+from collections.abc import Callable
 
 from turnout.errors import PeerUnavailable, RemoteError, StreamBroken
 from turnout.protocols.model import TransportAddress
@@ -27,6 +27,7 @@ from turnout.runtime.request_plane.base import (
     as_bytes,
     drain_tasks,
 )
+from turnout.runtime.request_plane.credited_stream import CreditedStream, Inbox
 from turnout.runtime.request_plane.framing import WINDOW
 
 logger = logging.getLogger("turnout.runtime")
@@ -38,34 +39,28 @@ _SERVERS: dict[str, LocalServer] = {}
 _END = StopAsyncIteration
 
 
-class _Pipe:
+class _Pipe(Inbox):
     """One stream's buffer between the handler task (producer) and the client (consumer).
 
     Invariant: ``len(items) <= WINDOW``; the producer waits on ``space`` when it is full and
-    the consumer on ``ready`` when it is empty. ``terminal`` (set once, by the producer side)
-    is what the consumer raises after the last item: ``_END``, or an error.
+    the consumer on ``waiter`` when it is empty. ``terminal`` is set once, by the producer side
+    or by a cancel.
     """
 
-    __slots__ = ("ctx", "items", "path", "ready", "space", "task", "terminal")
+    __slots__ = ("ctx", "path", "space", "task")
 
-    def __init__(self, path: str, ctx: RequestContext) -> None:
+    def __init__(self, address: str, path: str, ctx: RequestContext) -> None:
+        super().__init__(f"local peer {address}")
         self.path = path
         self.ctx = ctx
-        self.items: collections.deque[bytes] = collections.deque()
-        self.terminal: type[StopAsyncIteration] | BaseException | None = None
-        self.ready: asyncio.Future[None] | None = None
         self.space: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
 
-    def finish(self, terminal: type[StopAsyncIteration] | BaseException) -> None:
-        if self.terminal is None:
-            self.terminal = terminal
-            self._wake_consumer()
-
-    def _wake_consumer(self) -> None:
-        ready = self.ready
-        if ready is not None and not ready.done():
-            ready.set_result(None)
+    def make_room(self) -> None:
+        """The consumer took an item: wake a producer waiting for space."""
+        space = self.space
+        if space is not None and not space.done():
+            space.set_result(None)
 
     def cancel(self) -> None:
         """The consumer is gone: cancel the handler and its context."""
@@ -103,7 +98,7 @@ class LocalServer(RequestPlaneServer):
         handler = self._handlers.get(path)
         if handler is None:
             raise RemoteError(f"unknown endpoint {path!r} at local peer {address}")
-        pipe = _Pipe(path, RequestContext(ctx.request_id))
+        pipe = _Pipe(address, path, RequestContext(ctx.request_id))
         self._inflight.add(pipe)
         pipe.task = asyncio.get_running_loop().create_task(self._run(pipe, handler, payload))
         pipe.task.add_done_callback(lambda _: self._on_done(pipe))
@@ -130,7 +125,7 @@ class LocalServer(RequestPlaneServer):
                     pipe.space = asyncio.get_running_loop().create_future()
                     await pipe.space
                 items.append(item)
-                pipe._wake_consumer()
+                pipe.wake()
             pipe.finish(_END)
         except Exception as exc:
             logger.warning("handler for %s raised: %r", pipe.path, exc)
@@ -141,77 +136,49 @@ class LocalServer(RequestPlaneServer):
                 await aclose()
 
 
-class _LocalStream:
-    """The client's iterator over one local stream; opens the stream on first ``__anext__``."""
+class _LocalStream(CreditedStream[_Pipe]):
+    """The client's iterator over one local stream (see ``credited_stream``): credit is the
+    consumer taking an item, which makes room for the producer at once."""
 
-    __slots__ = ("_address", "_client", "_ctx", "_path", "_payload", "_pipe")
+    __slots__ = ("_address", "_client", "_ctx", "_path", "_payload")
+
+    credit_batch = 1
 
     def __init__(
         self, client: LocalClient, address: str, path: str, payload: bytes, ctx: RequestContext
     ) -> None:
+        super().__init__()
         self._client = client
         self._address = address
         self._path = path
         self._payload = payload
         self._ctx = ctx
-        self._pipe: _Pipe | None = None
 
-    def __aiter__(self) -> _LocalStream:
-        return self
+    async def _open(self) -> _Pipe:
+        if self._client._closed:
+            raise PeerUnavailable("local request plane client is closed")
+        server = _SERVERS.get(self._address)
+        if server is None:
+            raise PeerUnavailable(f"no local peer at address {self._address}")
+        pipe = server._open(self._address, self._path, self._payload, self._ctx)
+        self._client._pipes.add(pipe)
+        return pipe
 
-    async def __anext__(self) -> bytes:
-        pipe = self._pipe
-        if pipe is None:
-            if self._client._closed:
-                raise PeerUnavailable("local request plane client is closed")
-            server = _SERVERS.get(self._address)
-            if server is None:
-                raise PeerUnavailable(f"no local peer at address {self._address}")
-            pipe = self._pipe = server._open(self._address, self._path, self._payload, self._ctx)
-            self._client._pipes.add(pipe)
-        items = pipe.items
-        while not items:
-            terminal = pipe.terminal
-            if terminal is not None:
-                self._client._pipes.discard(pipe)
-                pipe.terminal = _END  # an error is raised once; afterwards the stream is over
-                raise terminal
-            pipe.ready = asyncio.get_running_loop().create_future()
-            try:
-                await pipe.ready
-            except asyncio.CancelledError:
-                self._cancel()
-                raise
-            finally:
-                pipe.ready = None
-        item = items.popleft()
-        space = pipe.space
-        if space is not None and not space.done():
-            space.set_result(None)
-        return item
+    def _return_credit(self, delta: int, total: int) -> None:
+        assert self._inbox is not None
+        self._inbox.make_room()
 
-    def _cancel(self) -> None:
-        pipe = self._pipe
-        if pipe is not None:
-            self._client._pipes.discard(pipe)
-            pipe.cancel()
-
-    async def aclose(self) -> None:
-        self._cancel()
-
-    def __del__(self) -> None:
-        pipe = self._pipe
-        if pipe is not None and pipe.task is not None and not pipe.task.done():
-            # Dropped without aclose(): let the handler go. Task.cancel only schedules.
-            with contextlib.suppress(RuntimeError):  # the loop is already closed
-                pipe.cancel()
+    def _canceller(self) -> Callable[[], None]:
+        assert self._inbox is not None
+        return self._inbox.cancel
 
 
 class LocalClient(RequestPlaneClient):
     kind = "local"
 
     def __init__(self) -> None:
-        self._pipes: set[_Pipe] = set()
+        #: The pipes of streams still referenced (by their iterator or their running handler).
+        self._pipes: weakref.WeakSet[_Pipe] = weakref.WeakSet()
         self._closed = False
 
     def stream(

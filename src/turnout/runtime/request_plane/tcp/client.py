@@ -20,16 +20,16 @@ can write the discovery store can announce an instance at any address.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
+import functools
 import itertools
+from collections.abc import Callable
 
-from turnout.errors import PeerUnavailable, RemoteError, RequestPlaneError, StreamBroken
+from turnout.errors import PeerUnavailable, RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane.base import RequestPlaneClient
+from turnout.runtime.request_plane.credited_stream import OVERRUN, CreditedStream, Inbox
 from turnout.runtime.request_plane.framing import (
-    CREDIT_BATCH,
     DEFAULT_MAX_FRAME_BYTES,
     FRAME_OVERHEAD,
     Frame,
@@ -59,35 +59,12 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class _Inbox:
-    """What the connection delivers to one client stream. ``terminal`` is set once, by the
-    connection (END, ERROR, REJECT, ABORT, loss) or by the consumer (cancel)."""
-
-    __slots__ = ("acked", "items", "terminal", "waiter")
-
-    def __init__(self) -> None:
-        self.items: collections.deque[bytes] = collections.deque()
-        self.acked = False
-        self.terminal: type[StopAsyncIteration] | BaseException | None = None
-        self.waiter: asyncio.Future[None] | None = None
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def finish(self, terminal: type[StopAsyncIteration] | BaseException) -> None:
-        if self.terminal is None:
-            self.terminal = terminal
-            self.wake()
-
-
 class _ClientConnection(_Connection):
     def __init__(self, client: TcpClient, address: str) -> None:
         super().__init__(client.max_frame_bytes)
         self.client = client
         self.address = address
-        self.inboxes: dict[int, _Inbox] = {}
+        self.inboxes: dict[int, Inbox] = {}
         self._ids = itertools.count(1)
         #: Consecutive half-idle-timeout ticks without a byte heard while streams were open.
         self._silent_ticks = 0
@@ -139,7 +116,7 @@ class _ClientConnection(_Connection):
         logger.warning("tcp peer %s: %s; dropping the connection", self.address, reason)
         self._drop()
 
-    def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, _Inbox]:
+    def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, Inbox]:
         if not self._verified and self._handshake_timer is None and not self._closing:
             timeout = self.client.handshake_timeout
             if timeout > 0:
@@ -148,7 +125,7 @@ class _ClientConnection(_Connection):
         if not self.inboxes:
             self._silent_ticks = 0  # idle until now: the silence counts from this request
             self._heard = True
-        inbox = _Inbox()
+        inbox = Inbox(f"tcp peer {self.address}")
         self.inboxes[sid] = inbox
         self.send(Frame(Kind.REQUEST, sid, payload, path, 0, request_id))
         return sid, inbox
@@ -172,24 +149,14 @@ class _ClientConnection(_Connection):
         if inbox is None:
             return  # late frames of a stream the client cancelled
         if kind == _DATA:
-            data = frame.data
-            if isinstance(data, bytes):
-                inbox.items.append(data)
-            else:
-                inbox.items.extend(data)
-            inbox.wake()
+            if not inbox.deliver(frame.data):
+                self.cancel_stream(frame.stream_id)
+                inbox.finish(inbox.lost(OVERRUN))
         elif kind == Kind.ACK:
             inbox.acked = True
         else:
             del self.inboxes[frame.stream_id]
-            if kind == Kind.END:
-                inbox.finish(StopAsyncIteration)
-            elif kind == Kind.ERROR:
-                inbox.finish(RemoteError(frame.text))
-            elif kind == Kind.REJECT:
-                inbox.finish(PeerUnavailable(f"tcp peer {self.address}: {frame.text}"))
-            else:  # ABORT
-                inbox.finish(StreamBroken(f"tcp peer {self.address} aborted the stream"))
+            inbox.end(kind, frame.text)
 
     def on_lost(self, exc: Exception | None) -> None:
         self.client._forget(self)
@@ -201,89 +168,41 @@ class _ClientConnection(_Connection):
         self.inboxes.clear()
         reason = f": {exc}" if exc else (f": {self._lost_reason}" if self._lost_reason else "")
         for inbox in inboxes:
-            if inbox.acked:
-                inbox.finish(StreamBroken(f"connection to tcp peer {self.address} lost{reason}"))
-            else:
-                inbox.finish(PeerUnavailable(f"connection to tcp peer {self.address} lost{reason}"))
+            inbox.finish(inbox.lost(f"connection lost{reason}"))
 
 
-class _TcpStream:
-    """The caller's iterator over one stream; sends the REQUEST on the first ``__anext__``."""
+class _TcpStream(CreditedStream[Inbox]):
+    """The caller's iterator over one tcp stream (see ``credited_stream``)."""
 
-    __slots__ = ("_address", "_client", "_conn", "_consumed", "_ctx", "_inbox", "_path",
-                 "_payload", "_sid")  # fmt: skip
+    __slots__ = ("_address", "_client", "_conn", "_ctx", "_path", "_payload", "_sid")
 
     def __init__(
         self, client: TcpClient, address: str, path: str, payload: bytes, ctx: RequestContext
     ) -> None:
+        super().__init__()
         self._client = client
         self._address = address
         self._path = path
         self._payload = payload
         self._ctx = ctx
         self._conn: _ClientConnection | None = None
-        self._inbox: _Inbox | None = None
         self._sid = 0
-        self._consumed = 0
 
-    def __aiter__(self) -> _TcpStream:
-        return self
+    async def _open(self) -> Inbox:
+        self._client.check_payload(self._payload, self._path)
+        conn = await self._client._connection(self._address)
+        self._sid, inbox = conn.open_stream(self._path, self._payload, self._ctx.request_id)
+        self._conn = conn
+        self._payload = b""
+        return inbox
 
-    async def __anext__(self) -> bytes:
-        inbox = self._inbox
-        if inbox is None:
-            self._client.check_payload(self._payload, self._path)
-            conn = await self._client._connection(self._address)
-            self._sid, inbox = conn.open_stream(self._path, self._payload, self._ctx.request_id)
-            self._conn, self._inbox = conn, inbox
-            self._payload = b""
-        items = inbox.items
-        while not items:
-            terminal = inbox.terminal
-            if terminal is not None:
-                inbox.terminal = StopAsyncIteration  # an error is raised once
-                raise terminal
-            inbox.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await inbox.waiter
-            except asyncio.CancelledError:
-                self._cancel()
-                raise
-            finally:
-                inbox.waiter = None
-        self._consumed += 1
-        if self._consumed >= CREDIT_BATCH and inbox.terminal is None:
-            assert self._conn is not None
-            self._conn.send(Frame(_CREDIT, self._sid, num=self._consumed))
-            self._consumed = 0
-        return items.popleft()
+    def _return_credit(self, delta: int, total: int) -> None:
+        assert self._conn is not None
+        self._conn.send(Frame(_CREDIT, self._sid, num=delta))
 
-    def _cancel(self) -> None:
-        inbox = self._inbox
-        if inbox is not None and inbox.terminal is None:
-            inbox.terminal = StopAsyncIteration
-            assert self._conn is not None
-            self._conn.cancel_stream(self._sid)
-
-    async def aclose(self) -> None:
-        self._cancel()
-
-    def abort(self, exc: BaseException) -> None:
-        """Fail the stream with ``exc`` at once (its peer is known to be gone, though the
-        connection may not have noticed yet) and tell the peer to stop, should it hear."""
-        inbox = self._inbox
-        if inbox is not None and inbox.terminal is None:
-            assert self._conn is not None
-            self._conn.cancel_stream(self._sid)
-            inbox.finish(exc)
-
-    def __del__(self) -> None:
-        inbox = self._inbox
-        if inbox is not None and inbox.terminal is None and self._conn is not None:
-            # Dropped without aclose(): cancel at the next loop iteration (not from inside
-            # __del__, which may run in the middle of a frame being written).
-            with contextlib.suppress(RuntimeError):  # the loop is already closed
-                self._conn._loop.call_soon(self._conn.cancel_stream, self._sid)
+    def _canceller(self) -> Callable[[], None]:
+        assert self._conn is not None
+        return functools.partial(self._conn.cancel_stream, self._sid)
 
 
 class TcpClient(RequestPlaneClient):
