@@ -14,6 +14,11 @@ Embedding and tensor engines (``UnaryEngine``) answer each request with one repl
 decodes the request as the engine's ``request_type`` and sends its reply, or an error reply
 (a refusal, a failure, a request that does not decode).
 
+Requests are decoded strictly (their structs forbid unknown fields): a request carrying a
+field this worker does not know, from a newer frontend, is answered with a ``bad_request``
+error naming the field, never served as if the field were absent. Side-handler requests
+(artifacts, KV snapshots) that do not decode end their stream with an error frame.
+
 Engine failure: when the engine reports that it broke (``Engine.report_failure``) or its
 ``health()`` probe, run every ``health_interval`` seconds, returns a reason, the worker
 (1) ends every in-flight stream with an ``ERROR`` output of kind ``engine_failed`` (the
@@ -319,7 +324,19 @@ class Worker:
         burst instead of one per token; an engine slower than the event loop still gets one
         output, so one SSE event, per token. Cancelling this generator cancels the engine.
         """
-        request = _request_decoder.decode(payload)
+        try:
+            request = _request_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            # Among others: a field this worker does not know (a frontend newer than the
+            # worker), which msgspec names ("Object contains unknown field `x`").
+            yield _encode(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=f"this worker cannot read the request: {exc}",
+                    error_kind=ErrorKind.BAD_REQUEST.value,
+                )
+            )
+            return
         refusal = self._refusal(request)
         if refusal is not None:
             yield _encode(
@@ -392,7 +409,12 @@ class Worker:
         serve: Callable[[KvTransferRequest], Coroutine[Any, Any, KvTransferReply]],
     ) -> Handler:
         async def handle(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
-            yield _encode(await serve(_kv_transfer_decoder.decode(payload)))
+            try:
+                request = _kv_transfer_decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                yield _encode(KvTransferReply(ok=False, error=f"unreadable request: {exc}"))
+                return
+            yield _encode(await serve(request))
 
         return handle
 

@@ -63,7 +63,9 @@ class KvHandle(msgspec.Struct, frozen=True, kw_only=True):
     pushed_to: int | None = None
 
 
-class PrefillParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class PrefillParams(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     """On a prefill-stage request: compute the prompt, answer with a handle, keep the KV."""
 
     #: Push mode: the decode instance (of ``push_endpoint``) that will take the request.
@@ -71,7 +73,9 @@ class PrefillParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     push_endpoint: EndpointId | None = None
 
 
-class DisaggParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class DisaggParams(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     """``PreprocessedRequest.disagg``: which stage of a disaggregated request this is."""
 
     prefill: PrefillParams | None = None
@@ -88,7 +92,9 @@ class KvTransferOp(enum.StrEnum):
     RELEASE = "release"
 
 
-class KvTransferRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class KvTransferRequest(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     op: KvTransferOp
     handle_id: str
     #: With ``push``: the handle the blocks belong to.

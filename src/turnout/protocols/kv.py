@@ -101,7 +101,7 @@ class LoadReport(msgspec.Struct, kw_only=True):
 KV_SNAPSHOT_HANDLER = "kv_snapshot"
 
 
-class KvSnapshotRequest(msgspec.Struct, kw_only=True):
+class KvSnapshotRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dp_rank: int = 0
 
 

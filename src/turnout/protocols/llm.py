@@ -2,6 +2,11 @@
 
 ``PreprocessedRequest`` goes to a worker; a stream of ``LLMEngineOutput`` comes back. Every
 output carries the *new* token ids since the previous one (a delta, never cumulative).
+
+The request and every struct inside it forbid unknown fields: a worker older than its
+frontend refuses a field it does not know (naming it) instead of dropping it and serving a
+request that asked for something it will not do. Outputs tolerate unknown fields, so a
+newer worker's extra output fields do not break an older frontend.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class ErrorKind(enum.StrEnum):
     KV_TRANSFER_FAILED = "kv_transfer_failed"
 
 
-class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
+class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """When generation must end. Enforced by the frontend's backend operator; engines may
     enforce ``max_tokens`` and the token ids too (cheaper), never the strings."""
 
@@ -66,7 +71,7 @@ class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
 
 
-class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -78,13 +83,15 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float | None = None
 
 
-class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
 
-class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class StructuredOutput(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     """A constraint on what the model may write, enforced by the engine while sampling.
 
     ``kind`` is what the client asked for (``json_object``, ``json_schema``, ``regex``,
@@ -98,7 +105,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     grammar: str
 
 
-class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class PreprocessedRequest(
+    msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     """A request after templating and tokenization: what a Tokens-input worker receives."""
 
     model: str

@@ -170,7 +170,7 @@ class ArtifactRef(msgspec.Struct, frozen=True, kw_only=True):
     size: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class ArtifactRequest(msgspec.Struct, frozen=True, kw_only=True):
+class ArtifactRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Ask an instance's ``ARTIFACT_HANDLER`` for the artifact with ``sha256`` (msgpack)."""
 
     sha256: Sha256Hex

@@ -8,6 +8,9 @@ Every reply carries ``error`` / ``error_kind`` (the kinds of ``protocols.llm.Err
 
 Numbers travel as raw little-endian bytes, not lists: a batch of 32 embeddings of 384
 dimensions is 48 KiB of float32, which msgpack copies once instead of encoding 12,288 floats.
+
+Requests forbid unknown fields (a worker refuses a field it does not know rather than drop
+it); replies and ``Tensor``, which replies carry too, tolerate them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ class EmbeddingSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     truncatable_to: list[int] = msgspec.field(default_factory=list)
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class EmbeddingRequest(
+    msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     """Embed each token sequence (one client request: one or more inputs)."""
 
     token_ids: list[list[int]]
@@ -115,7 +120,7 @@ class Tensor(msgspec.Struct, kw_only=True):
     data: bytes
 
 
-class TensorRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class TensorRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     inputs: list[Tensor]
     #: Names of the outputs wanted (empty: all the model declares).
     outputs: list[str] = msgspec.field(default_factory=list)
