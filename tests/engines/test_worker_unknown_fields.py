@@ -30,9 +30,10 @@ from turnout.protocols.llm import (
 )
 from turnout.protocols.model import EndpointId
 from turnout.protocols.unary import TensorOutput
-from turnout.runtime.component import DistributedRuntime, EndpointClient
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.memory import MemoryStore
+from turnout.runtime.endpoint_client import EndpointClient
 
 ENDPOINT = EndpointId(namespace="t", component="backend", name="generate")
 _encode = msgspec.msgpack.Encoder().encode

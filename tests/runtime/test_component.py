@@ -12,10 +12,11 @@ import pytest
 
 from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
 from turnout.protocols.model import EndpointId, Instance, TransportAddress, instance_key, mdc_key
-from turnout.runtime import component
-from turnout.runtime.component import DistributedRuntime, EndpointClient
+from turnout.runtime import endpoint_client
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery import DiscoveryStore, FileStore, MemoryStore
+from turnout.runtime.endpoint_client import EndpointClient
 
 EID = EndpointId(namespace="ns", component="backend", name="generate")
 
@@ -110,7 +111,7 @@ async def test_stop_cancels_stragglers_after_drain_timeout(runtime: DistributedR
 async def test_report_instance_down_sets_aside_until_retry(
     runtime: DistributedRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(component, "DOWN_RETRY_SECONDS", 0.2)
+    monkeypatch.setattr(endpoint_client, "DOWN_RETRY_SECONDS", 0.2)
     served = await runtime.endpoint(EID).serve(echo)
     client = await runtime.endpoint(EID).client()
     calls: list[list[int]] = []
@@ -292,7 +293,7 @@ async def test_streams_of_an_instance_that_left_discovery_break(
     """A hung or cut-off worker never closes its connection; once its lease has ended (and
     the grace a draining worker gets has passed) with nothing left at its address, its open
     streams fail as broken (migratable) instead of waiting forever."""
-    monkeypatch.setattr(component, "LEFT_STREAM_GRACE_SECONDS", 0.05)
+    monkeypatch.setattr(endpoint_client, "LEFT_STREAM_GRACE_SECONDS", 0.05)
     store = MemoryStore()
     rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=1.0)
     started = asyncio.Event()
@@ -326,7 +327,7 @@ async def test_streams_survive_their_worker_registering_again(
     """A worker whose lease was lost (a store outage) registers again under a new id and
     goes on serving its streams: the old id leaving discovery must not break them."""
     # Longer than the worker takes to notice (a keep-alive every TTL/3) and register again.
-    monkeypatch.setattr(component, "LEFT_STREAM_GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(endpoint_client, "LEFT_STREAM_GRACE_SECONDS", 1.0)
     store = MemoryStore()
     rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=1.0)
     release = asyncio.Event()

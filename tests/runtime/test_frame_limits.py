@@ -28,7 +28,6 @@ from turnout.cli.serve import worker_argv
 from turnout.errors import ConfigError, PeerUnavailable, RemoteError, RequestPlaneError
 from turnout.protocols.llm import PreprocessedRequest, StopConditions
 from turnout.protocols.model import Instance, TransportAddress
-from turnout.runtime.component import handler_path
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery import FileStore
 from turnout.runtime.nats import NatsOptions, connect_nats
@@ -40,6 +39,7 @@ from turnout.runtime.request_plane.framing import (
     FrameTooLarge,
 )
 from turnout.runtime.request_plane.nats import NatsClient, NatsServer
+from turnout.runtime.serving import handler_path
 
 MiB = 1024 * 1024
 

@@ -18,10 +18,11 @@ import pytest
 from turnout.errors import PeerUnavailable
 from turnout.frontend.service import free_port
 from turnout.protocols.model import EndpointId, Instance, TransportAddress
-from turnout.runtime import component
-from turnout.runtime.component import DistributedRuntime, EndpointClient
+from turnout.runtime import endpoint_client
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery import MemoryStore
+from turnout.runtime.endpoint_client import EndpointClient
 from turnout.runtime.request_plane.tcp import TcpClient
 from turnout.runtime.request_plane.tcp.client import HANDSHAKE_TIMEOUT
 
@@ -36,7 +37,7 @@ async def echo(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
 
 @pytest.fixture
 async def runtime(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[DistributedRuntime]:
-    monkeypatch.setattr(component, "DOWN_RETRY_SECONDS", BASE)
+    monkeypatch.setattr(endpoint_client, "DOWN_RETRY_SECONDS", BASE)
     store = MemoryStore()
     rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=5.0)
     yield rt

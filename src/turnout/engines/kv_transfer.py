@@ -24,8 +24,9 @@ from turnout.protocols.disagg import (
     KvTransferRequest,
 )
 from turnout.protocols.model import EndpointId
-from turnout.runtime.component import DistributedRuntime, EndpointClient
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
+from turnout.runtime.endpoint_client import EndpointClient
 
 log = logging.getLogger(__name__)
 

@@ -56,10 +56,11 @@ from turnout.protocols.model import (
     ModelDeploymentCard,
     mdc_key,
 )
-from turnout.runtime.component import DistributedRuntime, ServingInstance
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPublisher
 from turnout.runtime.request_plane.base import Handler
+from turnout.runtime.serving import ServingInstance
 
 log = logging.getLogger("turnout.worker")
 

@@ -28,8 +28,10 @@ from turnout.protocols.model import MDC_ROOT, EndpointId, ModelDeploymentCard
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.router import KvRouter
 from turnout.router.kv.selector import Selection
-from turnout.runtime.component import DistributedRuntime, EndpointClient, ServingInstance
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
+from turnout.runtime.endpoint_client import EndpointClient
+from turnout.runtime.serving import ServingInstance
 
 log = logging.getLogger("turnout.router.service")
 

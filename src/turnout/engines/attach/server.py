@@ -37,8 +37,9 @@ import msgspec
 
 from turnout.errors import ConfigError
 from turnout.protocols.model import EndpointId, ModelDeploymentCard, mdc_key
-from turnout.runtime.component import DistributedRuntime, ServingInstance
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.event_plane import EventPublisher
+from turnout.runtime.serving import ServingInstance
 
 from ..events import EventPlaneSink
 from ..worker import FAILURE_DRAIN_SECONDS, Worker

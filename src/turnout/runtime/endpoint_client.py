@@ -1,0 +1,367 @@
+"""The calling side of the component layer: find an endpoint's instances and call them.
+
+An ``EndpointClient`` (made by ``Endpoint.client`` in ``component``) keeps the instances
+discovery announces under ``v1/instances/<endpoint path>/`` and sets aside, for a while, those
+that could not be reached; ``stream`` sends a request to one instance over the request plane
+its record names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
+from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
+from turnout.runtime.context import RequestContext
+from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
+from turnout.runtime.serving import handler_path
+
+if TYPE_CHECKING:
+    from turnout.runtime.component import DistributedRuntime
+
+logger = logging.getLogger("turnout.runtime")
+
+
+#: How long an instance reported down stays set aside unless discovery re-announces it; each
+#: further failure with no answer from it in between doubles that, up to the maximum (an
+#: address announced in the store that never answers costs a request a try every minute,
+#: not every five seconds).
+DOWN_RETRY_SECONDS = 5.0
+DOWN_RETRY_MAX_SECONDS = 60.0
+#: Pause before re-opening a discovery watch that failed.
+WATCH_RETRY_SECONDS = 1.0
+#: Streams of an instance that left discovery may run this long (a draining worker's own
+#: drain timeout, plus a margin) before they are failed as broken.
+LEFT_STREAM_GRACE_SECONDS = 6.0
+
+_instance_decoder = msgspec.json.Decoder(Instance)
+
+
+def instances_prefix(endpoint: EndpointId) -> str:
+    return f"{INSTANCES_ROOT}/{endpoint.path()}/"
+
+
+class EndpointClient:
+    """The live instances of one endpoint, kept current by a discovery watch."""
+
+    def __init__(self, runtime: DistributedRuntime, endpoint: EndpointId) -> None:
+        self.runtime = runtime
+        self.endpoint = endpoint
+        self._prefix = instances_prefix(endpoint)
+        #: Changed only by ``_apply`` (discovery) — the instances announced in the store.
+        self._instances: dict[int, Instance] = {}
+        #: Changed by ``report_instance_down`` and ``_restore``/``_apply``: set aside ids and
+        #: the timers that bring them back.
+        self._down: dict[int, asyncio.TimerHandle] = {}
+        #: Changed by ``report_instance_down`` (+1), a stream's first answer and a changed
+        #: record (cleared): set-asides of each instance since it last answered.
+        self._strikes: dict[int, int] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        #: Streams started to each instance and not yet finished (weak: a stream dropped
+        #: unfinished goes too): when an instance leaves discovery, they fail at once.
+        self._open: dict[int, weakref.WeakSet[_InstanceStream]] = {}
+        #: Where each instance in ``_open`` was reached (kept after it leaves discovery).
+        self._open_transport: dict[int, TransportAddress] = {}
+
+    # -- discovery ------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        store = self.runtime.store
+        kvs = await store.get_prefix(self._prefix)
+        for kv in kvs:
+            self._apply(WatchEvent(WatchEventKind.PUT, kv), notify=False)
+        # Resume after the newest key of the snapshot: replaying changes the snapshot already
+        # holds is harmless (a PUT overwrites, a DELETE of an absent key is a no-op), and
+        # nothing after it is missed. With no keys, a fresh watch snapshot is as good.
+        start = max((kv.revision for kv in kvs), default=None)
+        self._task = asyncio.get_running_loop().create_task(
+            self._watch(start), name=f"endpoint-client-{self.endpoint.path()}"
+        )
+
+    async def _watch(self, revision: int | None) -> None:
+        """Apply discovery changes until closed; a failed watch resumes after the last change
+        it delivered (replays are harmless, see ``_start``)."""
+        store = self.runtime.store
+        while True:
+            watch = store.watch_prefix(self._prefix, start_revision=revision)
+            try:
+                async for event in watch:
+                    revision = max(revision or 0, event.kv.revision)
+                    self._apply(event)
+                return  # the store was closed
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("instance watch of %s failed; resuming", self.endpoint.path())
+            finally:
+                aclose = getattr(watch, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            await asyncio.sleep(WATCH_RETRY_SECONDS)
+
+    def _apply(self, event: WatchEvent, notify: bool = True) -> None:
+        key = event.kv.key
+        try:
+            instance_id = int(key[len(self._prefix) :], 16)
+        except ValueError:
+            logger.warning("ignoring discovery key %r: not an instance id", key)
+            return
+        if event.kind is WatchEventKind.DELETE:
+            changed = self._instances.pop(instance_id, None) is not None
+            self._strikes.pop(instance_id, None)
+            timer = self._down.pop(instance_id, None)
+            if timer is not None:
+                timer.cancel()
+            transport = self._open_transport.get(instance_id)
+            if transport is not None:
+                loop = asyncio.get_running_loop()
+                loop.call_later(LEFT_STREAM_GRACE_SECONDS, self._abandon, transport)
+        else:
+            try:
+                instance = _instance_decoder.decode(event.kv.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("ignoring malformed instance record at %r: %s", key, exc)
+                return
+            if instance.instance_id != instance_id or instance.endpoint != self.endpoint:
+                logger.warning("ignoring instance record at %r: it names another instance", key)
+                return
+            changed = self._instances.get(instance_id) != instance
+            if changed:
+                self._strikes.pop(instance_id, None)  # a new address deserves a fresh try
+            self._instances[instance_id] = instance
+            timer = self._down.pop(instance_id, None)
+            if timer is not None:  # announced again: back in service
+                timer.cancel()
+                changed = True
+        if changed and notify:
+            self._notify()
+
+    def _abandon(self, transport: TransportAddress) -> None:
+        """Fail the streams to ``transport`` whose instances have left discovery, once
+        ``LEFT_STREAM_GRACE_SECONDS`` have passed and no live instance is served there.
+
+        A worker that leaves on purpose finishes (or cancels) its streams within its drain
+        timeout. One whose lease ended with no instance left at its address is dead, hung or
+        cut off, and its streams would wait forever on a peer that never answers: they end as
+        ``StreamBroken``, which the caller may migrate. A process that still serves an
+        instance at that address (it registered again after a lost lease, or serves several)
+        keeps its streams: its liveness is the request plane's to judge (heartbeats, stall
+        timeouts), not discovery's.
+        """
+        if any(inst.transport == transport for inst in self._instances.values()):
+            return
+        gone = [
+            iid
+            for iid, where in self._open_transport.items()
+            if where == transport and iid not in self._instances
+        ]
+        for instance_id in gone:
+            self._open_transport.pop(instance_id, None)
+            streams = self._open.pop(instance_id, None)
+            if not streams:
+                continue
+            logger.warning(
+                "instance %x of %s left discovery with %d open stream(s); failing them",
+                instance_id,
+                self.endpoint.path(),
+                len(streams),
+            )
+            for stream in list(streams):
+                stream.abort(
+                    StreamBroken(
+                        f"instance {instance_id:x} of {self.endpoint.path()} left discovery"
+                    )
+                )
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:
+                logger.exception("instance listener of %s raised", self.endpoint.path())
+
+    # -- queries --------------------------------------------------------------------------
+
+    def instance_ids(self) -> list[int]:
+        """Live instances not set aside, sorted."""
+        return sorted(iid for iid in self._instances if iid not in self._down)
+
+    def announced_ids(self) -> set[int]:
+        """Every instance discovery announces, set-aside ones included (membership, not
+        reachability: state kept per instance should follow this)."""
+        return set(self._instances)
+
+    def instances(self) -> list[Instance]:
+        return [self._instances[iid] for iid in self.instance_ids()]
+
+    def get_instance(self, instance_id: int) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    async def wait_for_instances(
+        self,
+        count: int = 1,
+        timeout: float | None = None,
+    ) -> None:
+        """Return once at least ``count`` instances are live; ``TimeoutError`` after
+        ``timeout`` seconds, naming the endpoint and how many were seen."""
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self.instance_ids()) < count:
+                    await self._changed.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"waited {timeout}s for {count} instance(s) of {self.endpoint.path()}, "
+                f"saw {len(self.instance_ids())}"
+            ) from None
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every change of the instance set."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+    def report_instance_down(self, instance_id: int) -> None:
+        """Set ``instance_id`` aside: out of ``instance_ids()`` until discovery announces it
+        again or ``DOWN_RETRY_SECONDS`` pass, twice as long for each time it was set aside
+        since a stream last got an answer from it (at most ``DOWN_RETRY_MAX_SECONDS``)."""
+        if instance_id not in self._instances or instance_id in self._down:
+            return
+        strikes = self._strikes.get(instance_id, 0) + 1
+        self._strikes[instance_id] = strikes
+        delay = min(DOWN_RETRY_SECONDS * 2 ** min(strikes - 1, 16), DOWN_RETRY_MAX_SECONDS)
+        loop = asyncio.get_running_loop()
+        self._down[instance_id] = loop.call_later(delay, self._restore, instance_id)
+        logger.warning(
+            "instance %x of %s set aside for %gs", instance_id, self.endpoint.path(), delay
+        )
+        self._notify()
+
+    def _restore(self, instance_id: int) -> None:
+        if self._down.pop(instance_id, None) is not None and instance_id in self._instances:
+            self._notify()
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def stream(self, instance_id: int, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        """Send ``payload`` to instance ``instance_id``'s handler and iterate its responses.
+
+        ``PeerUnavailable`` (unknown instance, or nothing reached it) sets the instance aside.
+        """
+        return _InstanceStream(self, instance_id, payload, ctx)
+
+    async def call(
+        self, instance_id: int, name: str, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]:
+        """Call the side handler ``name`` of an instance (see ``ServingInstance.add_handler``)."""
+        instance = self.get_instance(instance_id)
+        if instance is None:
+            raise PeerUnavailable(f"no instance {instance_id:x} of {self.endpoint.path()}")
+        client = self.runtime.request_plane_client(instance.transport.kind)
+        path = f"{handler_path(self.endpoint, instance_id)}#{name}"
+        stream = client.stream(instance.transport, path, payload, ctx)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        self.runtime._endpoint_clients.discard(self)
+        for timer in self._down.values():
+            timer.cancel()
+        self._down.clear()
+        self._strikes.clear()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+            self._task = None
+
+
+class _InstanceStream:
+    """Iterator over one call; reports the instance down when it cannot be reached, and is
+    failed as broken when the instance leaves discovery (see ``EndpointClient._abandon``)."""
+
+    __slots__ = ("__weakref__", "_client", "_ctx", "_inner", "_instance_id", "_payload")
+
+    def __init__(
+        self, client: EndpointClient, instance_id: int, payload: bytes, ctx: RequestContext
+    ) -> None:
+        self._client = client
+        self._instance_id = instance_id
+        self._payload = payload
+        self._ctx = ctx
+        self._inner: AsyncIterator[bytes] | None = None
+
+    def __aiter__(self) -> _InstanceStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        inner = self._inner
+        if inner is None:
+            client = self._client
+            instance = client.get_instance(self._instance_id)
+            if instance is None:
+                raise PeerUnavailable(
+                    f"no instance {self._instance_id:x} of {client.endpoint.path()}"
+                )
+            try:
+                rp_client = client.runtime.request_plane_client(instance.transport.kind)
+            except ConfigError as exc:
+                raise PeerUnavailable(f"instance {self._instance_id:x}: {exc}") from exc
+            path = handler_path(client.endpoint, self._instance_id)
+            inner = self._inner = rp_client.stream(
+                instance.transport, path, self._payload, self._ctx
+            )
+            self._payload = b""
+            client._open.setdefault(self._instance_id, weakref.WeakSet()).add(self)
+            client._open_transport[self._instance_id] = instance.transport
+            try:
+                first = await inner.__anext__()
+            except PeerUnavailable:
+                self._forget()
+                client.report_instance_down(self._instance_id)
+                raise
+            except BaseException:
+                self._forget()
+                raise
+            if client._strikes:
+                client._strikes.pop(self._instance_id, None)  # it answered
+            return first
+        try:
+            return await inner.__anext__()
+        except BaseException:
+            self._forget()
+            raise
+
+    def _forget(self) -> None:
+        streams = self._client._open.get(self._instance_id)
+        if streams is not None:
+            streams.discard(self)
+            if not streams:
+                del self._client._open[self._instance_id]
+                self._client._open_transport.pop(self._instance_id, None)
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail the stream with ``exc`` (planes whose streams cannot be aborted: no-op)."""
+        abort = getattr(self._inner, "abort", None)
+        if abort is not None:
+            abort(exc)
+
+    async def aclose(self) -> None:
+        self._forget()
+        aclose = getattr(self._inner, "aclose", None)
+        if aclose is not None:
+            await aclose()
