@@ -43,8 +43,8 @@ from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
 from turnout.router.kv.selector import Selection
-from turnout.runtime.component import EndpointClient
 from turnout.runtime.context import RequestContext
+from turnout.runtime.endpoint_client import EndpointClient
 from turnout.runtime.event_plane import EventPlane, EventPublisher, EventSubscription
 
 log = logging.getLogger("turnout.router.kv")
