@@ -4,6 +4,8 @@ the engine, and refuses names it does not know before anything starts."""
 from __future__ import annotations
 
 import pytest
+from tests.frontend.stack import echo_engine, make_stack
+from tests.polling import eventually
 
 from turnout.engines.mocker import MockerConfig, MockerEngine
 from turnout.engines.worker import Worker
@@ -55,3 +57,28 @@ async def test_an_unknown_name_is_a_config_error_naming_the_known_ones() -> None
             Worker(runtime, MockerEngine(MockerConfig()), ENDPOINT, reasoning_parser="qwen4")
     finally:
         await runtime.shutdown()
+
+
+async def test_an_instance_with_other_parsers_is_not_served_as_the_same_card(
+    gguf_path: str,
+) -> None:
+    """Two instances of one model whose cards differ only in the tool-call parser: the frontend
+    serves the first and holds the second back (its own card, on standby), since its tool
+    calls would be read with the wrong parser."""
+    stack = await make_stack()
+    watcher = stack.frontend.watcher
+    assert watcher is not None
+    try:
+        first = await stack.add_worker(echo_engine(gguf_path), tool_call_parser="hermes")
+        await stack.wait_for_model("echo")
+        second = await stack.add_worker(echo_engine(gguf_path), tool_call_parser="llama3_json")
+        await eventually(
+            lambda: any(watcher._models["echo"].standby.values()),
+            what="the second card held back on standby",
+        )
+        assert first.serving is not None and second.serving is not None
+        assert stack.frontend.manager.model_instances("echo") == [first.serving.instance_id]
+        (served,) = stack.frontend.manager.entries_for_model("echo")
+        assert served.capabilities.tool_call_parser == "hermes"
+    finally:
+        await stack.close()

@@ -248,8 +248,14 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Digest of the fields that must agree between instances of one model.
 
         Artifacts enter by their content hash (cheap: the hash of a tokenizer JSON, computed
-        once when the card is built), never by a path or the size of a weights file.
+        once when the card is built), never by a path or the size of a weights file. The
+        capabilities enter whole: the frontend checks requests against the served card's
+        (structured outputs, log probabilities) and parses output with its tool-call and
+        reasoning parsers, so an instance that does or parses otherwise is another card, not
+        one more instance of the same one.
         """
+        caps = self.capabilities
+        caps = msgspec.structs.replace(caps, structured_outputs=sorted(caps.structured_outputs))
         h = hashlib.sha256()
         for part in (
             self.display_name,
@@ -261,6 +267,7 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.model_input.value,
             msgspec.json.encode(self.embedding).decode(),
             msgspec.json.encode(self.tensor).decode(),
+            msgspec.json.encode(caps).decode(),
         ):
             h.update(part.encode())
             h.update(b"\0")
