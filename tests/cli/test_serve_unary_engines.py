@@ -13,9 +13,10 @@ import openai
 import pytest
 from tests.integration.procs import health, start_serve, stop_serve, wait_until
 
+from turnout.cli.engine_flags import check_engine_flags
 from turnout.cli.main import build_parser
 from turnout.cli.serve import worker_argv
-from turnout.cli.worker import check_engine_flags, make_engines
+from turnout.cli.worker import make_engines
 from turnout.engines.embeddings import EmbeddingEngine
 from turnout.engines.embeddings.model import DEFAULT_MODEL_NAME
 from turnout.engines.worker import Worker

@@ -33,11 +33,12 @@ from turnout.frontend.service import Frontend
 from turnout.llm.parsers import check_parser_names
 from turnout.runtime.discovery import default_file_store_path
 
+from .engine_flags import check_engine_flags, engine_flags
 from .flags import add_flag, add_runtime_flags
 from .frontend import add_frontend_flags, add_kv_router_flags, frontend_config
 from .lifecycle import run_command, run_until_signal
 from .parent_watch import ParentPipe
-from .worker import add_worker_flags, check_engine_flags
+from .worker import add_worker_flags
 
 log = logging.getLogger("turnout.serve")
 
@@ -118,22 +119,10 @@ def worker_argv(
         argv += ["--num-workers", str(worker_count(args) if count is None else count)]
     if role != "aggregated":
         argv += ["--role", role]
-    engine_flags = {
-        "llamacpp": ("n_ctx", "n_parallel", "threads", "max_waiting"),
-        "echo": ("echo_delay_ms",),
-        "embeddings": ("max_batch_size", "max_batch_tokens", "threads", "max_waiting"),
-        "onnx": ("threads", "max_waiting"),
-        "numeric": ("max_waiting",),
-        "mocker": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                   "speedup_ratio", "seed", "dp_size", "no_prefix_caching", "no_chunked_prefill",
-                   "max_waiting", "fail_after_steps", "lora_adapters", "lora_load_ms",
-                   "max_loras"),
-    }[args.engine]  # fmt: skip
-    values = {name: getattr(args, name) for name in engine_flags}
-    if args.engine in ("llamacpp", "embeddings", "onnx"):
+    values = {name: getattr(args, name) for name in engine_flags(args.engine)}
+    if "threads" in values:
         values["threads"] = args.threads or threads
-    for name in ("model_path", "model_name", "context_length", "tool_call_parser",
-                 "reasoning_parser"):  # fmt: skip
+    for name in ("model_path", "model_name", "tool_call_parser", "reasoning_parser"):
         values[name] = getattr(args, name)
     for name, value in values.items():
         flag = "--" + name.replace("_", "-")

@@ -15,6 +15,7 @@ from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_pars
 from turnout.protocols.model import EndpointId
 from turnout.runtime.planes import open_runtime
 
+from .engine_flags import ENGINE_FLAGS, check_engine_flags
 from .flags import add_flag, add_runtime_flags, env_name, planes_config
 from .lifecycle import run_command, run_until_signal
 from .parent_watch import watch_parent
@@ -27,53 +28,6 @@ DEFAULT_ENDPOINT = "turnout/backend/generate"
 #: and the prefill pool's router never mix their events.
 DEFAULT_PREFILL_ENDPOINT = "turnout/prefill/generate"
 ROLES = ("aggregated", "prefill", "decode")
-
-
-_MOCKER = ("mocker",)
-#: The engine flags only some engines read: given to another engine (a value other than its
-#: default), they are refused rather than accepted and ignored (``check_engine_flags``).
-ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
-    "context_length": ("echo", "mocker", "embeddings"),
-    "n_ctx": ("llamacpp",),
-    "n_parallel": ("llamacpp",),
-    "threads": ("llamacpp", "embeddings", "onnx"),
-    "max_waiting": ("mocker", "llamacpp", "embeddings", "onnx", "numeric"),
-    "max_batch_size": ("embeddings",),
-    "max_batch_tokens": ("embeddings",),
-    "echo_delay_ms": ("echo",),
-    **dict.fromkeys(
-        (
-            "num_gpu_blocks",
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "speedup_ratio",
-            "seed",
-            "dp_size",
-            "no_prefix_caching",
-            "no_chunked_prefill",
-            "fail_after_steps",
-            "lora_adapters",
-            "lora_load_ms",
-            "max_loras",
-        ),
-        _MOCKER,
-    ),
-}
-
-
-def check_engine_flags(args: argparse.Namespace) -> None:
-    """``ConfigError`` naming the first flag set for an engine other than ``--engine``."""
-    defaults: dict[str, object] = getattr(args, "engine_flag_defaults", {})
-    for name, engines in ENGINE_FLAGS.items():
-        if args.engine in engines or name not in defaults:
-            continue
-        if getattr(args, name) != defaults[name]:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(
-                f"{flag} is read by the {', '.join(engines)} engine"
-                f"{'s' if len(engines) > 1 else ''}, not by {args.engine}; leave it out"
-            )
 
 
 def add_mocker_flags(g: Any) -> None:
