@@ -1,18 +1,22 @@
-"""Liveness of the tcp request plane: keepalive, heartbeats on silent streams, the client's
-idle timeout against a frozen peer, and the bound on concurrent streams."""
+"""Liveness of the tcp request plane: keepalive, heartbeats on silent streams, both ends' idle
+timeouts against a frozen peer, stream ids reused while live, and the bound on concurrent
+streams."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
+from tests.polling import eventually
 
 from turnout.errors import PeerUnavailable, StreamBroken
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane import TcpClient, TcpServer
+from turnout.runtime.request_plane.framing import Frame, FrameReader, FrameWriter, Kind
+from turnout.runtime.request_plane.tcp.client import split_address
 
 
 async def slow(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
@@ -112,4 +116,122 @@ async def test_streams_past_the_bound_are_refused() -> None:
         await first.aclose()
     finally:
         await client.close()
+        await server.stop()
+
+
+class RawPeer:
+    """A hand-driven client on a real socket: sends exactly the frames a test gives it (a
+    frozen frontend is one that stops sending)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self._frames = FrameReader()
+        self._pending: list[Frame] = []
+
+    @classmethod
+    async def connect(cls, address: TransportAddress) -> RawPeer:
+        host, port = split_address(address.address)
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def send(self, *frames: Frame) -> None:
+        out = FrameWriter()
+        for frame in frames:
+            out.append(frame)
+        self.writer.write(bytes(out.take()))
+        await self.writer.drain()
+
+    async def next_frame(self, timeout: float = 5.0) -> Frame | None:
+        """The next frame other than a heartbeat; ``None`` once the server closed."""
+        async with asyncio.timeout(timeout):
+            while True:
+                while self._pending:
+                    frame = self._pending.pop(0)
+                    if frame.kind != Kind.HEARTBEAT:
+                        return frame
+                data = await self.reader.read(65536)
+                if not data:
+                    return None
+                self._pending.extend(self._frames.feed(data))
+
+    async def close(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+def tracking_hang(cancelled: list[str]) -> Callable[[bytes, RequestContext], AsyncIterator[bytes]]:
+    """A handler that yields once and then waits for ever, recording its request id when its
+    context is cancelled."""
+
+    async def handler(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        try:
+            yield b"first"
+            await asyncio.get_running_loop().create_future()
+        finally:
+            if ctx.is_cancelled:
+                cancelled.append(ctx.request_id)
+
+    return handler
+
+
+async def test_the_server_drops_a_frozen_client_and_cancels_its_streams() -> None:
+    """A client that sends a request and then nothing at all (no credit, no heartbeat: frozen)
+    loses its connection after the server's idle timeout, and the handler is cancelled."""
+    cancelled: list[str] = []
+    server = TcpServer(heartbeat_interval=0.05, idle_timeout=0.3)
+    server.register("track", tracking_hang(cancelled))
+    address = await server.start()
+    peer = await RawPeer.connect(address)
+    try:
+        await peer.send(Frame(Kind.REQUEST, 1, b"", "track", 0, "frozen"))
+        first = await peer.next_frame()
+        assert first is not None and first.kind == Kind.ACK
+        data = await peer.next_frame()
+        assert data is not None and data.kind == Kind.DATA
+        # Frozen from here on: the server closes the connection (heartbeats do not count).
+        assert await peer.next_frame(timeout=10.0) is None
+        await eventually(lambda: cancelled == ["frozen"], what="the handler cancelled")
+        assert not server._inflight
+    finally:
+        await peer.close()
+        await server.stop()
+
+
+async def test_client_heartbeats_keep_a_quiet_stream_alive_on_the_server() -> None:
+    """A live client waiting on a handler that stays silent past the server's idle timeout
+    keeps its stream: its heartbeats are what the server hears."""
+    server = TcpServer(heartbeat_interval=0.05, idle_timeout=0.3)
+    client = TcpClient(heartbeat_interval=0.05)
+    try:
+        address = await serve(server)
+        assert await collect(client, address, "slow", b"1.0") == [b"done"]
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_a_live_stream_id_reused_is_refused_and_the_live_stream_goes_on() -> None:
+    cancelled: list[str] = []
+    server = TcpServer()
+    server.register("track", tracking_hang(cancelled))
+    address = await server.start()
+    peer = await RawPeer.connect(address)
+    try:
+        await peer.send(Frame(Kind.REQUEST, 7, b"", "track", 0, "original"))
+        kinds = [
+            frame.kind for frame in [await peer.next_frame(), await peer.next_frame()] if frame
+        ]
+        assert kinds == [Kind.ACK, Kind.DATA]
+        await peer.send(Frame(Kind.REQUEST, 7, b"", "track", 0, "impostor"))
+        refused = await peer.next_frame()
+        assert refused is not None and refused.kind == Kind.ERROR and refused.stream_id == 7
+        assert "stream id 7 is already live" in refused.text
+        # The original stream is the one still running: cancelling id 7 cancels it.
+        conn = next(iter(server._conns))
+        assert conn.streams[7].ctx.request_id == "original"
+        await peer.send(Frame(Kind.CANCEL, 7))
+        await eventually(lambda: cancelled == ["original"], what="the original cancelled")
+        await eventually(lambda: not server._inflight, what="no stream left")
+    finally:
+        await peer.close()
         await server.stop()

@@ -15,12 +15,19 @@ Contract:
   request was delivered, ``RemoteError`` when the handler failed.
 * Back-pressure: a slow client consumer slows the handler (bounded buffering per stream);
   it never grows memory without bound.
+* Peer liveness: a client that judges its peers' silence (``tcp``) tells its peer listeners
+  (``add_peer_listener``) when a peer went silent past its heartbeat deadline, when it answers
+  again, and when its connection is gone, so that callers stop choosing a frozen instance at
+  once rather than after a stream to it times out.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+import enum
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -28,6 +35,23 @@ from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 
 Handler = Callable[[bytes, RequestContext], AsyncIterator[bytes]]
+
+logger = logging.getLogger("turnout.runtime")
+
+
+class PeerState(enum.Enum):
+    """What a client learned of a peer's liveness (see ``RequestPlaneClient.add_peer_listener``)."""
+
+    #: Heard nothing past the heartbeat deadline while streams were open: frozen or cut off.
+    SILENT = "silent"
+    #: A silent peer was heard again.
+    ANSWERING = "answering"
+    #: The connection to a silent peer was dropped; nothing more is known of it.
+    GONE = "gone"
+
+
+#: Called with the peer's address and what was learned; must not raise or block.
+PeerListener = Callable[[TransportAddress, PeerState], None]
 
 
 class InflightStream(Protocol):
@@ -85,6 +109,26 @@ class RequestPlaneServer(abc.ABC):
 
 class RequestPlaneClient(abc.ABC):
     kind: str
+
+    def __init__(self) -> None:
+        self._peer_listeners: list[PeerListener] = []
+
+    def add_peer_listener(self, listener: PeerListener) -> None:
+        """Call ``listener(address, state)`` whenever this client learns a peer went silent,
+        answers again, or is gone (see ``PeerState``)."""
+        self._peer_listeners.append(listener)
+
+    def remove_peer_listener(self, listener: PeerListener) -> None:
+        with contextlib.suppress(ValueError):
+            self._peer_listeners.remove(listener)
+
+    def report_peer(self, address: TransportAddress, state: PeerState) -> None:
+        """Tell the peer listeners (a failing listener is logged, the others still hear)."""
+        for listener in list(self._peer_listeners):
+            try:
+                listener(address, state)
+            except Exception:
+                logger.exception("peer listener failed on %s %s", address.address, state.value)
 
     @abc.abstractmethod
     def stream(

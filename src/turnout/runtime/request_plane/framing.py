@@ -12,7 +12,8 @@ One connection carries many streams, told apart by ``stream_id`` (chosen by the 
                                           | ABORT(sid)    (server cancelled: StreamBroken)
                                           | REJECT(sid)   (not accepting: PeerUnavailable)
     CANCEL(sid) ──▶                                       client gave up: cancel the handler
-                                      ◀── HEARTBEAT(0)    connection silent for 1 s with
+    HEARTBEAT(0) ◀──▶                                     either end, on a connection it
+                                                          wrote nothing on for 1 s with
                                                           streams open (liveness, see
                                                           tcp.connection)
 
@@ -67,9 +68,9 @@ class Kind(enum.IntEnum):
     #: ``nats`` only: one piece of an item too large for one message; the item's last piece
     #: follows as a DATA frame holding that item alone.
     PART = 9
-    #: "Still here" from the server. ``nats``: per stream, ``num`` = the last sequence number
-    #: sent; ``tcp``: per connection (stream id 0), sent on a connection with open streams
-    #: that was silent for a heartbeat interval.
+    #: "Still here". ``nats``: from the server, per stream, ``num`` = the last sequence number
+    #: sent; ``tcp``: from either end, per connection (stream id 0), sent on a connection with
+    #: open streams that was silent for a heartbeat interval.
     HEARTBEAT = 10
 
 

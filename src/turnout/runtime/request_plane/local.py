@@ -177,6 +177,7 @@ class LocalClient(RequestPlaneClient):
     kind = "local"
 
     def __init__(self) -> None:
+        super().__init__()
         #: The pipes of streams still referenced (by their iterator or their running handler).
         self._pipes: weakref.WeakSet[_Pipe] = weakref.WeakSet()
         self._closed = False

@@ -107,6 +107,7 @@ class NatsClient(RequestPlaneClient):
         idle_timeout: float = IDLE_TIMEOUT,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
+        super().__init__()
         self.conn = conn
         self.heartbeat_interval = heartbeat_interval
         self.idle_timeout = idle_timeout

@@ -1,8 +1,8 @@
 """Client end of the ``tcp`` request plane: ``TcpClient``, its connections and streams.
 
-A stream's frames land in an ``_Inbox`` owned by the connection; the iterator handed to the
-caller (``_TcpStream``) reads it and returns credit as it consumes, so dropping the iterator
-can cancel the stream. Error mapping: nothing sent or REJECT -> ``PeerUnavailable``;
+A stream's frames land in an ``Inbox`` owned by the connection; the iterator handed to the
+caller (``_TcpStream``, a ``CreditedStream``) reads it and returns credit as it consumes, so
+dropping the iterator can cancel the stream. Error mapping: nothing sent or REJECT -> ``PeerUnavailable``;
 connection lost before ACK -> ``PeerUnavailable``, after ACK or ABORT -> ``StreamBroken``;
 ERROR -> ``RemoteError``. A request payload over the frame bound (``max_frame_bytes``) is
 refused here with ``RequestPlaneError``, never sent: the server would drop the connection it
@@ -15,6 +15,13 @@ or hears a frame a server never sends (a REQUEST echoed back, say), is dropped, 
 streams, none acknowledged, fail with ``PeerUnavailable``: the caller sets the instance aside
 and tries another, at once rather than after the idle timeout, and not by migrating. Whoever
 can write the discovery store can announce an instance at any address.
+
+Liveness (the timer is ``connection``'s): with streams open, the client heartbeats a
+connection it wrote nothing on, so the server can tell a quiet consumer from a frozen one. A
+peer heard nothing from for ``silence_deadline`` is reported ``SILENT`` to the peer listeners
+(the component layer sets its instances aside at once: a frozen worker keeps its TCP
+connection and its discovery lease for a while), ``ANSWERING`` when heard again, and ``GONE``
+when its connection is dropped (at ``idle_timeout``, which fails its streams).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections.abc import Callable
 from turnout.errors import PeerUnavailable, RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
-from turnout.runtime.request_plane.base import RequestPlaneClient
+from turnout.runtime.request_plane.base import PeerState, RequestPlaneClient
 from turnout.runtime.request_plane.credited_stream import OVERRUN, CreditedStream, Inbox
 from turnout.runtime.request_plane.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -35,12 +42,20 @@ from turnout.runtime.request_plane.framing import (
     Frame,
     Kind,
 )
-from turnout.runtime.request_plane.tcp.connection import _CREDIT, _DATA, _Connection, logger
+from turnout.runtime.request_plane.tcp.connection import (
+    _CREDIT,
+    _DATA,
+    HEARTBEAT_INTERVAL,
+    IDLE_TIMEOUT,
+    _Connection,
+    logger,
+)
 
 _CONNECT_TIMEOUT = 5.0
-#: Seconds a connection with open streams may hear nothing (no frame, no heartbeat) before
-#: it is dropped and its streams fail (the server heartbeats silent connections every 1 s).
-IDLE_TIMEOUT = 10.0
+#: Seconds a connection with open streams may hear nothing before its peer is reported
+#: ``SILENT`` (three of the server's heartbeat intervals): callers set it aside at once, while
+#: its streams wait on until the idle timeout.
+SILENCE_DEADLINE = 3 * HEARTBEAT_INTERVAL
 #: Seconds a new connection may take to answer its first request with any frame (a server
 #: acknowledges a request in the loop iteration that reads it, and heartbeats every 1 s).
 HANDSHAKE_TIMEOUT = 3.0
@@ -61,45 +76,42 @@ def split_address(address: str) -> tuple[str, int]:
 
 class _ClientConnection(_Connection):
     def __init__(self, client: TcpClient, address: str) -> None:
-        super().__init__(client.max_frame_bytes)
+        super().__init__(client.max_frame_bytes, client.heartbeat_interval, client.idle_timeout)
         self.client = client
         self.address = address
         self.inboxes: dict[int, Inbox] = {}
         self._ids = itertools.count(1)
-        #: Consecutive half-idle-timeout ticks without a byte heard while streams were open.
-        self._silent_ticks = 0
-        self._lost_reason = ""
-        self._idle_timer: asyncio.TimerHandle | None = None
         #: Set on the first frame of the plane heard from the peer; until then, the first
         #: request's ``HANDSHAKE_TIMEOUT`` runs (``_handshake_timer``).
         self._verified = False
         self._handshake_timer: asyncio.TimerHandle | None = None
+        #: Whether the peer was reported ``SILENT`` and not heard since.
+        self.suspect = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        if self.client.idle_timeout > 0:
-            self._idle_timer = self._loop.call_later(self.client.idle_timeout / 2, self._check)
+    def has_streams(self) -> bool:
+        return bool(self.inboxes)
 
-    def _check(self) -> None:
-        """Every half idle timeout: drop the connection when, with streams open, nothing was
-        heard for two ticks in a row (one timer per connection)."""
-        if self._closing:
-            return
-        if self.inboxes and not self._heard:
-            self._silent_ticks += 1
-            if self._silent_ticks >= 2:
-                self._lost_reason = (
-                    f"heard nothing for {self.client.idle_timeout:g}s (peer frozen or cut off)"
-                )
-                logger.warning("tcp peer %s: %s; dropping the connection", self.address,
-                               self._lost_reason)  # fmt: skip
-                assert self.transport is not None
-                self.transport.abort()
-                return
-        else:
-            self._silent_ticks = 0
-        self._heard = False
-        self._idle_timer = self._loop.call_later(self.client.idle_timeout / 2, self._check)
+    def on_silence(self, silent_for: float, heard: bool) -> None:
+        """Past the silence deadline, report the peer ``SILENT`` (callers stop choosing it);
+        heard again, ``ANSWERING``. A silent peer left with no open stream is dropped: with
+        nothing to hear from it, only a new connection can tell whether it is back."""
+        deadline = self.client.silence_deadline
+        if not self.suspect:
+            if deadline > 0 and silent_for >= deadline:
+                self.suspect = True
+                logger.warning("tcp peer %s: silent for %gs with streams open; reporting it",
+                               self.address, silent_for)  # fmt: skip
+                self.client.report_peer(self.transport_address, PeerState.SILENT)
+        elif heard:
+            self.suspect = False
+            logger.info("tcp peer %s answers again", self.address)
+            self.client.report_peer(self.transport_address, PeerState.ANSWERING)
+        elif not self.inboxes:
+            self._lose(f"silent for over {deadline:g}s, and no stream is left on it")
+
+    @property
+    def transport_address(self) -> TransportAddress:
+        return TransportAddress(kind=self.client.kind, address=self.address)
 
     def _check_handshake(self) -> None:
         """``HANDSHAKE_TIMEOUT`` after the first request: drop a peer that said nothing."""
@@ -111,11 +123,6 @@ class _ClientConnection(_Connection):
             "(not a turnout request plane, or frozen)"
         )
 
-    def _lose(self, reason: str) -> None:
-        self._lost_reason = reason
-        logger.warning("tcp peer %s: %s; dropping the connection", self.address, reason)
-        self._drop()
-
     def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, Inbox]:
         if not self._verified and self._handshake_timer is None and not self._closing:
             timeout = self.client.handshake_timeout
@@ -123,8 +130,7 @@ class _ClientConnection(_Connection):
                 self._handshake_timer = self._loop.call_later(timeout, self._check_handshake)
         sid = next(self._ids)
         if not self.inboxes:
-            self._silent_ticks = 0  # idle until now: the silence counts from this request
-            self._heard = True
+            self.restart_silence()  # idle until now: the silence counts from this request
         inbox = Inbox(f"tcp peer {self.address}")
         self.inboxes[sid] = inbox
         self.send(Frame(Kind.REQUEST, sid, payload, path, 0, request_id))
@@ -160,8 +166,9 @@ class _ClientConnection(_Connection):
 
     def on_lost(self, exc: Exception | None) -> None:
         self.client._forget(self)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        if self.suspect:
+            self.suspect = False
+            self.client.report_peer(self.transport_address, PeerState.GONE)
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         inboxes = list(self.inboxes.values())
@@ -216,10 +223,19 @@ class TcpClient(RequestPlaneClient):
         idle_timeout: float = IDLE_TIMEOUT,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        silence_deadline: float = SILENCE_DEADLINE,
     ) -> None:
+        super().__init__()
         #: Seconds a connection with open streams may hear nothing before it is dropped
         #: (0: never).
         self.idle_timeout = idle_timeout
+        #: Seconds between the HEARTBEATs sent on a connection with open streams that wrote
+        #: nothing (the server drops a connection silent for its own idle timeout; 0: none).
+        self.heartbeat_interval = heartbeat_interval
+        #: Seconds heard nothing, with streams open, before the peer is reported ``SILENT``
+        #: to the peer listeners (0: never).
+        self.silence_deadline = silence_deadline
         #: Seconds a new connection may take to answer its first request (0: no bound).
         self.handshake_timeout = handshake_timeout
         #: The bound on a frame, sent (requests) or read (replies).

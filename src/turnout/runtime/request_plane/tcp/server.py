@@ -7,6 +7,11 @@ iteration share one DATA frame, or several when together they would pass the fra
 (``max_frame_bytes``, which the client's reader enforces); a single item over the bound
 ends its stream with an ERROR naming the sizes, and the connection, shared with other
 streams, stays up.
+
+A connection is the client's to keep alive: one with open streams that hears nothing (no
+request, no credit, no heartbeat: a frozen frontend) for ``idle_timeout`` is dropped and its
+handlers cancelled, as the client drops a silent server. A REQUEST whose stream id is still
+live on its connection is answered with an ERROR and the live stream goes on untouched.
 """
 
 from __future__ import annotations
@@ -34,14 +39,12 @@ from turnout.runtime.request_plane.framing import (
 from turnout.runtime.request_plane.tcp.connection import (
     _CREDIT,
     _DATA,
-    _HEARTBEAT,
+    HEARTBEAT_INTERVAL,
+    IDLE_TIMEOUT,
     _Connection,
     logger,
 )
 
-#: Seconds a connection with open streams may stay silent before the server sends a
-#: HEARTBEAT (clients drop a connection that is silent for their idle timeout).
-HEARTBEAT_INTERVAL = 1.0
 #: Streams one server runs at once; more are refused (REJECT: the client tries elsewhere).
 MAX_STREAMS = 4096
 
@@ -94,22 +97,14 @@ class _ServerConnection(_Connection):
     within a stream holds."""
 
     def __init__(self, server: TcpServer) -> None:
-        super().__init__(server.max_frame_bytes)
+        super().__init__(server.max_frame_bytes, server.heartbeat_interval, server.idle_timeout)
         self.server = server
         self.streams: dict[int, _ServerStream] = {}
         #: Streams with pending items, in the order they got their first one since the flush.
         self._dirty: list[_ServerStream] = []
-        self._beat: asyncio.TimerHandle | None = None
 
-    def _heartbeat(self) -> None:
-        """Every heartbeat interval: a HEARTBEAT if streams are open and nothing was written
-        since the last tick (one timer per connection, whatever its number of streams)."""
-        if self._closing:
-            return
-        if self.streams and not self._wrote:
-            self.send(Frame(_HEARTBEAT, 0))
-        self._wrote = False
-        self._beat = self._loop.call_later(self.server.heartbeat_interval, self._heartbeat)
+    def has_streams(self) -> bool:
+        return bool(self.streams)
 
     def push(self, stream: _ServerStream, item: bytes) -> None:
         """Queue one response item of ``stream`` for the next flush."""
@@ -149,8 +144,6 @@ class _ServerConnection(_Connection):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.server._conns.add(self)
-        if self.server.heartbeat_interval > 0:
-            self._beat = self._loop.call_later(self.server.heartbeat_interval, self._heartbeat)
 
     def on_frame(self, frame: Frame) -> None:
         kind = frame.kind
@@ -167,8 +160,6 @@ class _ServerConnection(_Connection):
 
     def on_lost(self, exc: Exception | None) -> None:
         self.server._conns.discard(self)
-        if self._beat is not None:
-            self._beat.cancel()
         streams = list(self.streams.values())
         self.streams.clear()
         for stream in streams:
@@ -182,9 +173,11 @@ class TcpServer(RequestPlaneServer):
     bound to a wildcard can tell clients on other hosts where to dial.
 
     ``heartbeat_interval`` (seconds, 0: none) paces the HEARTBEAT frames of silent
-    connections; ``max_streams`` bounds the streams run at once (more get REJECT);
-    ``max_frame_bytes`` bounds a frame either way: a larger request drops its connection, a
-    larger reply item fails its stream.
+    connections; ``idle_timeout`` (seconds, 0: never) is how long a connection with open
+    streams may hear nothing from its client (which heartbeats every second while it waits)
+    before it is dropped and its handlers cancelled; ``max_streams`` bounds the streams run
+    at once (more get REJECT); ``max_frame_bytes`` bounds a frame either way: a larger request
+    drops its connection, a larger reply item fails its stream.
     """
 
     kind = "tcp"
@@ -196,11 +189,13 @@ class TcpServer(RequestPlaneServer):
         *,
         advertise_host: str | None = None,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        idle_timeout: float = IDLE_TIMEOUT,
         max_streams: int = MAX_STREAMS,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         super().__init__()
         self.heartbeat_interval = heartbeat_interval
+        self.idle_timeout = idle_timeout
         self.max_streams = max_streams
         self.max_frame_bytes = max_frame_bytes
         #: The most bytes of items one DATA frame carries (the rest of it is framing).
@@ -246,6 +241,15 @@ class TcpServer(RequestPlaneServer):
     def _open(self, conn: _ServerConnection, frame: Frame) -> None:
         sid = frame.stream_id
         path = frame.text
+        if sid in conn.streams:
+            # A client never reuses a live id: this one is broken or hostile. Refuse the
+            # request by name; the live stream is not replaced (its handler goes on).
+            logger.warning(
+                "tcp request plane: peer %s reused live stream id %d; refused", conn._peer(), sid
+            )
+            text = f"stream id {sid} is already live on this connection; a request needs a new id"
+            conn.send(Frame(Kind.ERROR, sid, text=text))
+            return
         if not self._takes(path):
             conn.send(Frame(Kind.REJECT, sid, text=f"not taking requests for {path!r}"))
             return
