@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 from tests.helpers import smollm2_path
 
-from turnout.engines.llamacpp import LlamaCppEngine, VocabBytes
+from turnout.engines.llamacpp.engine import LlamaCppEngine
+from turnout.engines.llamacpp.vocab import VocabBytes
 from turnout.llm.artifacts import LOCAL_ARTIFACTS
 from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.llm import (

@@ -13,8 +13,8 @@ import pytest
 from tests.engines.test_llamacpp import collect, make_request
 from tests.helpers import assert_no_leaked_tasks, smollm2_path
 
-from turnout.engines import llamacpp
-from turnout.engines.llamacpp import LlamaCppEngine
+from turnout.engines.llamacpp import stream
+from turnout.engines.llamacpp.engine import LlamaCppEngine
 from turnout.engines.worker import Worker
 from turnout.protocols.kv import LOAD_TOPIC, LoadReport, StepSample
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput
@@ -106,7 +106,7 @@ async def test_reports_time_each_prefill_and_calibrate_the_ttft_cost(
 ) -> None:
     # A decode sample per 10 ms of generation (100 ms in service): 16 tokens give some on
     # however fast a CPU.
-    monkeypatch.setattr(llamacpp, "_DECODE_SAMPLE_MS", 10.0)
+    monkeypatch.setattr(stream, "DECODE_SAMPLE_MS", 10.0)
     before = set(asyncio.all_tasks())
     async with started(model_path, n_parallel=2) as (engine, sink):
         finals: list[LLMEngineOutput] = []

@@ -17,7 +17,7 @@ from tests.servers.postgres import PostgresServer, postgres_bin_dir
 from tests.servers.process import require
 from tests.servers.redis import RedisServer, redis_binary
 
-from turnout.engines.llamacpp import LlamaCppEngine
+from turnout.engines.llamacpp.engine import LlamaCppEngine
 from turnout.engines.mocker import MockerConfig, MockerEngine, make_mocker_engines
 from turnout.frontend.models.artifacts import CACHE_ENV
 

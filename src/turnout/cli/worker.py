@@ -186,7 +186,7 @@ def make_engines(
             for _ in range(count)
         ]
     if args.engine == "llamacpp":
-        from turnout.engines.llamacpp import LlamaCppEngine
+        from turnout.engines.llamacpp.engine import LlamaCppEngine
 
         if count != 1:
             raise ConfigError("the llamacpp engine runs one model per process (--num-workers 1)")

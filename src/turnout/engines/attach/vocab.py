@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from turnout.engines.llamacpp_vocab import VocabBytes, _gpt2_byte_decoder
+from turnout.engines.llamacpp.vocab import VocabBytes, gpt2_byte_decoder
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def vocab_bytes(tokenizer_json: bytes) -> VocabBytes:
     kinds = _kinds(spec.get("decoder")) | _kinds(spec.get("pre_tokenizer"))
     pieces: list[tuple[bytes, int]] = []
     if "ByteLevel" in kinds:
-        table = _gpt2_byte_decoder()
+        table = gpt2_byte_decoder()
         for tok, i in entries:
             if i not in special and all(c in table for c in tok):
                 pieces.append((bytes(table[c] for c in tok), i))

@@ -2,7 +2,7 @@
 
 llama.cpp never streams the ``logprobs`` entry of a token whose bytes end inside a UTF-8
 character; those bytes lead the text of the chunk that completes the character. ``VocabBytes``
-maps each token id to its bytes and back, so the engine (``llamacpp``) can rebuild the missing
+maps each token id to its bytes and back, so the engine (``stream``) can rebuild the missing
 ids by greedy longest match. Kept apart from the engine: it is pure GGUF-metadata code, with
 no llama.cpp or event-loop state.
 """
@@ -17,11 +17,10 @@ import gguf
 
 from turnout.llm.gguf_tokenizer import read_gguf_metadata
 
-# The engine's logger name, as before the split, so logging config keeps matching.
-log = logging.getLogger("turnout.engines.llamacpp")
+log = logging.getLogger(__name__)
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
+def gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
     printable = [
         *range(ord("!"), ord("~") + 1),
@@ -65,7 +64,7 @@ class VocabBytes:
         wanted = (gguf.TokenType.NORMAL, gguf.TokenType.BYTE)
         pieces: list[tuple[bytes, int]] = []
         if model == "gpt2":
-            dec = _gpt2_byte_decoder()
+            dec = gpt2_byte_decoder()
             for i, (tok, typ) in enumerate(zip(tokens, types, strict=False)):
                 if typ in wanted and all(c in dec for c in tok):
                     pieces.append((bytes(dec[c] for c in tok), i))
