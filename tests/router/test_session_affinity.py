@@ -19,7 +19,7 @@ from turnout.router.session_affinity import (
     SessionAffinityRouter,
     SessionTable,
 )
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 TTL = 60.0
 
@@ -46,6 +46,8 @@ class FakeRouter:
         self.unreachable: set[int] = set()
         self.break_after: dict[int, int] = {}
         self.fail_unpinned: Exception | None = None
+        #: Instances that refuse every request as ``overloaded``.
+        self.refuse: set[int] = set()
 
     def instance_ids(self) -> list[int]:
         return sorted(self.live)
@@ -66,6 +68,11 @@ class FakeRouter:
         ctx.metadata["worker_instance_id"] = target
         if self.hold is not None:
             await self.hold.wait()
+        if target in self.refuse:
+            yield LLMEngineOutput(
+                finish_reason=FinishReason.ERROR, error="full", error_kind="overloaded"
+            )
+            return
         limit = self.break_after.get(target)
         for i in range(3):
             if limit is not None and i == limit:
@@ -292,3 +299,28 @@ def test_table_rejects_bad_settings() -> None:
         SessionTable(MAX_TTL_S + 1)
     with pytest.raises(ValueError, match="max_sessions"):
         SessionTable(1.0, max_sessions=0)
+
+
+async def test_an_overloaded_refusal_binds_nothing() -> None:
+    router, fake, _ = make([1, 2])
+    fake.refuse.add(1)
+    async for _ in router.generate(req("a"), RequestContext("r")):
+        pass
+    assert fake.calls[-1][0] == 1
+    assert router.table.get("a") is None  # the next request of the session routes afresh
+    assert await run(router, req("a")) == 2
+    assert await run(router, req("a")) == 2
+
+
+async def test_a_request_sent_away_from_its_bound_instance_is_not_pinned_there() -> None:
+    """Migration retries a request elsewhere before its first token (its instance failed it
+    or refused it): the binding does not pin it back, and the binding stays."""
+    router, fake, _ = make([1, 2])
+    assert await run(router, req("a")) == 1
+    ctx = RequestContext("r")
+    ctx.metadata[AVOID_METADATA] = {1}
+    async for _ in router.generate(req("a"), ctx):
+        pass
+    assert fake.calls[-1][1].backend_instance_id is None
+    assert ctx.metadata["worker_instance_id"] == 2
+    assert await run(router, req("a")) == 1

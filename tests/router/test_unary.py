@@ -10,6 +10,7 @@ import pytest
 from turnout.errors import (
     EngineBadRequest,
     EngineOverloaded,
+    NoInstanceAvailable,
     RemoteError,
     RequestTimedOut,
     StreamBroken,
@@ -17,7 +18,7 @@ from turnout.errors import (
 from turnout.protocols.unary import EmbeddingOutput
 from turnout.router.push_router import PIN_METADATA
 from turnout.router.unary import UnaryCaller
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 OK = EmbeddingOutput(embeddings=b"\0" * 4, count=1, dimensions=1, prompt_tokens=1)
 
@@ -83,13 +84,52 @@ async def test_a_pinned_request_is_not_moved() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "error"),
-    [("bad_request", EngineBadRequest), ("overloaded", EngineOverloaded), (None, RemoteError)],
+    [("bad_request", EngineBadRequest), (None, RemoteError)],
 )
 async def test_error_kinds_become_their_exceptions(kind: str | None, error: type) -> None:
     script = Script(EmbeddingOutput(error="no", error_kind=kind), OK)
     with pytest.raises(error, match="no"):
         await UnaryCaller(script.generate).call("req", RequestContext("r"))
     assert script.attempts == 1  # not retried
+
+
+OVERLOADED = EmbeddingOutput(error="queue full", error_kind="overloaded")
+
+
+async def test_an_overloaded_reply_goes_to_another_instance_without_a_retry() -> None:
+    script = Script(OVERLOADED, OVERLOADED, OK)
+    busy: list[int] = []
+    retries: list[None] = []
+    ctx = RequestContext("r")
+    caller = UnaryCaller(
+        script.generate, retries=0, report_busy=busy.append, on_retry=lambda: retries.append(None)
+    )
+    assert await caller.call("req", ctx) == OK
+    assert busy == [0, 1]
+    assert ctx.metadata[AVOID_METADATA] == {0, 1}  # what the router leaves out
+    assert retries == []
+
+
+async def test_overloaded_everywhere_is_a_503() -> None:
+    """The router below finds no instance left once every one answered overloaded."""
+    script = Script(OVERLOADED, NoInstanceAvailable("no live instance (1 avoided)"))
+    with pytest.raises(EngineOverloaded, match="every instance tried answered overloaded"):
+        await UnaryCaller(script.generate).call("req", RequestContext("r"))
+
+
+async def test_an_overloaded_pinned_request_is_a_503_at_once() -> None:
+    script = Script(OVERLOADED, OK)
+    ctx = RequestContext("r")
+    ctx.metadata[PIN_METADATA] = 0
+    with pytest.raises(EngineOverloaded, match="queue full"):
+        await UnaryCaller(script.generate).call("req", ctx)
+    assert script.attempts == 1
+
+
+async def test_the_deadline_after_an_overloaded_reply_is_a_503() -> None:
+    script = Script(OVERLOADED, "hang")
+    with pytest.raises(EngineOverloaded, match="deadline"):
+        await UnaryCaller(script.generate).call("req", RequestContext("r"), timeout=0.05)
 
 
 async def test_the_deadline_covers_every_attempt_and_cancels_the_work() -> None:

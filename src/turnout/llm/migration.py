@@ -5,7 +5,8 @@ and ``max_tokens`` / ``min_tokens`` reduced by what was already produced, so the
 one seamless stream: no token lost, none repeated. Requests pinned to one instance, cancelled
 requests and requests that failed for a reason of their own (bad input) are never migrated.
 
-What counts as a broken stream (migrated, up to ``migration_limit`` times):
+What counts as a broken stream (migrated, up to ``migration_limit`` times, once the request
+has tokens; before its first token see below):
 
 * ``StreamBroken`` from the request plane (the peer vanished, went silent, or aborted);
 * an ``ERROR`` output of kind ``engine_failed`` (the worker's engine died under the request);
@@ -13,10 +14,21 @@ What counts as a broken stream (migrated, up to ``migration_limit`` times):
   ``stall_timeout`` seconds after its last output. The stalled attempt is cancelled (the
   worker is told) and its instance is set aside (``report_down``).
 
+Before the first token: a request whose attempt broke (any of the above) or was refused as
+``overloaded`` before the request received any token is sent to another instance without
+spending the migration budget (there is nothing to continue: it simply starts elsewhere).
+The instances it failed on are listed under ``AVOID_METADATA`` in its context, which the
+routers below leave out; an ``overloaded`` instance is also reported busy (``report_busy``)
+so that other requests skip it for a while. This goes on while the request's deadline
+allows and an untried instance remains (at most ``MAX_AVOIDED``): when the routers find none
+left, or the deadline has passed, the last failure is raised (``EngineOverloaded``, 503,
+when every instance tried was overloaded). A pinned request is never sent elsewhere.
+
 Deadlines: ``request_timeout`` (or the request's own ``request_timeout``) bounds the whole
 request, migrations included; past it the attempt is cancelled and ``RequestTimedOut`` is
 raised. The other error kinds become exceptions the HTTP layer maps: ``bad_request`` ->
-``EngineBadRequest`` (400), ``overloaded`` -> ``EngineOverloaded`` (503 with Retry-After).
+``EngineBadRequest`` (400), ``overloaded`` (when no other instance is left to try) ->
+``EngineOverloaded`` (503 with Retry-After).
 
 Cost on the per-token path: with no timeout configured, none (the plain loop). Otherwise one
 ``_Watchdog`` per request: a single timer re-armed lazily (when it fires early it moves
@@ -37,9 +49,15 @@ import math
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from turnout.errors import EngineBadRequest, EngineOverloaded, RequestTimedOut, StreamBroken
+from turnout.errors import (
+    EngineBadRequest,
+    EngineOverloaded,
+    NoInstanceAvailable,
+    RequestTimedOut,
+    StreamBroken,
+)
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
-from turnout.runtime.context import DEADLINE_METADATA, RequestContext
+from turnout.runtime.context import AVOID_METADATA, DEADLINE_METADATA, RequestContext
 
 log = logging.getLogger("turnout.migration")
 
@@ -50,6 +68,9 @@ _ERROR = FinishReason.ERROR
 _ENGINE_FAILED = ErrorKind.ENGINE_FAILED.value
 _BAD_REQUEST = ErrorKind.BAD_REQUEST.value
 _OVERLOADED = ErrorKind.OVERLOADED.value
+
+#: Most instances one request is sent away from before its first token.
+MAX_AVOIDED = 64
 
 #: Why a watchdog fired.
 _DEADLINE = "deadline"
@@ -116,6 +137,19 @@ class _Watchdog:
             self._handle = None
 
 
+class _Progress:
+    """One request's state across its attempts: the tokens it received, the migrations it
+    spent, and (before its first token) the instances it failed on and the last failure."""
+
+    __slots__ = ("avoid", "failure", "generated", "migrations")
+
+    def __init__(self) -> None:
+        self.generated: list[int] = []
+        self.migrations = 0
+        self.avoid: set[int] = set()
+        self.failure: StreamBroken | EngineOverloaded | None = None
+
+
 class Migration:
     """See the module docstring. Timeouts are seconds; 0 (or None) means none."""
 
@@ -129,7 +163,11 @@ class Migration:
         ttft_timeout: float | None = None,
         stall_timeout: float | None = None,
         report_down: Callable[[int], None] | None = None,
+        report_busy: Callable[[int], None] | None = None,
     ) -> None:
+        """``report_down(instance)``: set an instance aside (it stalled or its engine
+        failed); ``report_busy(instance)``: it answered ``overloaded`` (the push router's
+        ``InstanceLoad.mark_busy``)."""
         for name, value in (
             ("request_timeout", request_timeout),
             ("ttft_timeout", ttft_timeout),
@@ -144,6 +182,7 @@ class Migration:
         self._ttft = ttft_timeout or math.inf
         self._stall = stall_timeout or math.inf
         self._report_down = report_down
+        self._report_busy = report_busy
 
     def generate(
         self, request: PreprocessedRequest, ctx: RequestContext
@@ -159,23 +198,30 @@ class Migration:
     async def _generate_plain(
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
-        """No timeouts: the loop of old, with error kinds."""
-        generated: list[int] = []
+        """No timeouts: the plain loop, with error kinds."""
+        progress = _Progress()
+        generated = progress.generated
         attempt = request
-        migrations = 0
         while True:
             stream = self._inner(attempt, ctx)
             try:
                 async for output in stream:
                     if output.finish_reason is _ERROR and output.error_kind is not None:
-                        self._raise_for_kind(output, request, ctx, migrations, generated)
+                        if output.token_ids:  # what came before the error: the client's
+                            generated.extend(output.token_ids)
+                            yield _tokens_of(output)
+                        self._raise_for_kind(output, ctx)
                     if output.token_ids:
                         generated.extend(output.token_ids)
                     yield output
                 return
-            except StreamBroken as exc:
-                migrations = self._migrate(exc, request, ctx, migrations, generated)
-                attempt = request.continued(generated)
+            except (StreamBroken, EngineOverloaded) as exc:
+                attempt = self._next_attempt(exc, request, ctx, progress, math.inf)
+            except NoInstanceAvailable as exc:
+                # Every instance left failed this request before its first token.
+                if progress.failure is None or generated:
+                    raise
+                raise progress.failure from exc
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
 
@@ -190,9 +236,9 @@ class Migration:
         if timeout:
             watch.deadline = ctx.metadata[DEADLINE_METADATA] = time() + timeout
         ttft, stall = self._ttft, self._stall
-        generated: list[int] = []
+        progress = _Progress()
+        generated = progress.generated
         attempt = request
-        migrations = 0
         try:
             while True:
                 stream = self._inner(attempt, ctx)
@@ -240,28 +286,28 @@ class Migration:
                             watch.limit = stall
                             rearm = True
                         if output.finish_reason is _ERROR and output.error_kind is not None:
-                            self._raise_for_kind(output, request, ctx, migrations, generated)
+                            if output.token_ids:  # what came before the error: the client's
+                                generated.extend(output.token_ids)
+                                yield _tokens_of(output)
+                            self._raise_for_kind(output, ctx)
                         if output.token_ids:
                             generated.extend(output.token_ids)
                         yield output
-                except StreamBroken as exc:
-                    migrations = self._migrate(exc, request, ctx, migrations, generated)
-                    attempt = request.continued(generated)
+                except (StreamBroken, EngineOverloaded) as exc:
+                    attempt = self._next_attempt(exc, request, ctx, progress, watch.deadline)
+                except NoInstanceAvailable as exc:
+                    if progress.failure is None or generated:
+                        raise
+                    raise progress.failure from exc
                 finally:
                     await stream.aclose()  # type: ignore[attr-defined]
         finally:
             watch.close()
 
-    def _raise_for_kind(
-        self,
-        output: LLMEngineOutput,
-        request: PreprocessedRequest,
-        ctx: RequestContext,
-        migrations: int,
-        generated: list[int],
-    ) -> None:
+    def _raise_for_kind(self, output: LLMEngineOutput, ctx: RequestContext) -> None:
         """Turn an ``ERROR`` output with a kind into the exception the layers above act on
-        (``StreamBroken`` for a failed engine: the caller migrates or gives up)."""
+        (``StreamBroken`` for a failed engine, ``EngineOverloaded`` for a refusal: the
+        caller sends the request elsewhere or gives up)."""
         kind = output.error_kind
         message = output.error or "the engine reported an error"
         if kind == _ENGINE_FAILED:
@@ -272,7 +318,60 @@ class Migration:
         if kind == _BAD_REQUEST:
             raise EngineBadRequest(message)
         if kind == _OVERLOADED:
+            instance = ctx.metadata.get("worker_instance_id")
+            if self._report_busy is not None and isinstance(instance, int):
+                self._report_busy(instance)
             raise EngineOverloaded(f"worker overloaded: {message}")
+
+    def _next_attempt(
+        self,
+        exc: StreamBroken | EngineOverloaded,
+        request: PreprocessedRequest,
+        ctx: RequestContext,
+        progress: _Progress,
+        deadline: float,
+    ) -> PreprocessedRequest:
+        """The request to send after ``exc`` ended an attempt, or ``exc`` raised: the same
+        request elsewhere before the first token, else a migration (counted)."""
+        if not progress.generated and self._send_elsewhere(exc, request, ctx, progress, deadline):
+            return request
+        if isinstance(exc, EngineOverloaded):
+            raise exc
+        progress.migrations = self._migrate(
+            exc, request, ctx, progress.migrations, progress.generated
+        )
+        return request.continued(progress.generated)
+
+    def _send_elsewhere(
+        self,
+        exc: StreamBroken | EngineOverloaded,
+        request: PreprocessedRequest,
+        ctx: RequestContext,
+        progress: _Progress,
+        deadline: float,
+    ) -> bool:
+        """Whether a request without tokens yet may start again on another instance (its
+        failed instance added to the ones the routers avoid)."""
+        if ctx.is_cancelled or request.backend_instance_id is not None:
+            return False
+        instance = ctx.metadata.get("worker_instance_id")
+        avoid = progress.avoid
+        if not isinstance(instance, int) or instance in avoid or len(avoid) >= MAX_AVOIDED:
+            return False
+        if deadline != math.inf and asyncio.get_running_loop().time() >= deadline:
+            return False
+        avoid.add(instance)
+        ctx.metadata[AVOID_METADATA] = avoid
+        del ctx.metadata["worker_instance_id"]
+        progress.failure = exc
+        log.warning(
+            "request %s: instance %x failed before the first token (%s); trying another (%d tried)",
+            ctx.request_id,
+            instance,
+            exc,
+            len(avoid),
+        )
+        return True
 
     def _migrate(
         self,
@@ -327,6 +426,17 @@ class Migration:
             f"the request did not finish within its {timeout:g}s deadline "
             f"({produced} {what} generated)"
         )
+
+
+def _tokens_of(output: LLMEngineOutput) -> LLMEngineOutput:
+    """The tokens an ``ERROR`` output carries (a worker merges the last tokens before an
+    error into it), without the error."""
+    return LLMEngineOutput(
+        token_ids=output.token_ids,
+        log_probs=output.log_probs,
+        top_logprobs=output.top_logprobs,
+        text=output.text,
+    )
 
 
 async def deadline_stream(

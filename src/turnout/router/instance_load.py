@@ -5,6 +5,11 @@ for whatever reason (finished, failed, cancelled, re-routed): ``on_stream_starte
 ``LoadTicket`` and ``on_stream_ended`` takes it back. The load-based selectors
 (``power-of-two``, ``least-loaded``, ``device-aware-weighted``) read ``in_flight``.
 
+It also keeps which instances are *busy*: one that answered a request with ``overloaded``
+(its engine's queue is full) is busy for ``busy_hold_s`` seconds (``mark_busy``), and the push
+router leaves busy instances out of its candidates while any other is free, whatever the
+mode. The KV router has its own busy view, from the workers' load reports.
+
 Bounded by the live instances: an entry exists only while its instance has a stream in flight
 (it is dropped when the count returns to 0), and ``retain`` forgets instances that left
 discovery. A ticket holds its entry, not the id: a stream of a forgotten instance that ends
@@ -14,9 +19,13 @@ under the same id.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
 
-__all__ = ["InstanceLoad", "LoadTicket"]
+__all__ = ["DEFAULT_BUSY_HOLD_S", "InstanceLoad", "LoadTicket"]
+
+#: How long an instance that answered ``overloaded`` is left out of the candidates.
+DEFAULT_BUSY_HOLD_S = 1.0
 
 
 class LoadTicket:
@@ -30,13 +39,26 @@ class LoadTicket:
 
 
 class InstanceLoad:
-    """Instance id -> requests in flight; one per model, shared by its pipelines."""
+    """Instance id -> requests in flight, and the busy instances; one per model, shared by
+    its pipelines. ``clock``: seconds, monotonic (injected by tests)."""
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_busy_until", "_clock", "_entries", "busy_hold_s")
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        busy_hold_s: float = DEFAULT_BUSY_HOLD_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not busy_hold_s >= 0:
+            raise ValueError(f"busy_hold_s must be >= 0, got {busy_hold_s}")
+        self.busy_hold_s = busy_hold_s
+        self._clock = clock
         # Only instances with at least one stream in flight (invariant: count > 0).
         self._entries: dict[int, LoadTicket] = {}
+        # Instance id -> when it stops being busy (bounded like ``_entries``: marked only for
+        # instances a request was routed to, forgotten by ``retain`` and on expiry).
+        self._busy_until: dict[int, float] = {}
 
     def in_flight(self, instance_id: int) -> int:
         entry = self._entries.get(instance_id)
@@ -63,7 +85,30 @@ class InstanceLoad:
         if ticket.count <= 0 and self._entries.get(ticket.instance_id) is ticket:
             del self._entries[ticket.instance_id]
 
+    def mark_busy(self, instance_id: int) -> None:
+        """``instance_id`` refused a request as ``overloaded``: busy for ``busy_hold_s``."""
+        self._busy_until[instance_id] = self._clock() + self.busy_hold_s
+
+    def is_busy(self, instance_id: int) -> bool:
+        until = self._busy_until.get(instance_id)
+        if until is None:
+            return False
+        if self._clock() < until:
+            return True
+        del self._busy_until[instance_id]
+        return False
+
+    def not_busy(self, candidates: Sequence[int]) -> Sequence[int]:
+        """``candidates`` less the busy ones; all of them when every one is busy (a busy
+        instance may have room again: trying one beats refusing the request here)."""
+        if not self._busy_until:
+            return candidates
+        free = [c for c in candidates if not self.is_busy(c)]
+        return free if free else candidates
+
     def retain(self, live_ids: Collection[int]) -> None:
         """Forget every instance not in ``live_ids`` (it left discovery)."""
         for instance_id in [i for i in self._entries if i not in live_ids]:
             del self._entries[instance_id]
+        for instance_id in [i for i in self._busy_until if i not in live_ids]:
+            del self._busy_until[instance_id]

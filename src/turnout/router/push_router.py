@@ -9,6 +9,11 @@ delivered) is set aside by the endpoint client and the request goes to another i
 ``max_attempts``; a stream that breaks after delivery (``StreamBroken``) propagates to the
 migration operator above, which knows how much was generated.
 
+Instances the request must avoid (``AVOID_METADATA``: migration is retrying it elsewhere
+after they failed or answered ``overloaded`` before its first token) are never candidates;
+instances the load view holds busy (they answered ``overloaded`` lately) are left out while
+another candidate is free, in every mode.
+
 Pinned requests (``nvext.backend_instance_id``; router mode ``direct`` requires one): a pin
 to an instance discovery does not know is ``InstanceNotFound`` (404: retrying cannot help);
 a pin to a known instance that is set aside or unreachable is ``NoInstanceAvailable`` (503).
@@ -19,7 +24,7 @@ fault.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Generic, Protocol, TypeVar
 
 import msgspec
@@ -34,7 +39,7 @@ from turnout.errors import (
 from turnout.protocols.llm import PreprocessedRequest
 from turnout.router.instance_load import InstanceLoad
 from turnout.router.selectors import InstanceSelector
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 log = logging.getLogger("turnout.router")
 
@@ -54,8 +59,7 @@ def check_pinned(client: InstanceSource, instance_id: int, endpoint_name: str = 
     live = client.instance_ids()
     if instance_id in live:
         return
-    announced = getattr(client, "announced_ids", None)
-    known = announced() if announced is not None else live
+    known = client.announced_ids()
     where = f" of {endpoint_name}" if endpoint_name else ""
     if instance_id not in known:
         raise InstanceNotFound(
@@ -69,10 +73,20 @@ def check_pinned(client: InstanceSource, instance_id: int, endpoint_name: str = 
     )
 
 
-class InstanceSource(Protocol):
+class LiveInstances(Protocol):
+    """The live instances of an endpoint (``runtime.component.EndpointClient``)."""
+
+    def instance_ids(self) -> list[int]:
+        """Instances that may take a request now (announced, not set aside)."""
+        ...
+
+
+class InstanceSource(LiveInstances, Protocol):
     """What the router needs of an endpoint client (``runtime.component.EndpointClient``)."""
 
-    def instance_ids(self) -> list[int]: ...
+    def announced_ids(self) -> Collection[int]:
+        """Every instance discovery announces, set aside or not."""
+        ...
 
     def stream(
         self, instance_id: int, payload: bytes, ctx: RequestContext
@@ -102,13 +116,15 @@ class PushRouter(Generic[Req, Resp]):
         self._endpoint_name = endpoint_name
         self._max_attempts = max_attempts
 
-    def _pick(self, request: Req, excluded: set[int], ctx: RequestContext) -> int:
+    def _pick(
+        self, request: Req, excluded: Collection[int], avoid: Collection[int], ctx: RequestContext
+    ) -> int:
         if isinstance(request, PreprocessedRequest):
             pinned = request.backend_instance_id
         else:
             pinned = ctx.metadata.get(PIN_METADATA)
         if pinned is not None:
-            if pinned in excluded:
+            if pinned in excluded or pinned in avoid:
                 raise NoInstanceAvailable(
                     f"instance {pinned:x} named by the request ({PIN_PARAM}) is unreachable"
                 )
@@ -120,22 +136,28 @@ class PushRouter(Generic[Req, Resp]):
                 param=PIN_PARAM,
             )
         live = self._client.instance_ids()
-        candidates = [i for i in live if i not in excluded] if excluded else live
+        if excluded or avoid:
+            candidates = [i for i in live if i not in excluded and i not in avoid]
+        else:
+            candidates = live
         if not candidates:
             raise NoInstanceAvailable(
                 f"no live instance of {self._endpoint_name or 'the model'} "
-                f"({len(live)} known, {len(excluded)} unreachable)"
+                f"({len(live)} known, {len(excluded)} unreachable, "
+                f"{len(avoid)} failed or overloaded for this request)"
             )
         return self._selector.select(
-            candidates, request if isinstance(request, PreprocessedRequest) else None
+            self.load.not_busy(candidates),
+            request if isinstance(request, PreprocessedRequest) else None,
         )
 
     async def generate(self, request: Req, ctx: RequestContext) -> AsyncIterator[Resp]:
         payload = self._encode(request)
         excluded: set[int] = set()
+        avoid: Collection[int] = ctx.metadata.get(AVOID_METADATA, ())
         decode = self._decode
         while True:
-            instance_id = self._pick(request, excluded, ctx)
+            instance_id = self._pick(request, excluded, avoid, ctx)
             ctx.metadata["worker_instance_id"] = instance_id
             stream = self._client.stream(instance_id, payload, ctx)
             ticket = self.load.on_stream_started(instance_id)

@@ -36,7 +36,13 @@ A session's requests for a LoRA adapter have a binding of their own (to an insta
 holds the adapter), apart from its requests for the base model.
 
 In ``kv`` mode a bound request skips the KV decision (pinned requests are not scored), so the
-hard binding wins over the soft session preference of ``--router-session-weight``.
+hard binding wins over the soft session preference of ``--router-session-weight``; the KV
+router still books it on its instance, so its load weighs on the next decisions.
+
+A request that migration sends elsewhere before its first token (its instance failed it or
+answered ``overloaded``: ``AVOID_METADATA``) is not pinned to a binding on such an instance:
+it routes afresh, and the binding stays. A binding is made by the first request's first
+output that is not an error (an ``overloaded`` refusal binds nothing).
 """
 
 from __future__ import annotations
@@ -52,9 +58,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from turnout.errors import InstanceNotFound, NoInstanceAvailable, RequestError, StreamBroken
-from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
-from turnout.router.push_router import PIN_PARAM, InstanceSource
-from turnout.runtime.context import RequestContext
+from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.router.push_router import PIN_PARAM, LiveInstances
+from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 log = logging.getLogger("turnout.router.session_affinity")
 
@@ -215,7 +221,7 @@ class SessionAffinityRouter:
         self,
         inner: EngineFn,
         table: SessionTable,
-        client: InstanceSource,
+        client: LiveInstances,
         *,
         bind_wait_s: float = DEFAULT_BIND_WAIT_S,
     ) -> None:
@@ -283,6 +289,8 @@ class SessionAffinityRouter:
             binding, leads = await self._acquire(session_id, ctx)
             try:
                 bound_to = None if binding is None or leads else binding.instance_id
+                if bound_to is not None and bound_to in ctx.metadata.get(AVOID_METADATA, ()):
+                    bound_to = None  # it failed this request: route it elsewhere
                 if bound_to is not None and explicit is not None and explicit != bound_to:
                     raise RequestError(
                         f"session {request.session_id!r} is bound to instance {bound_to:x} "
@@ -299,7 +307,7 @@ class SessionAffinityRouter:
                 produced = False
                 try:
                     async for output in stream:
-                        if not produced:
+                        if not produced and output.finish_reason is not FinishReason.ERROR:
                             produced = True
                             served = ctx.metadata.get("worker_instance_id")
                             if leads and binding is not None and isinstance(served, int):

@@ -6,6 +6,11 @@ stream breaks, when the worker's engine reports ``engine_failed`` (that instance
 aside), up to ``retries`` times. A request pinned to an instance is not moved. The whole
 exchange, retries included, runs under the request's deadline.
 
+An ``overloaded`` reply sends the request to another instance (not counted as a retry): the
+instance is reported busy (``report_busy``) and listed under ``AVOID_METADATA``, which the
+push router leaves out. When no instance is left to try, or the deadline passes after such a
+refusal, the answer is ``EngineOverloaded`` (503).
+
 A reply's ``error_kind`` becomes the exception the HTTP layer maps: ``bad_request`` ->
 ``EngineBadRequest`` (400), ``overloaded`` -> ``EngineOverloaded`` (503), no kind ->
 ``RemoteError`` (500).
@@ -21,6 +26,7 @@ from typing import Generic, TypeVar
 from turnout.errors import (
     EngineBadRequest,
     EngineOverloaded,
+    NoInstanceAvailable,
     RemoteError,
     RequestTimedOut,
     StreamBroken,
@@ -28,12 +34,15 @@ from turnout.errors import (
 from turnout.protocols.llm import ErrorKind
 from turnout.protocols.unary import UnaryReply
 from turnout.router.push_router import PIN_METADATA
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 log = logging.getLogger("turnout.router")
 
 Req = TypeVar("Req")
 Reply = TypeVar("Reply", bound=UnaryReply)
+
+#: Most instances one request is sent away from after ``overloaded`` replies.
+MAX_AVOIDED = 64
 
 
 class UnaryCaller(Generic[Req, Reply]):
@@ -46,12 +55,14 @@ class UnaryCaller(Generic[Req, Reply]):
         retries: int = 3,
         request_timeout: float = 0.0,
         report_down: Callable[[int], None] | None = None,
+        report_busy: Callable[[int], None] | None = None,
         on_retry: Callable[[], None] | None = None,
     ) -> None:
         self._generate = generate
         self._retries = retries
         self._timeout = request_timeout
         self._report_down = report_down
+        self._report_busy = report_busy
         self._on_retry = on_retry
 
     async def call(self, request: Req, ctx: RequestContext, timeout: float | None = None) -> Reply:
@@ -59,22 +70,36 @@ class UnaryCaller(Generic[Req, Reply]):
         it. Past the deadline: ``RequestTimedOut`` (504), the work cancelled."""
         limit = self._timeout
         deadline = min(timeout, limit) if timeout and limit else (timeout or limit)
+        avoid: set[int] = set()
         if not deadline:
-            return await self._call(request, ctx)
+            return await self._call(request, ctx, avoid)
         try:
             async with asyncio.timeout(deadline):
-                return await self._call(request, ctx)
+                return await self._call(request, ctx, avoid)
         except TimeoutError:
             ctx.cancel()
+            if avoid:
+                raise EngineOverloaded(
+                    f"{len(avoid)} instances answered overloaded and the {deadline:g}s "
+                    "deadline passed"
+                ) from None
             raise RequestTimedOut(
                 f"the request did not finish within its {deadline:g}s deadline"
             ) from None
 
-    async def _call(self, request: Req, ctx: RequestContext) -> Reply:
+    async def _call(self, request: Req, ctx: RequestContext, avoid: set[int]) -> Reply:
+        """``avoid``: filled with the instances that answered ``overloaded``."""
         attempts = 0
         while True:
             try:
-                reply = await self._one(request, ctx)
+                try:
+                    reply = await self._one(request, ctx)
+                except NoInstanceAvailable as exc:
+                    if avoid and not isinstance(exc, EngineOverloaded):
+                        raise EngineOverloaded(
+                            f"every instance tried answered overloaded ({len(avoid)}): {exc}"
+                        ) from exc
+                    raise
                 kind = reply.error_kind
                 if kind == ErrorKind.ENGINE_FAILED:
                     instance = ctx.metadata.get("worker_instance_id")
@@ -101,8 +126,28 @@ class UnaryCaller(Generic[Req, Reply]):
             if kind == ErrorKind.BAD_REQUEST:
                 raise EngineBadRequest(reply.error)
             if kind == ErrorKind.OVERLOADED:
+                if self._elsewhere(ctx, avoid):
+                    continue
                 raise EngineOverloaded(f"worker overloaded: {reply.error}")
             raise RemoteError(reply.error)
+
+    def _elsewhere(self, ctx: RequestContext, avoid: set[int]) -> bool:
+        """After an ``overloaded`` reply: report its instance busy and whether the request
+        may go to another (not pinned, instance known, under the bound)."""
+        instance = ctx.metadata.get("worker_instance_id")
+        if not isinstance(instance, int):
+            return False
+        if self._report_busy is not None:
+            self._report_busy(instance)
+        pinned = ctx.metadata.get(PIN_METADATA) is not None
+        if pinned or ctx.is_cancelled or instance in avoid or len(avoid) >= MAX_AVOIDED:
+            return False
+        avoid.add(instance)
+        ctx.metadata[AVOID_METADATA] = avoid
+        log.warning(
+            "request %s: instance %x answered overloaded; trying another", ctx.request_id, instance
+        )
+        return True
 
     async def _one(self, request: Req, ctx: RequestContext) -> Reply:
         stream = self._generate(request, ctx)

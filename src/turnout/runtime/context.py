@@ -10,6 +10,10 @@ from typing import Any
 #: migration while one applies), so that stages which wait (the prefill router) can give up
 #: before it with a clearer error than a timeout.
 DEADLINE_METADATA = "deadline"
+#: ``RequestContext.metadata`` key: the instances the routers must not pick for this request
+#: (a ``set[int]``, set by migration): they failed or answered ``overloaded`` before its first
+#: token, and it is being tried on another.
+AVOID_METADATA = "avoid_instances"
 
 
 class RequestContext:

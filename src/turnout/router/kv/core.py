@@ -194,6 +194,44 @@ class KvRouterCore:
             self._requests_no_candidates += 1
         return selection
 
+    def book(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | np.ndarray,
+        worker_key: WorkerKey,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Count a request that was sent to ``worker_key`` without a decision here (it was
+        pinned: a session's binding, a client's ``backend_instance_id``) as ``route`` books
+        a chosen one, so its load weighs on the next decisions until ``on_finished``.
+        Returns the blocks of its prompt the worker is predicted to hold."""
+        if now is None:
+            now = self._clock()
+        config = self.config
+        self.active.expire(now)
+        seq_hashes = compute_seq_hashes(
+            token_ids,
+            config.block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+        )
+        overlap = self._index.find_matches(seq_hashes).scores.get(worker_key, 0)
+        self.active.add_request(
+            request_id,
+            worker_key,
+            num_prompt_tokens=len(token_ids),
+            overlap_blocks=overlap,
+            now=now,
+        )
+        self._index.record_routed(worker_key, seq_hashes, now)
+        if session_id is not None:
+            self.sessions.record(session_id, worker_key, now)
+        return overlap
+
     # --- what happens next ---------------------------------------------------------------------
 
     def on_first_token(self, request_id: str, now: float | None = None) -> bool:

@@ -4,6 +4,11 @@ keep the router's books (first token, end of stream, what the worker said it had
 A worker that cannot be reached is set aside and the request re-routed among the others,
 like the plain push router; a stream that breaks mid-way propagates to migration, which
 re-issues the request through here (re-routed, re-booked under the same request id).
+
+A pinned request (a session's binding, a client's ``backend_instance_id``) skips the decision
+but is booked on its worker all the same, so the router's view of the load counts it.
+Instances a request must avoid (``AVOID_METADATA``: it failed or was refused there before its
+first token) are never chosen for it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from turnout.errors import NoInstanceAvailable, PeerUnavailable, WorkerProtocolE
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.router.kv.router import KvRouter
 from turnout.router.kv.selector import Selection, SelectionStatus
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 log = logging.getLogger("turnout.router.kv")
 
@@ -63,6 +68,9 @@ class KvPushRouter:
         that is never passed on must be released with ``router.on_finished(request_id)``.
         Raises ``NoInstanceAvailable`` when no worker may take it."""
         router = self.router
+        avoid = ctx.metadata.get(AVOID_METADATA)
+        if avoid:
+            excluded = [*excluded, *avoid]
         allowed = None
         if self._allow is not None and request.lora_name:
             live = [i for i in router.client.instance_ids() if i not in excluded]
@@ -97,8 +105,17 @@ class KvPushRouter:
         excluded: list[int] = []
         while True:
             if request.backend_instance_id is not None and selection is None:
-                target, dp_rank, pinned = request.backend_instance_id, 0, request
-                booked = False
+                target, pinned, pins = request.backend_instance_id, request, True
+                rank = (request.extra_args or {}).get("dp_rank")
+                router.book(
+                    request_id,
+                    request.token_ids,
+                    target,
+                    dp_rank=rank if isinstance(rank, int) else 0,
+                    lora_name=request.lora_name,
+                    cache_salt=request.cache_salt,
+                    session_id=request.session_id,
+                )
             else:
                 if selection is None:
                     selection = self.select(request, ctx, excluded)
@@ -111,7 +128,7 @@ class KvPushRouter:
                 pinned = msgspec.structs.replace(
                     request, backend_instance_id=target, extra_args=extra
                 )
-                booked = True
+                pins = False
             ctx.metadata["worker_instance_id"] = target
             stream = client.stream(target, _encode(pinned), ctx)
             first = True
@@ -127,8 +144,7 @@ class KvPushRouter:
                         ) from exc
                     if first and output.token_ids:
                         first = False
-                        if booked:
-                            router.on_first_token(request_id)
+                        router.on_first_token(request_id)
                     if output.usage is not None and output.usage.cached_tokens is not None:
                         cached = output.usage.cached_tokens
                     yield output
@@ -138,7 +154,7 @@ class KvPushRouter:
                 log.warning(
                     "request %s: worker %x unreachable (%s); re-routing", request_id, target, exc
                 )
-                if not booked or len(excluded) >= self._max_attempts:
+                if pins or len(excluded) >= self._max_attempts:
                     raise NoInstanceAvailable(
                         f"worker {target:x} of {router.endpoint.path()} is unreachable: {exc}"
                     ) from exc
@@ -146,10 +162,9 @@ class KvPushRouter:
                 try:
                     await stream.aclose()  # type: ignore[attr-defined]
                 finally:
-                    if booked:
-                        router.on_finished(
-                            request_id, prompt_tokens=len(request.token_ids), cached_tokens=cached
-                        )
+                    router.on_finished(
+                        request_id, prompt_tokens=len(request.token_ids), cached_tokens=cached
+                    )
 
 
 def _why(selection: Selection, endpoint: str) -> str:

@@ -182,6 +182,29 @@ class KvRouter:
                 self._check_silence(worker)
         return selection
 
+    def book(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        worker_id: int,
+        *,
+        dp_rank: int = 0,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        """Count a pinned request on ``worker_id`` (see ``KvRouterCore.book``) until
+        ``on_finished``."""
+        overlap = self.core.book(
+            request_id,
+            token_ids,
+            WorkerKey(worker_id, dp_rank),
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            session_id=session_id,
+        )
+        self.predicted_cached_tokens += overlap * self.config.block_size
+
     def on_first_token(self, request_id: str) -> None:
         self.core.on_first_token(request_id)
 

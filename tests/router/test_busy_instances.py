@@ -1,0 +1,168 @@
+"""Busy instances: one that answered ``overloaded`` is left out of the push router's
+candidates for a while (round-robin and random included), on an injected clock; and
+migration reports the refusal and sends the request to another instance."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+import pytest
+
+from turnout.errors import EngineOverloaded, NoInstanceAvailable
+from turnout.llm.migration import Migration
+from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.router.instance_load import InstanceLoad
+from turnout.router.push_router import PushRouter
+from turnout.router.selectors import InstanceSelector, RandomSelector, RoundRobinSelector
+from turnout.runtime.context import AVOID_METADATA, RequestContext
+
+HOLD = 5.0
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(LLMEngineOutput).decode
+_request_decoder = msgspec.msgpack.Decoder(PreprocessedRequest)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.time = 100.0
+
+    def __call__(self) -> float:
+        return self.time
+
+
+class Instances:
+    """In-memory instances: each streams one token and a finish, or refuses as
+    ``overloaded`` when listed in ``full``; records which instance each stream went to."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = list(ids)
+        self.full: set[int] = set()
+        self.opened: list[int] = []
+
+    def instance_ids(self) -> list[int]:
+        return list(self.ids)
+
+    def announced_ids(self) -> list[int]:
+        return list(self.ids)
+
+    async def stream(
+        self, instance_id: int, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]:
+        self.opened.append(instance_id)
+        if instance_id in self.full:
+            yield _encode(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error="queue full",
+                    error_kind=ErrorKind.OVERLOADED.value,
+                )
+            )
+            return
+        yield _encode(LLMEngineOutput(token_ids=[instance_id], finish_reason=FinishReason.STOP))
+
+
+def make(
+    ids: Sequence[int], selector: InstanceSelector
+) -> tuple[PushRouter[PreprocessedRequest, LLMEngineOutput], Instances, Clock]:
+    clock = Clock()
+    instances = Instances(ids)
+    router: PushRouter[PreprocessedRequest, LLMEngineOutput] = PushRouter(
+        instances,
+        selector,
+        encode=_encode,
+        decode=_decode,
+        load=InstanceLoad(busy_hold_s=HOLD, clock=clock),
+    )
+    return router, instances, clock
+
+
+def request() -> PreprocessedRequest:
+    return PreprocessedRequest(model="m", token_ids=[1, 2, 3])
+
+
+async def serve(
+    router: PushRouter[PreprocessedRequest, LLMEngineOutput], ctx: RequestContext | None = None
+) -> list[LLMEngineOutput]:
+    return [out async for out in router.generate(request(), ctx or RequestContext())]
+
+
+@pytest.mark.parametrize("selector", [RoundRobinSelector, lambda: RandomSelector(seed=7)])
+async def test_a_busy_instance_is_skipped_until_its_hold_ends(selector: object) -> None:
+    router, instances, clock = make([1, 2, 3], selector())  # type: ignore[operator]
+    router.load.mark_busy(2)
+    for _ in range(12):
+        await serve(router)
+    assert 2 not in instances.opened
+    assert set(instances.opened) == {1, 3}
+    clock.time += HOLD
+    instances.opened.clear()
+    for _ in range(12):
+        await serve(router)
+    assert 2 in instances.opened
+
+
+@pytest.mark.parametrize("selector", [RoundRobinSelector, lambda: RandomSelector(seed=7)])
+async def test_when_every_instance_is_busy_one_is_still_tried(selector: object) -> None:
+    router, _, _ = make([1, 2], selector())  # type: ignore[operator]
+    router.load.mark_busy(1)
+    router.load.mark_busy(2)
+    outputs = await serve(router)
+    assert outputs[-1].finish_reason is FinishReason.STOP
+
+
+async def test_busy_marks_of_instances_that_left_are_forgotten() -> None:
+    router, _, _ = make([1, 2], RoundRobinSelector())
+    router.load.mark_busy(1)
+    router.load.retain({2})
+    assert not router.load.is_busy(1)
+
+
+async def test_avoided_instances_are_never_candidates() -> None:
+    router, instances, _ = make([1, 2, 3], RoundRobinSelector())
+    ctx = RequestContext()
+    ctx.metadata[AVOID_METADATA] = {1, 3}
+    for _ in range(3):
+        await serve(router, ctx)
+    assert instances.opened == [2, 2, 2]
+    ctx.metadata[AVOID_METADATA] = {1, 2, 3}
+    with pytest.raises(NoInstanceAvailable, match="3 failed or overloaded"):
+        await serve(router, ctx)
+
+
+def migration_over(
+    router: PushRouter[PreprocessedRequest, LLMEngineOutput], limit: int = 0
+) -> Migration:
+    return Migration(router.generate, migration_limit=limit, report_busy=router.load.mark_busy)
+
+
+async def collect(migration: Migration) -> list[int]:
+    tokens: list[int] = []
+    stream = migration.generate(request(), RequestContext())
+    try:
+        async for output in stream:
+            tokens.extend(output.token_ids)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    return tokens
+
+
+async def test_an_overloaded_reply_is_retried_elsewhere_and_marks_the_instance_busy() -> None:
+    router, instances, _ = make([1, 2, 3], RoundRobinSelector())
+    instances.full.add(1)
+    migration = migration_over(router)
+    served = await collect(migration)  # 1 refused, another served: no migration spent
+    assert instances.opened[0] == 1 and len(instances.opened) == 2
+    assert served == [instances.opened[1]] and served != [1]
+    assert router.load.is_busy(1)
+    # The next requests skip the busy instance: round-robin over the others.
+    assert sorted([await collect(migration) for _ in range(4)]) == [[2], [2], [3], [3]]
+    assert instances.opened.count(1) == 1
+
+
+async def test_every_instance_overloaded_is_engine_overloaded() -> None:
+    router, instances, _ = make([1, 2, 3], RoundRobinSelector())
+    instances.full.update({1, 2, 3})
+    with pytest.raises(EngineOverloaded, match="queue full"):
+        await collect(migration_over(router, limit=3))
+    assert sorted(instances.opened) == [1, 2, 3]  # each tried once
