@@ -15,9 +15,7 @@ from tests.frontend.stack import ENDPOINT, Stack, make_stack
 from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker
 from turnout.errors import ConfigError
-from turnout.llm.multimodal_keys import multimodal_cache_keys
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
-from turnout.protocols.openai import ChatCompletionRequest, ChatMessage
 from turnout.router.mode import RouterMode
 from turnout.runtime.context import RequestContext
 
@@ -186,53 +184,6 @@ async def test_device_aware_keeps_cpu_under_ratio_times_gpu(
         for e in [gpu, *cpus]:
             e.gate.set()
         del tasks
-    await until(lambda: in_flight(stack) == {})
-
-
-async def test_device_aware_prefers_the_instance_holding_the_images(
-    gguf_path: str, run_stack: Callable[..., Awaitable[Stack]]
-) -> None:
-    """Through the model's real pipeline (the chat template of a text-only model refuses
-    image parts with a 400 before routing, so the keys are set on the preprocessed request)."""
-    stack = await run_stack(router_mode=RouterMode.DEVICE_AWARE_WEIGHTED)
-    engines = [GatedEcho(gguf_path) for _ in range(2)]
-    ids = [await add(stack, e) for e in engines]
-    await stack.wait_for_model(MODEL, instances=2)
-    pipeline: Any = stack.frontend.manager.get_chat_engine(MODEL)
-    keys = multimodal_cache_keys(["https://example.com/cat.png", "https://example.com/dog.png"])
-
-    async def run(keys: list[str] | None = None, pin: int | None = None) -> None:
-        chat = ChatCompletionRequest(
-            model=MODEL, messages=[ChatMessage(role="user", content="hi")], max_tokens=4
-        )
-        pre = await pipeline.preprocess(chat)
-        pre.multimodal_cache_keys = keys
-        pre.backend_instance_id = pin
-        generation = pipeline.generate(pre, RequestContext())
-        try:
-            async for _ in generation:
-                pass
-        finally:
-            await generation.aclose()
-
-    tasks = [asyncio.create_task(run(keys))]
-    await until(lambda: sum(e.active for e in engines) == 1)
-    holder = next(i for i, e in zip(ids, engines, strict=True) if e.active)
-    assert next(r for e in engines for r in e.received).multimodal_cache_keys == keys
-    # Load the holder further (pinned requests count too), then ask for the images again:
-    # the holder still wins over the idle instance.
-    tasks += [asyncio.create_task(run(pin=holder)) for _ in range(2)]
-    await until(lambda: in_flight(stack).get(holder) == 3)
-    tasks.append(asyncio.create_task(run(keys)))
-    await until(lambda: in_flight(stack).get(holder) == 4)
-    other = next(i for i in ids if i != holder)
-    assert other not in in_flight(stack)
-    # Images it does not hold go by load: to the idle instance.
-    tasks.append(asyncio.create_task(run(multimodal_cache_keys(["https://example.com/owl.png"]))))
-    await until(lambda: in_flight(stack).get(other) == 1)
-    for e in engines:
-        e.gate.set()
-    await asyncio.gather(*tasks)
     await until(lambda: in_flight(stack) == {})
 
 

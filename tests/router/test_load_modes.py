@@ -1,18 +1,14 @@
 """The load-based router modes (power-of-two, least-loaded, device-aware-weighted), the
-in-flight counts they read, and the multimodal cache keys: statistics under fixed seeds."""
+in-flight counts they read: statistics under fixed seeds."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
-import blake3
 import pytest
 
 from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
-from turnout.llm.multimodal_keys import image_urls, multimodal_cache_keys
-from turnout.protocols.llm import PreprocessedRequest
-from turnout.protocols.openai import ChatMessage
 from turnout.router.instance_load import InstanceLoad
 from turnout.router.load_selectors import (
     DeviceAwareSelector,
@@ -20,7 +16,6 @@ from turnout.router.load_selectors import (
     PowerOfTwoSelector,
 )
 from turnout.router.mode import RouterMode
-from turnout.router.multimodal_cache import MultimodalCacheIndex
 from turnout.router.push_router import PushRouter
 from turnout.router.selectors import RoundRobinSelector, make_selector
 from turnout.runtime.context import RequestContext
@@ -34,10 +29,6 @@ def loaded(counts: dict[int, int]) -> InstanceLoad:
         for _ in range(n):
             load.on_stream_started(instance_id)
     return load
-
-
-def request(keys: list[str] | None = None) -> PreprocessedRequest:
-    return PreprocessedRequest(model="m", token_ids=[1], multimodal_cache_keys=keys)
 
 
 # -- in-flight counts -----------------------------------------------------------------------
@@ -148,56 +139,6 @@ def test_device_aware_with_one_group_is_least_loaded() -> None:
         for _ in range(100):
             load.on_stream_started(selector.select([1, 2], None))
         assert load.snapshot() == {1: 50, 2: 50}
-
-
-def test_device_aware_prefers_the_instance_holding_every_image() -> None:
-    keys = multimodal_cache_keys(["https://x/a.png", "https://x/b.png"])
-    load = loaded({1: 9, 2: 0, 3: 0, 11: 0})
-    cache = MultimodalCacheIndex(clock=lambda: 0.0)
-    selector = DeviceAwareSelector(
-        load, lambda: {1: "gpu", 2: "gpu", 3: "gpu", 11: "cpu"}, mm_cache=cache, seed=7
-    )
-    cache.record(1, keys)
-    cache.record(3, keys[:1])  # holds only one of the two: no preference
-    assert all(selector.select([1, 2, 3, 11], request(keys)) == 1 for _ in range(50))
-    # Without images, or with one not held, the load decides.
-    assert selector.select([1, 2, 3, 11], request(None)) != 1
-    other = multimodal_cache_keys(["https://x/c.png"])
-    first = selector.select([1, 2, 3, 11], request(other))
-    assert first != 1
-    assert cache.hits(first, other) == 1  # the keys are now remembered there
-
-
-def test_multimodal_cache_forgets_after_the_ttl_and_keeps_the_most_recent() -> None:
-    now = [0.0]
-    cache = MultimodalCacheIndex(ttl_s=10.0, keys_per_instance=2, clock=lambda: now[0])
-    cache.record(1, ["a", "b"])
-    cache.record(1, ["c"])  # "a" is the least recently used: out
-    assert cache.hits(1, ["a", "b", "c"]) == 2
-    now[0] = 10.5
-    assert cache.hits(1, ["b", "c"]) == 0
-    cache.record(2, ["d"])
-    cache.retain({1})
-    assert cache.instance_ids() == [1]
-
-
-def test_multimodal_keys_are_sorted_deduplicated_blake3_of_the_urls() -> None:
-    urls = ["https://x/b.png", "data:image/png;base64,AAAA", "https://x/b.png"]
-    expected = sorted({blake3.blake3(u.encode()).hexdigest() for u in urls})
-    assert multimodal_cache_keys(urls) == expected
-    assert len(expected) == 2
-    messages = [
-        ChatMessage(role="system", content="be brief"),
-        ChatMessage(
-            role="user",
-            content=[
-                {"type": "text", "text": "what is this?"},
-                {"type": "image_url", "image_url": {"url": urls[0]}},
-                {"type": "image_url", "image_url": urls[1]},
-            ],
-        ),
-    ]
-    assert image_urls(messages) == urls[:2]
 
 
 # -- start-up -------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Complet
 
 from .chat_template import ChatTemplate
 from .limits import RequestLimits
-from .multimodal_keys import image_urls, multimodal_cache_keys
 from .reasoning_switch import reasoning_switch
 from .structured import source_chars, structured_output
 from .tokenizer import Tokenizer
@@ -189,9 +188,6 @@ class Preprocessor:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs)
         pre.structured = structured
-        urls = image_urls(req.messages)
-        if urls:
-            pre.multimodal_cache_keys = multimodal_cache_keys(urls)
         return pre
 
     # ---------------------------------------------------------------- completions

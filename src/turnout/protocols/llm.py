@@ -136,10 +136,6 @@ class PreprocessedRequest(
     #: Seconds the whole request may take (``nvext.request_timeout``); enforced by the
     #: frontend's migration operator, across migrations. None: the frontend's default.
     request_timeout: float | None = None
-    #: blake3 hex of each image URL of the request, sorted, de-duplicated (Dynamo's
-    #: ``preprocessed_multimodal_cache_keys``); ``device-aware-weighted`` routing prefers an
-    #: instance holding all of them. None: no image.
-    multimodal_cache_keys: list[str] | None = None
     #: Set by the frontend's prefill router on the two stages of a disaggregated request.
     disagg: DisaggParams | None = None
     #: What the output must match (``response_format``, ``guided_*``, a forced tool call).

@@ -11,10 +11,7 @@
       CPU group  if cpu_in_flight < allowed_cpu,  else the GPU group
 
   (``ratio``: how many CPU instances one GPU instance is worth); least-loaded within the
-  chosen group. With one group present: least-loaded in it. Before that, a request carrying
-  multimodal cache keys goes to the least loaded of the candidates that hold *all* its keys,
-  whatever their device (``MultimodalCacheIndex``); the keys are then recorded on the
-  instance chosen.
+  chosen group. With one group present: least-loaded in it. The choice weighs load only.
 
 Randomness comes from a seeded ``random.Random``; load from the push router's counts.
 """
@@ -27,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from turnout.protocols.llm import PreprocessedRequest
 from turnout.protocols.model import DEVICE_CPU
 from turnout.router.instance_load import InstanceLoad
-from turnout.router.multimodal_cache import MultimodalCacheIndex
 from turnout.router.selectors import InstanceSelector
 
 __all__ = [
@@ -91,29 +87,16 @@ class DeviceAwareSelector(InstanceSelector):
         device_types: DeviceTypes,
         *,
         ratio: int = DEFAULT_CPU_GPU_RATIO,
-        mm_cache: MultimodalCacheIndex | None = None,
         seed: int | None = None,
     ) -> None:
         if ratio < 1:
             raise ValueError(f"the CPU/GPU ratio must be >= 1, got {ratio}")
         self.load = load
         self.ratio = ratio
-        self.mm_cache = mm_cache if mm_cache is not None else MultimodalCacheIndex()
         self._device_types = device_types
         self._rng = random.Random(seed)
 
     def select(self, candidates: Sequence[int], request: PreprocessedRequest | None) -> int:
-        keys = request.multimodal_cache_keys if request is not None else None
-        choice = self._choose(candidates, keys)
-        if keys:
-            self.mm_cache.record(choice, keys)
-        return choice
-
-    def _choose(self, candidates: Sequence[int], keys: list[str] | None) -> int:
-        if keys:
-            holders = [c for c in candidates if self.mm_cache.hits(c, keys) >= len(keys)]
-            if holders:
-                return least_loaded(holders, self.load, self._rng)
         devices = self._device_types()
         cpu = [c for c in candidates if devices.get(c) == DEVICE_CPU]
         if not cpu or len(cpu) == len(candidates):

@@ -135,8 +135,6 @@ class TokensApi(abc.ABC):
             return f"LoRA adapter {request.lora_name!r}: turnout attach serves base models only"
         if request.disagg is not None:
             return "disaggregated serving is not available through turnout attach"
-        if request.multimodal_cache_keys:
-            return "images are not relayed by turnout attach (token prompts only)"
         if oo.logprobs is not None and oo.logprobs > MAX_TOP_LOGPROBS:
             return f"at most {MAX_TOP_LOGPROBS} alternatives per token, not {oo.logprobs}"
         if not request.token_ids:
