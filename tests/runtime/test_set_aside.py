@@ -1,5 +1,6 @@
-"""Instances that do not answer are set aside, for longer each time they fail again; and a tcp
-peer that does not speak the request plane is told apart at once, not after the idle timeout.
+"""Instances that do not answer are set aside, for longer each time they fail again; a tcp
+peer that does not speak the request plane is told apart at once, not after the idle timeout;
+and a worker frozen with its connection open is set aside as soon as it falls silent.
 
 Real servers and sockets: a memory store, the tcp request plane, instances announced at a
 closed port, at a server that echoes what it hears and at one that never answers.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -25,6 +28,7 @@ from turnout.runtime.discovery import MemoryStore
 from turnout.runtime.endpoint_client import EndpointClient
 from turnout.runtime.request_plane.tcp import TcpClient
 from turnout.runtime.request_plane.tcp.client import HANDSHAKE_TIMEOUT
+from turnout.runtime.serving import handler_path
 
 EID = EndpointId(namespace="ns", component="backend", name="generate")
 GHOST = 0xABC
@@ -157,3 +161,69 @@ async def test_a_peer_that_does_not_speak_the_plane_is_unavailable(
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+FROZEN_SERVER = """
+import asyncio, sys
+from turnout.runtime.request_plane import TcpServer
+
+async def hang(payload, ctx):
+    yield b"first"
+    await asyncio.get_running_loop().create_future()
+
+async def main():
+    server = TcpServer(heartbeat_interval=0.05)
+    server.register(sys.argv[1], hang)
+    address = await server.start()
+    print(address.address, flush=True)
+    await asyncio.get_running_loop().create_future()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_frozen_worker_is_set_aside_at_once_and_back_when_it_answers(
+    runtime: DistributedRuntime,
+) -> None:
+    """A worker process stopped with SIGSTOP keeps its TCP connection and its record; its
+    silence on the request plane sets it aside within the silence deadline (new requests and
+    migrations go elsewhere) while a live instance keeps serving, and it is back as soon as
+    its connection answers again, not after the set-aside's retry delay."""
+    runtime.use_request_plane_client(TcpClient(heartbeat_interval=0.05, silence_deadline=0.3))
+    live = await runtime.endpoint(EID).serve(echo)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FROZEN_SERVER, handler_path(EID, GHOST),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stream = None
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            address = (await proc.stdout.readline()).decode().strip()
+        await announce(runtime, address)
+        client = await runtime.endpoint(EID).client()
+        await until(lambda: client.instance_ids() == sorted([live.instance_id, GHOST]))
+        stream = client.stream(GHOST, b"", RequestContext("on-the-frozen-one"))
+        assert await anext(stream) == b"first"
+
+        proc.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        await until(lambda: GHOST not in client.instance_ids())
+        assert time.monotonic() - frozen_at < 5.0  # the deadline is 0.3 s; the idle timeout 10 s
+        assert client.instance_ids() == [live.instance_id]
+        got = [x async for x in client.stream(live.instance_id, b"hi", RequestContext())]
+        assert got == [b"hi"]
+
+        proc.send_signal(signal.SIGCONT)
+        resumed_at = time.monotonic()
+        await until(lambda: GHOST in client.instance_ids())
+        assert time.monotonic() - resumed_at < endpoint_client.DOWN_RETRY_SECONDS
+        await client.close()
+    finally:
+        if stream is not None:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        await proc.wait()
+        await live.stop()

@@ -29,7 +29,12 @@ from turnout.runtime.discovery.base import DiscoveryStore
 from turnout.runtime.endpoint_client import EndpointClient
 from turnout.runtime.event_plane import EventPlane, make_event_plane
 from turnout.runtime.request_plane import make_client, make_server
-from turnout.runtime.request_plane.base import Handler, RequestPlaneClient, RequestPlaneServer
+from turnout.runtime.request_plane.base import (
+    Handler,
+    PeerState,
+    RequestPlaneClient,
+    RequestPlaneServer,
+)
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES
 from turnout.runtime.serving import RecordsFn, ServingInstance
 
@@ -143,7 +148,22 @@ class DistributedRuntime:
             client = self._clients[kind] = make_client(
                 kind, max_frame_bytes=self.max_frame_bytes, **options
             )
+            client.add_peer_listener(self._peer_state)
         return client
+
+    def use_request_plane_client(self, client: RequestPlaneClient) -> None:
+        """Use ``client`` for its transport kind (one made with other timings, say) instead of
+        one made on first use; call it before the first request of that kind."""
+        if client.kind in self._clients:
+            raise RuntimeError(f"a {client.kind} request-plane client is already in use")
+        self._clients[client.kind] = client
+        client.add_peer_listener(self._peer_state)
+
+    def _peer_state(self, address: TransportAddress, state: PeerState) -> None:
+        """A request-plane client learned something of a peer: every endpoint client hears
+        it (each sets aside or restores the instances it knows at that address)."""
+        for endpoint_client in list(self._endpoint_clients):
+            endpoint_client.peer_state(address, state)
 
     async def shutdown(self) -> None:
         """Stop every served instance (leases revoked, streams drained), the server and the

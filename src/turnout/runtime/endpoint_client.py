@@ -4,6 +4,13 @@ An ``EndpointClient`` (made by ``Endpoint.client`` in ``component``) keeps the i
 discovery announces under ``v1/instances/<endpoint path>/`` and sets aside, for a while, those
 that could not be reached; ``stream`` sends a request to one instance over the request plane
 its record names.
+
+A worker that is frozen (SIGSTOP, a hung host) keeps its TCP connection and its discovery
+lease for a while, so neither discovery nor a refused connection says it is gone. Its
+request-plane connection going silent past the heartbeat deadline does: the request-plane
+client reports the peer ``SILENT`` (``peer_state``), and every instance served there is set
+aside at once, for new requests and for migrations alike, for as long as the connection stays
+silent; it comes back as soon as the connection answers again.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
 from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
+from turnout.runtime.request_plane.base import PeerState
 from turnout.runtime.serving import handler_path
 
 if TYPE_CHECKING:
@@ -71,6 +79,9 @@ class EndpointClient:
         self._open: dict[int, weakref.WeakSet[_InstanceStream]] = {}
         #: Where each instance in ``_open`` was reached (kept after it leaves discovery).
         self._open_transport: dict[int, TransportAddress] = {}
+        #: Addresses whose request-plane connection was reported silent and not heard since
+        #: (at most one per connection the process holds): instances there stay set aside.
+        self._silent: set[TransportAddress] = set()
 
     # -- discovery ------------------------------------------------------------------------
 
@@ -250,7 +261,46 @@ class EndpointClient:
         self._notify()
 
     def _restore(self, instance_id: int) -> None:
-        if self._down.pop(instance_id, None) is not None and instance_id in self._instances:
+        instance = self._instances.get(instance_id)
+        if instance is not None and instance.transport in self._silent:
+            # Still silent: the set-aside lasts until its connection answers or is dropped.
+            loop = asyncio.get_running_loop()
+            self._down[instance_id] = loop.call_later(
+                DOWN_RETRY_SECONDS, self._restore, instance_id
+            )
+            return
+        if self._down.pop(instance_id, None) is not None and instance is not None:
+            self._notify()
+
+    def peer_state(self, address: TransportAddress, state: PeerState) -> None:
+        """What the request plane learned of the peer at ``address`` (see the module
+        docstring): ``SILENT`` sets its instances aside at once, ``ANSWERING`` brings them
+        back at once, ``GONE`` (its connection dropped) leaves them to the usual retry."""
+        here = [iid for iid, inst in self._instances.items() if inst.transport == address]
+        if state is PeerState.SILENT:
+            self._silent.add(address)
+            for instance_id in here:
+                logger.warning(
+                    "instance %x of %s is silent on the request plane (frozen or cut off)",
+                    instance_id,
+                    self.endpoint.path(),
+                )
+                self.report_instance_down(instance_id)
+            return
+        if address not in self._silent:
+            return
+        self._silent.discard(address)
+        if state is not PeerState.ANSWERING:
+            return
+        back = False
+        for instance_id in here:
+            self._strikes.pop(instance_id, None)
+            timer = self._down.pop(instance_id, None)
+            if timer is not None:
+                timer.cancel()
+                back = True
+        if back:
+            logger.info("%s instances at %s answer again", self.endpoint.path(), address.address)
             self._notify()
 
     # -- calls ----------------------------------------------------------------------------
@@ -284,6 +334,7 @@ class EndpointClient:
             timer.cancel()
         self._down.clear()
         self._strikes.clear()
+        self._silent.clear()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])

@@ -2,12 +2,12 @@
 
 A stream's frames land in an ``Inbox`` owned by the connection; the iterator handed to the
 caller (``_TcpStream``, a ``CreditedStream``) reads it and returns credit as it consumes, so
-dropping the iterator can cancel the stream. Error mapping: nothing sent or REJECT -> ``PeerUnavailable``;
-connection lost before ACK -> ``PeerUnavailable``, after ACK or ABORT -> ``StreamBroken``;
-ERROR -> ``RemoteError``. A request payload over the frame bound (``max_frame_bytes``) is
-refused here with ``RequestPlaneError``, never sent: the server would drop the connection it
-shares with other streams. A peer announcing a reply frame over the bound loses the
-connection (see ``connection``).
+dropping the iterator can cancel the stream. Error mapping: nothing sent or REJECT ->
+``PeerUnavailable``; connection lost before ACK -> ``PeerUnavailable``, after ACK or ABORT ->
+``StreamBroken``; ERROR -> ``RemoteError``. A request payload over the frame bound
+(``max_frame_bytes``) is refused here with ``RequestPlaneError``, never sent: the server would
+drop the connection it shares with other streams. A peer announcing a reply frame over the
+bound loses the connection (see ``connection``).
 
 A peer must show it speaks the plane: a new connection that hears no frame within
 ``HANDSHAKE_TIMEOUT`` of its first request (the server acknowledges a request as it reads it),
