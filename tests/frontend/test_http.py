@@ -261,7 +261,7 @@ async def test_client_disconnect_cancels_worker(
 async def test_extras_are_accepted_and_unknown_fields_refused(stack: Stack) -> None:
     body = {"model": "echo", "prompt": "a b c", "max_tokens": 2, "top_k": 5, "min_p": 0.1,
             "repetition_penalty": 1.1, "ignore_eos": True,
-            "nvext": {"ignore_eos": True, "annotations": ["x"]}}  # fmt: skip
+            "nvext": {"ignore_eos": True}}  # fmt: skip
     async with httpx.AsyncClient(base_url=stack.url) as http:
         r = await http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text

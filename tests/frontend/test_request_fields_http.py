@@ -19,6 +19,7 @@ def stack(echo_stack: Stack) -> Stack:
     [
         ({"store": True}, "store", None),
         ({"nvext": {"priorty": 2}}, "nvext.priorty", "unknown_parameter"),
+        ({"nvext": {"annotations": ["request_id"]}}, "nvext.annotations", "unknown_parameter"),
         ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x",
          "unknown_parameter"),
         ({"logprobs": True}, "logprobs", None),

@@ -76,7 +76,6 @@ async def test_chat_options(pre: Preprocessor) -> None:
             nvext={
                 "ignore_eos": True,
                 "backend_instance_id": 42,
-                "annotations": ["request_id"],
             },
         )
     )
@@ -92,7 +91,6 @@ async def test_chat_options(pre: Preprocessor) -> None:
     assert out.output_options.logprobs == 3
     assert out.output_options.skip_special_tokens is False
     assert out.backend_instance_id == 42
-    assert out.annotations == ["request_id"]
 
 
 async def test_top_level_ignore_eos(pre: Preprocessor) -> None:

@@ -456,7 +456,6 @@ class Preprocessor:
             ),
             output_options=OutputOptions(logprobs=logprobs, skip_special_tokens=skip_special),
             eos_token_ids=list(self.card.eos_token_ids),
-            annotations=list(nvext.annotations or ()) if nvext else [],
             lora_name=self.card.lora.name if self.card.lora else None,
             backend_instance_id=nvext.backend_instance_id if nvext else None,
             cache_salt=_cache_salt(req),

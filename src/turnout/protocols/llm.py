@@ -116,7 +116,6 @@ class PreprocessedRequest(
     sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
-    annotations: list[str] = msgspec.field(default_factory=list)
     lora_name: str | None = None
     #: The tenant's cache partition (vLLM's ``cache_salt``): it seeds the block hashes, so
     #: requests with different salts never share cached blocks, on the worker or in a router.

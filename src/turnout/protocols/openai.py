@@ -28,7 +28,6 @@ class NvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend_instance_id: InstanceIdInt | None = None
     #: Names of extra response fields the client asks for (e.g. ``"worker_id"``, ``"routing"``).
     extra_fields: list[str] | None = None
-    annotations: list[str] | None = None
     greed_sampling: bool | None = None
     #: Admission priority while the frontend's request slots are full: higher waits less
     #: (first-come-first-served within a priority); default 0, negative allowed.
