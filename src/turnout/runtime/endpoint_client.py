@@ -28,7 +28,7 @@ from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
 from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
-from turnout.runtime.request_plane.base import PeerState
+from turnout.runtime.request_plane.base import PeerState, ResponseStream
 from turnout.runtime.serving import handler_path
 
 if TYPE_CHECKING:
@@ -326,7 +326,7 @@ class EndpointClient:
             async for item in stream:
                 yield item
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
     async def close(self) -> None:
         self.runtime._endpoint_clients.discard(self)
@@ -354,7 +354,7 @@ class _InstanceStream:
         self._instance_id = instance_id
         self._payload = payload
         self._ctx = ctx
-        self._inner: AsyncIterator[bytes] | None = None
+        self._inner: ResponseStream | None = None
 
     def __aiter__(self) -> _InstanceStream:
         return self
@@ -406,13 +406,11 @@ class _InstanceStream:
                 self._client._open_transport.pop(self._instance_id, None)
 
     def abort(self, exc: BaseException) -> None:
-        """Fail the stream with ``exc`` (planes whose streams cannot be aborted: no-op)."""
-        abort = getattr(self._inner, "abort", None)
-        if abort is not None:
-            abort(exc)
+        """Fail the stream with ``exc`` (not opened yet: nothing to fail)."""
+        if self._inner is not None:
+            self._inner.abort(exc)
 
     async def aclose(self) -> None:
         self._forget()
-        aclose = getattr(self._inner, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        if self._inner is not None:
+            await self._inner.aclose()

@@ -107,6 +107,21 @@ class RequestPlaneServer(abc.ABC):
         """Stop intake, let in-flight streams finish within ``drain_timeout``, then close."""
 
 
+class ResponseStream(Protocol):
+    """What ``RequestPlaneClient.stream`` returns: the response items, and the ways to end
+    the stream early (every plane's ``CreditedStream``)."""
+
+    def __aiter__(self) -> ResponseStream: ...
+
+    async def __anext__(self) -> bytes: ...
+
+    async def aclose(self) -> None:
+        """Stop the stream: the handler is cancelled; later ``__anext__`` ends it."""
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail the stream with ``exc`` at once (its peer is known to be gone)."""
+
+
 class RequestPlaneClient(abc.ABC):
     kind: str
 
@@ -137,7 +152,7 @@ class RequestPlaneClient(abc.ABC):
         endpoint_path: str,
         payload: bytes,
         ctx: RequestContext,
-    ) -> AsyncIterator[bytes]:
+    ) -> ResponseStream:
         """Send ``payload`` to the handler at ``endpoint_path`` and iterate its responses."""
 
     @abc.abstractmethod

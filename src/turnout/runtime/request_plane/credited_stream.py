@@ -154,7 +154,9 @@ class CreditedStream(abc.ABC, Generic[InboxT]):
             if terminal is not None:
                 inbox.terminal = StopAsyncIteration  # an error is raised once
                 raise terminal
-            waiter = inbox.waiter = self._loop.create_future()  # type: ignore[union-attr]
+            loop = self._loop
+            assert loop is not None  # set when the stream opened
+            waiter = inbox.waiter = loop.create_future()
             try:
                 await waiter  # bounded: the transport's liveness check ends a silent stream
             except asyncio.CancelledError:
