@@ -328,10 +328,12 @@ class HttpService:
         return handler
 
     def _openai_surface(self, *, is_chat: bool) -> Surface:
-        decoder = _chat_decoder if is_chat else _completion_decoder
-
         def decode(body: bytes) -> SurfaceRequest:
-            request = decode_json(decoder, body)
+            request: ChatCompletionRequest | CompletionRequest = (
+                decode_json(_chat_decoder, body)
+                if is_chat
+                else decode_json(_completion_decoder, body)
+            )
             nvext = request.nvext
             priority = nvext.priority if nvext is not None else None
             key = getattr(request, "prompt_cache_key", None)

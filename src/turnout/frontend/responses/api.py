@@ -133,7 +133,7 @@ class ResponseWriter:
         event = "response.reasoning_text.delta" if kind == "reasoning" else (
             "response.output_text.delta"
         )  # fmt: skip
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         self._emit(event, **self._where(), content_index=0, delta=text, **extra)
 
     def _begin(self, kind: str) -> dict[str, Any]:

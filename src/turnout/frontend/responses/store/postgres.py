@@ -36,7 +36,7 @@ class PostgresResponseStore:
 
     async def open(self) -> None:
         try:
-            import asyncpg
+            import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
         except ImportError as exc:
             raise ResponseStoreError(
                 "--response-store postgres:// needs asyncpg (pip install 'turnout[stores]')"
