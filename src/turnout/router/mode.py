@@ -29,7 +29,7 @@ class RouterMode(enum.StrEnum):
             raise ConfigError(f"unknown router mode {text!r}; choose one of: {names}") from None
 
 
-#: LoRA-aware routing exists only for these (seed: ``validate_router_mode_for_lora``).
+#: LoRA-aware routing exists only for these (as Dynamo's ``validate_router_mode_for_lora``).
 LORA_ROUTER_MODES = frozenset({RouterMode.KV, RouterMode.RANDOM, RouterMode.ROUND_ROBIN})
 
 
