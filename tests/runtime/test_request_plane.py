@@ -352,3 +352,44 @@ def test_frame_reader_reassembles_any_split(chunk: int) -> None:
 def test_frame_reader_rejects_absurd_length() -> None:
     with pytest.raises(FrameError, match="exceeds"):
         FrameReader().feed(b"\xff\xff\xff\xff" + b"\x00" * 8)
+
+
+async def test_a_peer_sending_past_its_credit_ends_the_stream() -> None:
+    """A server may run at most ``WINDOW`` items ahead of the consumer; one that sends more
+    (broken or hostile) ends the stream instead of growing the client's buffer."""
+    answered = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        frames = FrameReader()
+        request: list[Frame] = []
+        while not request:
+            request = frames.feed(await reader.read(65536))
+        out = FrameWriter()
+        sid = request[0].stream_id
+        out.append(Frame(Kind.ACK, sid))
+        out.append(Frame(Kind.DATA, sid, [b"x"] * (WINDOW + 1)))
+        writer.write(bytes(out.take()))
+        await writer.drain()
+        answered.set()
+        while await reader.read(65536):
+            pass
+
+    server = await asyncio.start_server(flood, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = TcpClient()
+    try:
+        stream = client.stream(
+            TransportAddress(kind="tcp", address=f"127.0.0.1:{port}"), "p", b"", RequestContext()
+        )
+        with pytest.raises(StreamBroken, match="more items than it was credited"):
+            async with asyncio.timeout(10):
+                await anext(stream)
+        assert answered.is_set()
+    finally:
+        await client.close()
+        for writer in writers:
+            writer.close()
+        server.close()
+        await server.wait_closed()
