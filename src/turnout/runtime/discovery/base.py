@@ -18,6 +18,11 @@ Contract:
   ``get``/``get_prefix`` (reading the keys, then watching from the newest revision read, is
   a supported way to start). A DELETE of a key the watcher never saw may come, and is
   harmless: watchers treat a DELETE of an unknown key as a no-op.
+* What a store keeps to report deletions to resuming watchers (tombstones, known keys) is
+  bounded: a deletion is forgotten once every open watch is past it and it is older than
+  ``DELETE_GRACE_SECONDS``. So the promise above holds for open watches however far behind
+  they are, and for a caller between watches (it read with ``get_prefix``, or its watch
+  failed and it re-opens after a backoff) that resumes within that grace.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ import abc
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+#: How long a store remembers a deletion for callers it cannot see (between two watches),
+#: at least; open watches keep the deletions they have not yet passed regardless.
+DELETE_GRACE_SECONDS = 300.0
 
 
 class WatchEventKind(enum.Enum):

@@ -58,7 +58,13 @@ from google.protobuf.message import Message
 
 from turnout.errors import ConfigError, DiscoveryError
 from turnout.runtime.discovery import etcd_v3_pb2 as pb
-from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+from turnout.runtime.discovery.base import (
+    DELETE_GRACE_SECONDS,
+    DiscoveryStore,
+    KeyValue,
+    WatchEvent,
+    WatchEventKind,
+)
 from turnout.runtime.discovery.etcd_client import (
     LEASE_KEEP_ALIVE,
     WATCH,
@@ -96,7 +102,7 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 #: How long the store remembers a key it reported deleted, at least (see ``_prune_seen``):
 #: a caller that got a revision before that deletion and resumes a watch from it within this
 #: time, past a compaction, still gets the DELETE.
-SEEN_KEY_GRACE_SECONDS = 300.0
+SEEN_KEY_GRACE_SECONDS = DELETE_GRACE_SECONDS
 
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -18,6 +18,13 @@ file is a peer, and every one of them keeps the store honest:
   ``mod_revision`` is newer, and DELETEs from ``tombstones(key, revision)``, which keeps the
   revision of every deleted key's last deletion (a key put again loses its tombstone). So
   it learns what vanished while it was away, never keeping a ghost.
+* Tombstones are bounded (the base contract): at each trim of the log, those older than
+  ``DELETE_GRACE_SECONDS`` that every open watch, in any process, is past are dropped. Open
+  watches are rows of ``watchers(id, pid, position)``: written when a watch starts, its
+  position moved forward at most every ``_POSITION_EVERY`` seconds (a stale position only
+  keeps more), removed when it ends or its store closes; the rows of a process that is gone
+  (``kill -9``: its pid is no longer alive on this machine, or it ran in another boot) are
+  removed by the next trim.
 
 The database runs in WAL mode (readers never block the writer) with a busy timeout, so any
 number of processes may open the same path at once. Each store object talks to SQLite through
@@ -73,22 +80,32 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import secrets
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TypeVar
 
 from turnout.errors import DiscoveryError
-from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+from turnout.runtime.discovery.base import (
+    DELETE_GRACE_SECONDS,
+    DiscoveryStore,
+    KeyValue,
+    WatchEvent,
+    WatchEventKind,
+)
 from turnout.runtime.discovery.file_path import private_file, secure_folder
 
 #: How many past changes the events log keeps for resuming watchers.
 HISTORY_LIMIT = 10_000
-#: Trim the log every this many revisions (cheap, amortised).
+#: Trim the log (and prune tombstones) every this many revisions (cheap, amortised).
 _TRIM_EVERY = 500
+#: A watch writes its position at most this often (seconds; only when it moved).
+_POSITION_EVERY = 5.0
 #: How long one attempt waits for the write lock; busy attempts are retried up to
 #: ``_BUSY_TOTAL`` seconds in all, other calls of the store running in between.
 _BUSY_TIMEOUT_MS = 1_000
@@ -132,7 +149,13 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE TABLE IF NOT EXISTS tombstones (
     key TEXT PRIMARY KEY,
-    revision INTEGER NOT NULL
+    revision INTEGER NOT NULL,
+    deleted_at REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS watchers (
+    id INTEGER PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    position INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0);
@@ -155,6 +178,18 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (a reused pid reads as alive: that only
+    keeps tombstones longer)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
@@ -191,12 +226,17 @@ class FileStore(DiscoveryStore):
         *,
         clock: Callable[[], float] = monotonic_clock,
         boot: str | None = None,
+        delete_grace: float = DELETE_GRACE_SECONDS,
     ) -> None:
         """``clock`` and ``boot`` (this boot's id) are for tests: every process sharing the
-        file must agree on both, which the defaults do."""
+        file must agree on both, which the defaults do. ``delete_grace``: how long tombstones
+        are kept at least (see the module docstring)."""
         self.path = os.fspath(path)
         self.poll_interval = poll_interval
         self._clock = clock
+        self._delete_grace = delete_grace
+        #: Rows of ``watchers`` this store's open watches own (removed on ``close``).
+        self._watch_rows: set[int] = set()
         self._boot_id = boot_id() if boot is None else boot
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="turnout-filestore"
@@ -288,6 +328,11 @@ class FileStore(DiscoveryStore):
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
+                columns = {row[1] for row in db.execute("PRAGMA table_info(tombstones)")}
+                if "deleted_at" not in columns:  # a file made before tombstones were pruned
+                    db.execute(
+                        "ALTER TABLE tombstones ADD COLUMN deleted_at REAL NOT NULL DEFAULT 0"
+                    )
                 self._adopt_boot(db)
                 db.execute("COMMIT")
             except BaseException:
@@ -316,6 +361,9 @@ class FileStore(DiscoveryStore):
                 len(ids),
             )
         self._end_leases(db, ids)
+        # That boot's watches are gone, and its deletion times are on its clock: old.
+        db.execute("DELETE FROM watchers")
+        db.execute("UPDATE tombstones SET deleted_at=0")
         db.execute("INSERT OR REPLACE INTO clock VALUES ('boot_id', ?)", (self._boot_id,))
 
     def _write(
@@ -401,22 +449,48 @@ class FileStore(DiscoveryStore):
         (rev,) = db.execute("SELECT value FROM meta WHERE name='revision'").fetchone()
         return int(rev) + 1
 
-    @staticmethod
     def _log(
-        db: sqlite3.Connection, rev: int, kind: int, key: str, value: bytes, lease_id: int | None
+        self,
+        db: sqlite3.Connection,
+        rev: int,
+        kind: int,
+        key: str,
+        value: bytes,
+        lease_id: int | None,
     ) -> None:
         db.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)", (rev, kind, key, value, lease_id))
         db.execute("UPDATE meta SET value=? WHERE name='revision'", (rev,))
-        if rev % _TRIM_EVERY == 0 and rev > HISTORY_LIMIT:
-            cut = rev - HISTORY_LIMIT
-            db.execute("DELETE FROM events WHERE revision <= ?", (cut,))
-            db.execute("UPDATE meta SET value=? WHERE name='compacted'", (cut,))
+        if rev % _TRIM_EVERY == 0:
+            if rev > HISTORY_LIMIT:
+                cut = rev - HISTORY_LIMIT
+                db.execute("DELETE FROM events WHERE revision <= ?", (cut,))
+                db.execute("UPDATE meta SET value=? WHERE name='compacted'", (cut,))
+            self._prune_tombstones(db)
+
+    def _prune_tombstones(self, db: sqlite3.Connection) -> None:
+        """Drop the tombstones no resuming watcher can need any more: older than the grace
+        and passed by every open watch (all such when none is open). Rows of watches whose
+        process is gone go first."""
+        rows = db.execute("SELECT id, pid FROM watchers").fetchall()
+        gone = [(row_id,) for row_id, pid in rows if not _pid_alive(pid)]
+        db.executemany("DELETE FROM watchers WHERE id=?", gone)
+        (lowest,) = db.execute("SELECT min(position) FROM watchers").fetchone()
+        horizon = self._clock() - self._delete_grace
+        if lowest is None:
+            db.execute("DELETE FROM tombstones WHERE deleted_at < ?", (horizon,))
+        else:
+            db.execute(
+                "DELETE FROM tombstones WHERE deleted_at < ? AND revision <= ?",
+                (horizon, lowest),
+            )
 
     def _delete_keys(self, db: sqlite3.Connection, keys: list[tuple[str, int | None]]) -> None:
         for key, lease_id in keys:
             rev = self._next_revision(db)
             db.execute("DELETE FROM kv WHERE key=?", (key,))
-            db.execute("INSERT OR REPLACE INTO tombstones VALUES (?, ?)", (key, rev))
+            db.execute(
+                "INSERT OR REPLACE INTO tombstones VALUES (?, ?, ?)", (key, rev, self._clock())
+            )
             self._log(db, rev, _DELETE, key, b"", lease_id)
 
     def _end_leases(self, db: sqlite3.Connection, lease_ids: list[int]) -> None:
@@ -633,20 +707,56 @@ class FileStore(DiscoveryStore):
         self, prefix: str, *, start_revision: int | None = None
     ) -> AsyncIterator[WatchEvent]:
         after = start_revision
-        while not self._closed:
-            try:
-                if after is None:
-                    kvs, after = await self._call(self._snapshot, prefix)
-                    events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
-                else:
-                    events, after = await self._call(self._changes, prefix, after)
-            except DiscoveryError:
-                if self._closed:
-                    return
-                raise
-            for event in events:
-                yield event
-            await asyncio.sleep(self.poll_interval)
+        #: This watch's row in ``watchers``, the position it holds, and when it was written.
+        row: int | None = None
+        written = -1
+        written_at = -float("inf")
+        try:
+            while not self._closed:
+                try:
+                    if after is not None and (
+                        row is None
+                        or (after > written and self._clock() - written_at >= _POSITION_EVERY)
+                    ):
+                        # Every event up to ``after`` was handed over: resuming from there
+                        # needs no tombstone at or below it.
+                        row = await self._call(
+                            self._write, partial(self._place_watcher, row, after)
+                        )
+                        written, written_at = after, self._clock()
+                    if after is None:
+                        kvs, after = await self._call(self._snapshot, prefix)
+                        events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
+                    else:
+                        events, after = await self._call(self._changes, prefix, after)
+                except DiscoveryError:
+                    if self._closed:
+                        return
+                    raise
+                for event in events:
+                    yield event
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            if row is not None and not self._closed:
+                self._watch_rows.discard(row)
+                with contextlib.suppress(DiscoveryError):  # the file is gone: so is the row
+                    await self._call(self._write, partial(self._remove_watchers, [row]))
+
+    def _place_watcher(self, row: int | None, position: int, db: sqlite3.Connection) -> int:
+        """Write a watch's position (a new row when ``row`` is None); returns its row id."""
+        if row is not None:
+            db.execute("UPDATE watchers SET position=? WHERE id=?", (position, row))
+            return row
+        cur = db.execute(
+            "INSERT INTO watchers (pid, position) VALUES (?, ?)", (os.getpid(), position)
+        )
+        assert cur.lastrowid is not None
+        self._watch_rows.add(cur.lastrowid)
+        return cur.lastrowid
+
+    @staticmethod
+    def _remove_watchers(rows: list[int], db: sqlite3.Connection) -> None:
+        db.executemany("DELETE FROM watchers WHERE id=?", [(row,) for row in rows])
 
     async def compact(self, revision: int) -> None:
         """Drop the log up to ``revision``; watchers resuming before it resync."""
@@ -670,6 +780,10 @@ class FileStore(DiscoveryStore):
 
         def shut() -> None:
             if self._db is not None:
+                if self._watch_rows and self._ghost is None:
+                    with contextlib.suppress(sqlite3.Error):  # rows of a live pid: kept
+                        self._write(partial(self._remove_watchers, sorted(self._watch_rows)))
+                    self._watch_rows.clear()
                 self._db.close()
                 self._db = None
 

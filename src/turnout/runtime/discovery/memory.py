@@ -11,6 +11,11 @@ The history of changes is bounded (``HISTORY_LIMIT``, or ``compact``). A watcher
 from before it is brought up to date from the current keys and a tombstone per deleted key
 (the revision of its last deletion): PUTs of keys changed since, DELETEs of keys deleted
 since, in revision order. It never keeps a key that vanished while it was away.
+
+Tombstones are bounded: one is dropped once it is older than ``DELETE_GRACE_SECONDS`` (on
+``clock``) and every open watch is past it, as the base contract says. An open watch is past
+every revision it has been handed, and past the store's revision when nothing is pending for
+it (its queue is empty and its backlog delivered).
 """
 
 from __future__ import annotations
@@ -18,11 +23,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from turnout.errors import DiscoveryError
-from turnout.runtime.discovery.base import DiscoveryStore, KeyValue, WatchEvent, WatchEventKind
+from turnout.runtime.discovery.base import (
+    DELETE_GRACE_SECONDS,
+    DiscoveryStore,
+    KeyValue,
+    WatchEvent,
+    WatchEventKind,
+)
 
 #: How many past changes are kept for watchers that resume from a revision.
 HISTORY_LIMIT = 10_000
@@ -42,6 +54,10 @@ class _Lease:
 class _Watcher:
     prefix: str
     queue: asyncio.Queue[WatchEvent | object]
+    #: The revision of the last event handed to the consumer (or where it started).
+    delivered: int
+    #: True while backlog events remain to be handed over.
+    in_backlog: bool = True
 
 
 class MemoryStore(DiscoveryStore):
@@ -49,13 +65,24 @@ class MemoryStore(DiscoveryStore):
 
     kind = "memory"
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        delete_grace: float = DELETE_GRACE_SECONDS,
+    ) -> None:
+        """``clock`` and ``delete_grace``: when tombstones may be dropped (see the module
+        docstring); tests inject both."""
+        self._clock = clock
+        self._delete_grace = delete_grace
         self._revision = 0
         self._kvs: dict[str, KeyValue] = {}
         self._leases: dict[int, _Lease] = {}
         self._history: collections.deque[WatchEvent] = collections.deque(maxlen=HISTORY_LIMIT)
         #: Deleted keys → the revision of their last deletion (dropped when put again).
         self._tombstones: dict[str, int] = {}
+        #: (clock time, revision, key) of each deletion, oldest first: what pruning walks.
+        self._deletions: collections.deque[tuple[float, int, str]] = collections.deque()
         self._watchers: list[_Watcher] = []
         self._closed = False
 
@@ -142,9 +169,31 @@ class MemoryStore(DiscoveryStore):
                 lease.keys.discard(key)
         self._revision += 1
         self._tombstones[key] = self._revision
+        self._deletions.append((self._clock(), self._revision, key))
         kv = KeyValue(key=key, value=b"", revision=self._revision, lease_id=old.lease_id)
         self._publish(WatchEvent(WatchEventKind.DELETE, kv))
+        self._prune_tombstones()
         return True
+
+    def _position(self, watcher: _Watcher) -> int:
+        """The revision ``watcher`` is current at: past everything when nothing is pending."""
+        if watcher.in_backlog or not watcher.queue.empty():
+            return watcher.delivered
+        return self._revision
+
+    def _prune_tombstones(self) -> None:
+        """Drop the tombstones no resuming watcher can need any more: older than the grace
+        and passed by every open watch (all such when none is open)."""
+        horizon = self._clock() - self._delete_grace
+        lowest = min((self._position(w) for w in self._watchers), default=self._revision)
+        deletions = self._deletions
+        while deletions:
+            when, revision, key = deletions[0]
+            if when > horizon or revision > lowest:
+                return
+            deletions.popleft()
+            if self._tombstones.get(key) == revision:  # not put (and deleted) again since
+                del self._tombstones[key]
 
     # -- watches --------------------------------------------------------------------------
 
@@ -198,16 +247,21 @@ class MemoryStore(DiscoveryStore):
             return
         # Backlog and registration happen with no await between them: nothing can slip in.
         backlog = self._backlog(prefix, start_revision)
-        watcher = _Watcher(prefix=prefix, queue=asyncio.Queue())
+        start = self._revision if start_revision is None else start_revision
+        watcher = _Watcher(prefix=prefix, queue=asyncio.Queue(), delivered=start)
         self._watchers.append(watcher)
         try:
             for event in backlog:
+                # A snapshot (sorted by key) is current at ``start`` as a whole.
+                watcher.delivered = max(watcher.delivered, event.kv.revision)
                 yield event
+            watcher.in_backlog = False
             while True:
                 item = await watcher.queue.get()
                 if item is _CLOSED:
                     return
                 assert isinstance(item, WatchEvent)
+                watcher.delivered = item.kv.revision
                 yield item
         finally:
             if watcher in self._watchers:
