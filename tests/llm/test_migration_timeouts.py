@@ -12,7 +12,13 @@ from collections.abc import AsyncIterator
 import pytest
 from tests.polling import eventually
 
-from turnout.errors import EngineBadRequest, NoInstanceAvailable, RequestTimedOut, StreamBroken
+from turnout.errors import (
+    EngineBadRequest,
+    EngineOverloaded,
+    NoInstanceAvailable,
+    RequestTimedOut,
+    StreamBroken,
+)
 from turnout.llm.migration import Migration
 from turnout.protocols.llm import (
     ErrorKind,
@@ -22,7 +28,7 @@ from turnout.protocols.llm import (
     StopConditions,
     StructuredOutput,
 )
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 HANG = object()
 
@@ -233,3 +239,53 @@ async def test_a_structured_output_that_has_not_begun_migrates() -> None:
     req.structured = StructuredOutput(kind="choice", grammar='%llguidance {}\nstart: "a"')
     assert await collect(Migration(script, migration_limit=3), req) == [2]
     assert script.requests[1].token_ids == [7, 8]
+
+
+async def test_a_stall_before_the_first_token_goes_elsewhere_without_a_migration() -> None:
+    script = Script([HANG], [tok(1), tok(2), tok(3, finish=FinishReason.LENGTH)])
+    down: list[int] = []
+    migration = Migration(script, migration_limit=0, ttft_timeout=0.05, report_down=down.append)
+    ctx = RequestContext("r")
+    stream = migration.generate(request(), ctx)
+    assert [t async for o in stream for t in o.token_ids] == [1, 2, 3]
+    assert down == [100]
+    assert ctx.metadata[AVOID_METADATA] == {100}  # the routers below leave it out
+    assert "migrations" not in ctx.metadata
+    assert script.requests[1].token_ids == [7, 8]  # the same request, from the start
+
+
+async def test_a_stall_after_the_first_token_needs_the_migration_budget() -> None:
+    script = Script([tok(1), HANG], [tok(2), tok(3, finish=FinishReason.LENGTH)])
+    migration = Migration(script, migration_limit=0, stall_timeout=0.05)
+    with pytest.raises(StreamBroken, match="stall"):
+        await collect(migration, request())
+    assert len(script.requests) == 1
+
+
+async def test_a_failure_before_the_first_token_with_no_instance_left_is_that_failure() -> None:
+    script = Script([err(ErrorKind.ENGINE_FAILED, "loop died")])
+    with pytest.raises(StreamBroken, match="loop died"):
+        await collect(Migration(script, migration_limit=3), request())
+    assert len(script.requests) == 1
+
+
+async def test_a_pinned_request_is_not_sent_elsewhere_before_its_first_token() -> None:
+    script = Script([err(ErrorKind.OVERLOADED, "full")], [tok(1, finish=FinishReason.LENGTH)])
+    req = request()
+    req.backend_instance_id = 100
+    with pytest.raises(EngineOverloaded, match="full"):
+        await collect(Migration(script, migration_limit=3), req)
+    assert len(script.requests) == 1
+
+
+async def test_tokens_merged_into_an_error_output_reach_the_client_before_migrating() -> None:
+    """A worker merges the last tokens before an error into the error output."""
+    broken = LLMEngineOutput(
+        token_ids=[1, 2],
+        finish_reason=FinishReason.ERROR,
+        error="died",
+        error_kind=ErrorKind.ENGINE_FAILED.value,
+    )
+    script = Script([broken], [tok(3, finish=FinishReason.LENGTH)])
+    assert await collect(Migration(script, migration_limit=1), request()) == [1, 2, 3]
+    assert script.requests[1].token_ids == [7, 8, 1, 2]
