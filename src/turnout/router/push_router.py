@@ -108,7 +108,9 @@ class PushRouter(Generic[Req, Resp]):
         self._client = client
         #: Requests in flight per instance: one more from the moment a stream to an instance
         #: is opened until it ends, however it ends (the load-based selectors read it; the
-        #: pipeline factory shares one per model).
+        #: pipeline factory shares one per model); and the instances held busy after an
+        #: ``overloaded`` answer (``mark_busy``, which migration calls), left out of the
+        #: candidates while another is free.
         self.load = load if load is not None else InstanceLoad()
         self._selector = selector
         self._encode = encode
