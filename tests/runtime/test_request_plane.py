@@ -25,6 +25,7 @@ from turnout.runtime.request_plane import (
     make_client,
     make_server,
 )
+from turnout.runtime.request_plane.base import ResponseStream
 from turnout.runtime.request_plane.framing import (
     WINDOW,
     Frame,
@@ -80,7 +81,7 @@ class Plane:
     client: RequestPlaneClient
     address: TransportAddress
 
-    def stream(self, path: str, payload: bytes = b"") -> AsyncIterator[bytes]:
+    def stream(self, path: str, payload: bytes = b"") -> ResponseStream:
         return self.client.stream(self.address, path, payload, RequestContext())
 
 
@@ -132,6 +133,31 @@ async def test_handler_error_is_remote_error_and_server_keeps_serving(plane: Pla
     with pytest.raises(RemoteError, match="ValueError: boom"):
         await anext(stream)
     assert await collect(plane.stream("ns/c/count", b"a:3")) == [b"a:0", b"a:1", b"a:2"]
+
+
+async def test_abort_fails_the_pending_next_and_cancels_the_handler(plane: Plane) -> None:
+    """What the endpoint client does to the streams of an instance known to be gone: the
+    caller's pending ``__anext__`` raises the given error at once, the stream is over after
+    it, and the handler (its server still there) is cancelled. The same on every plane."""
+    probe = Probe()
+    plane.server.register("ns/c/endless", endless(probe, delay=3600.0))
+    stream = plane.stream("ns/c/endless")
+    assert await anext(stream) == b"x"
+    pending = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    assert not pending.done()
+    gone = StreamBroken("instance left discovery")
+    stream.abort(gone)
+    async with asyncio.timeout(5):
+        with pytest.raises(StreamBroken) as info:
+            await pending
+    assert info.value is gone
+    stream.abort(StreamBroken("again"))  # a finished stream: no-op
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    async with asyncio.timeout(5):
+        await probe.finally_ran.wait()
+    assert probe.ctx is not None and probe.ctx.is_cancelled
 
 
 async def test_unknown_endpoint_is_remote_error(plane: Plane) -> None:
