@@ -158,3 +158,20 @@ def test_replicas_share_active_sequences() -> None:
     assert two.active.get_load(A) == one.active.get_load(A) == ActiveLoad(64, 4, 1)
     # Seeing A loaded, replica two sends the next request to B.
     assert two.route("r2", prompt(9, 64), [A, B]).worker_key == B
+
+
+def test_a_pinned_request_is_booked_and_weighs_on_the_next_decision() -> None:
+    """A request sent without a decision (a session's binding) is counted on its worker as
+    a routed one is, so the next unpinned request goes to the other, idle worker."""
+    clock = FakeClock()
+    core = KvRouterCore(KvRouterConfig(block_size=BS), rng=random.Random(0), clock=clock)
+    system = prompt(1, 160)
+    core.on_kv_event(stored_event(A, 0, system))
+    request = [*system, *prompt(2, 40)]
+    assert core.book("pinned", request, A, session_id="s") == 10  # A holds 10 blocks
+    assert core.active.get_load(A) == ActiveLoad(40, 13, 1)
+    assert core.sessions.get("s", clock()) == A
+    other = prompt(3, 200)  # cached nowhere: the load decides
+    assert core.route("r2", other, [A, B]).worker_key == B
+    assert core.on_finished("pinned")
+    assert core.active.get_load(A) == ActiveLoad(0, 0, 0)
