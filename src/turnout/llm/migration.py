@@ -9,7 +9,8 @@ What counts as a broken stream (migrated, up to ``migration_limit`` times, once 
 has tokens; before its first token see below):
 
 * ``StreamBroken`` from the request plane (the peer vanished, went silent, or aborted);
-* an ``ERROR`` output of kind ``engine_failed`` (the worker's engine died under the request);
+* an ``ERROR`` output of kind ``engine_failed`` (the worker's engine died under the request;
+  tokens the worker merged into that output reach the client first, and count as generated);
 * a **stall**: no output for ``ttft_timeout`` seconds after an attempt started, or for
   ``stall_timeout`` seconds after its last output. The stalled attempt is cancelled (the
   worker is told) and its instance is set aside (``report_down``).
