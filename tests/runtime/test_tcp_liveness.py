@@ -15,6 +15,7 @@ from turnout.errors import PeerUnavailable, StreamBroken
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane import TcpClient, TcpServer
+from turnout.runtime.request_plane.base import PeerState
 from turnout.runtime.request_plane.framing import Frame, FrameReader, FrameWriter, Kind
 from turnout.runtime.request_plane.tcp.client import split_address
 
@@ -234,4 +235,27 @@ async def test_a_live_stream_id_reused_is_refused_and_the_live_stream_goes_on() 
         await eventually(lambda: not server._inflight, what="no stream left")
     finally:
         await peer.close()
+        await server.stop()
+
+
+async def test_a_silent_peer_is_reported_then_gone() -> None:
+    """Peer listeners hear ``SILENT`` once the deadline passes (the stream still waits), then
+    ``GONE`` when the idle timeout drops the connection and fails the stream."""
+    server = TcpServer(heartbeat_interval=0)  # says nothing after its first item: frozen
+    client = TcpClient(heartbeat_interval=0.05, silence_deadline=0.2, idle_timeout=0.8)
+    heard: list[tuple[TransportAddress, PeerState]] = []
+    client.add_peer_listener(lambda address, state: heard.append((address, state)))
+    try:
+        address = await serve(server)
+        stream = client.stream(address, "hang", b"", RequestContext("r"))
+        assert await anext(stream) == b"first"
+        pending = asyncio.ensure_future(anext(stream))
+        await eventually(lambda: heard == [(address, PeerState.SILENT)], what="SILENT")
+        assert not pending.done()  # set aside, not failed: the idle timeout decides that
+        with pytest.raises(StreamBroken, match="heard nothing"):
+            async with asyncio.timeout(10):
+                await pending
+        assert heard == [(address, PeerState.SILENT), (address, PeerState.GONE)]
+    finally:
+        await client.close()
         await server.stop()
