@@ -25,7 +25,7 @@ from turnout.runtime.request_plane import (
     make_client,
     make_server,
 )
-from turnout.runtime.request_plane.base import ResponseStream
+from turnout.runtime.request_plane.base import Handler, ResponseStream
 from turnout.runtime.request_plane.framing import (
     WINDOW,
     Frame,
@@ -60,7 +60,7 @@ async def fail_after_one(payload: bytes, ctx: RequestContext) -> AsyncIterator[b
     raise ValueError("boom")
 
 
-def endless(probe: Probe, delay: float = 0.0):  # type: ignore[no-untyped-def]
+def endless(probe: Probe, delay: float = 0.0) -> Handler:
     async def handler(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
         probe.ctx = ctx
         probe.started.set()
@@ -172,7 +172,7 @@ async def test_client_cancel_reaches_handler(plane: Plane, how: str) -> None:
     stream = plane.stream("ns/c/endless")
     if how == "aclose":
         assert await anext(stream) == b"x"
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
     elif how == "task_cancel":
 
         async def consume() -> None:
@@ -282,7 +282,7 @@ async def test_slow_consumer_bounds_the_handler(plane: Plane) -> None:
         consumed += 1
         assert probe.produced - consumed <= WINDOW + 2
     assert probe.produced > 4 * WINDOW  # it does move on as credit comes back
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
 
 
 CHILD_SERVER = """
@@ -345,7 +345,7 @@ def test_nats_plane_without_a_connection_is_config_error() -> None:
 
 async def test_non_bytes_item_is_remote_error_not_a_broken_connection(plane: Plane) -> None:
     async def wrong(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
-        yield bytearray(b"ok")
+        yield bytearray(b"ok")  # type: ignore[misc]
         yield "text"  # type: ignore[misc]
 
     plane.server.register("ns/c/wrong", wrong)
