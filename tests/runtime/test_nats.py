@@ -6,12 +6,14 @@ tests run on nats beside the other kinds in test_request_plane.py and event_plan
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from nats.aio.msg import Msg
+from tests.polling import eventually
 from tests.servers.nats import NatsServerProcess, nats_binary
 from tests.servers.process import require
 
@@ -32,6 +34,7 @@ from turnout.runtime.event_plane.nats import (
     token_name,
 )
 from turnout.runtime.nats import NatsConnection, NatsOptions, NatsUnavailable, connect_nats
+from turnout.runtime.request_plane.base import PeerState
 from turnout.runtime.request_plane.framing import Kind
 from turnout.runtime.request_plane.nats import NatsClient, NatsServer
 from turnout.runtime.request_plane.nats import wire as rpn
@@ -222,6 +225,40 @@ async def test_worker_vanishing_mid_stream_is_stream_broken(
         assert time.monotonic() - started < 3.0  # idle_timeout 0.4 s, with room for a slow CI
     finally:
         if child.returncode is None:
+            child.kill()
+        await child.wait()
+        await client.close()
+
+
+async def test_a_frozen_worker_is_reported_silent_then_answering(
+    conn: NatsConnection, nats_server: NatsServerProcess
+) -> None:
+    """SIGSTOP: its streams hear nothing past the deadline and it is reported ``SILENT`` (the
+    stream still waits: the idle timeout decides that); SIGCONT: its heartbeats come back and
+    it is reported ``ANSWERING``."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD_SERVER, nats_server.url, stdout=asyncio.subprocess.PIPE
+    )
+    client = NatsClient(conn, heartbeat_interval=0.05, idle_timeout=30.0, silence_deadline=0.2)
+    heard: list[PeerState] = []
+    client.add_peer_listener(lambda address, state: heard.append(state))
+    try:
+        assert child.stdout is not None
+        async with asyncio.timeout(20):
+            address = (await child.stdout.readline()).decode().strip()
+        stream = client.stream(
+            TransportAddress(kind="nats", address=address), "p", b"", RequestContext()
+        )
+        assert await anext(stream) == b"tick"
+        child.send_signal(signal.SIGSTOP)
+        await eventually(lambda: heard == [PeerState.SILENT], what="SILENT")
+        child.send_signal(signal.SIGCONT)
+        await eventually(lambda: heard == [PeerState.SILENT, PeerState.ANSWERING], what="ANSWERING")
+        assert await anext(stream) == b"tick"  # the stream went on all along
+        await stream.aclose()
+    finally:
+        if child.returncode is None:
+            child.send_signal(signal.SIGCONT)
             child.kill()
         await child.wait()
         await client.close()

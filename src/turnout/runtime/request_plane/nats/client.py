@@ -5,6 +5,11 @@ stream. Server frames carry a sequence number per stream: a gap ends the stream 
 after the request was taken, ``PeerUnavailable`` before), never a silently shortened stream. A
 monitor task ends streams whose server fell silent for ``idle_timeout`` and repeats each
 stream's cumulative credit every heartbeat interval (the client's own heartbeat).
+
+As on tcp, a server whose every open stream heard nothing for ``silence_deadline`` is reported
+``SILENT`` to the peer listeners (a frozen worker keeps its lease for a while; callers set it
+aside at once), ``ANSWERING`` when one of its streams hears from it again, and ``GONE`` when
+no stream to it is left.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from turnout.errors import PeerUnavailable, RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.nats import NatsConnection, NatsUnavailable, subscribe_confirmed
-from turnout.runtime.request_plane.base import RequestPlaneClient
+from turnout.runtime.request_plane.base import PeerState, RequestPlaneClient
 from turnout.runtime.request_plane.credited_stream import OVERRUN, CreditedStream, Inbox
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, Frame, Kind
 from turnout.runtime.request_plane.nats.wire import (
@@ -38,6 +43,7 @@ from turnout.runtime.request_plane.nats.wire import (
     IDLE_TIMEOUT,
     PART,
     SERVER_PREFIX,
+    SILENCE_DEADLINE,
     TAKEN,
     Outbox,
     decode_frame,
@@ -106,11 +112,17 @@ class NatsClient(RequestPlaneClient):
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         idle_timeout: float = IDLE_TIMEOUT,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        silence_deadline: float = SILENCE_DEADLINE,
     ) -> None:
         super().__init__()
         self.conn = conn
         self.heartbeat_interval = heartbeat_interval
         self.idle_timeout = idle_timeout
+        #: Seconds every stream to a server may hear nothing before the server is reported
+        #: ``SILENT`` to the peer listeners (0: never).
+        self.silence_deadline = silence_deadline
+        #: Servers reported ``SILENT`` and not heard since (each has an open stream).
+        self._silent: set[str] = set()
         #: The largest request sent, and the largest item reassembled from PARTs.
         self.max_frame_bytes = max_frame_bytes
         self.prefix = CLIENT_PREFIX + uuid.uuid4().hex + "."
@@ -235,6 +247,11 @@ class NatsClient(RequestPlaneClient):
             self._forget(sid)
             inbox.finish(inbox.lost("no responder (server gone)"))
             return
+        if self._silent and inbox.server in self._silent:
+            self._silent.discard(inbox.server)
+            logger.info("nats peer %s answers again", inbox.server)
+            self.report_peer(TransportAddress(kind=self.kind, address=inbox.server),
+                             PeerState.ANSWERING)  # fmt: skip
         try:
             frame = decode_frame(msg.data)
         except msgspec.DecodeError as exc:
@@ -307,17 +324,36 @@ class NatsClient(RequestPlaneClient):
         return False
 
     async def _watch(self) -> None:
-        """Ends streams whose server fell silent; repeats credit as the client's heartbeat."""
+        """Ends streams whose server fell silent; repeats credit as the client's heartbeat;
+        reports servers silent on every stream (see the module docstring)."""
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             now = time.monotonic()
+            #: Per server with open streams: whether all of them are past the deadline.
+            quiet: dict[str, bool] = {}
             for sid, inbox in list(self._inboxes.items()):
                 silent = now - inbox.last_heard
                 if silent > self.idle_timeout:
                     self._cancel_stream(sid)
                     inbox.finish(inbox.lost(f"silent for {silent:.1f}s"))
-                elif inbox.acked:
+                    continue
+                if inbox.acked:
                     self._credit(inbox, sid, self._consumed.get(sid, 0))
+                past = self.silence_deadline > 0 and silent >= self.silence_deadline
+                quiet[inbox.server] = quiet.get(inbox.server, True) and past
+            self._report_silences(quiet)
+
+    def _report_silences(self, quiet: dict[str, bool]) -> None:
+        for server, silent in quiet.items():
+            if silent and server not in self._silent:
+                self._silent.add(server)
+                logger.warning("nats peer %s: silent on every stream for %gs; reporting it",
+                               server, self.silence_deadline)  # fmt: skip
+                self.report_peer(TransportAddress(kind=self.kind, address=server),
+                                 PeerState.SILENT)  # fmt: skip
+        for server in [s for s in self._silent if s not in quiet]:
+            self._silent.discard(server)  # no stream left to hear it on
+            self.report_peer(TransportAddress(kind=self.kind, address=server), PeerState.GONE)
 
     async def close(self) -> None:
         if self._closed:

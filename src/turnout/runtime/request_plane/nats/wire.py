@@ -23,6 +23,9 @@ CLIENT_PREFIX = "turnout.rpc."
 HEARTBEAT_INTERVAL = 1.0
 #: Seconds of silence after which a stream's peer is taken for gone.
 IDLE_TIMEOUT = 5.0
+#: Seconds a client's every stream to a server may hear nothing before it reports the server
+#: silent (three heartbeat intervals; see ``RequestPlaneClient.add_peer_listener``).
+SILENCE_DEADLINE = 3 * HEARTBEAT_INTERVAL
 #: Bytes kept free in each message for the frame around the data.
 FRAME_OVERHEAD = 512
 
