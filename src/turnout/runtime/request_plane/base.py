@@ -15,10 +15,11 @@ Contract:
   request was delivered, ``RemoteError`` when the handler failed.
 * Back-pressure: a slow client consumer slows the handler (bounded buffering per stream);
   it never grows memory without bound.
-* Peer liveness: a client that judges its peers' silence (``tcp``) tells its peer listeners
-  (``add_peer_listener``) when a peer went silent past its heartbeat deadline, when it answers
-  again, and when its connection is gone, so that callers stop choosing a frozen instance at
-  once rather than after a stream to it times out.
+* Peer liveness: a client that judges its peers' silence (``tcp``, ``nats``) tells its peer
+  listeners (``add_peer_listener``) when a peer went silent past its heartbeat deadline, when
+  it answers again, and when nothing more can be heard of it (its connection or its last
+  stream is gone), so that callers stop choosing a frozen instance at once rather than after
+  a stream to it times out.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class PeerState(enum.Enum):
     SILENT = "silent"
     #: A silent peer was heard again.
     ANSWERING = "answering"
-    #: The connection to a silent peer was dropped; nothing more is known of it.
+    #: The connection to a silent peer was dropped (``nats``: its last stream ended); nothing
+    #: more is known of it.
     GONE = "gone"
 
 
