@@ -96,7 +96,11 @@ def _split(value: str | None) -> list[str]:
 
 def planes_config(args: argparse.Namespace) -> PlanesConfig:
     """The planes described by ``add_runtime_flags``'s flags (absent ones: their defaults)."""
-    get = lambda name: getattr(args, name, None)  # noqa: E731
+
+    def get(name: str) -> Any:
+        """The flag's value; None when this command has no such flag."""
+        return getattr(args, name, None)
+
     store = get("store") or "file"
     store_options: dict[str, Any] = {}
     if store == "etcd":

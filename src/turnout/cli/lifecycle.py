@@ -12,7 +12,8 @@ import argparse
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import uvloop
 
@@ -25,7 +26,7 @@ log = logging.getLogger("turnout.cli")
 Step = Callable[[], Awaitable[object]]
 
 
-def run_command(args: argparse.Namespace, main: Callable[[], Awaitable[None]]) -> int:
+def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     setup_logging(args.log_level)
     try:
         uvloop.run(main())

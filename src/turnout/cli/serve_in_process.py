@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import os
+from typing import Any
 
 from turnout.engines.worker import Worker
 from turnout.errors import ConfigError, TurnoutError
@@ -88,7 +89,7 @@ class InProcessServe:
     async def wait(self) -> None:
         """Until the frontend or an engine fails (raised: the command exits non-zero)."""
         assert self.frontend is not None
-        waits = [asyncio.ensure_future(self.frontend.wait())]
+        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.frontend.wait())]
         waits += [asyncio.ensure_future(w.failed.wait()) for w in self.workers]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

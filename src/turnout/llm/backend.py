@@ -201,7 +201,7 @@ class StreamDecoder:
 
         accepted: list[int] = []
         pieces: list[str] = []
-        reason: FinishReason | None = None
+        reason = None
         matched = False  # ended by a stop string: what follows the match is dropped
         stop_ids = self._stop_ids
         detok = self._detok

@@ -535,7 +535,7 @@ class _BoundedCodeGenerator(CodeGenerator):
             loop.iter = wrapped
         super().visit_Template(node, frame)
 
-    def visit_Add(self, node: nodes.Add, frame: Frame) -> None:
+    def visit_Add(self, node: nodes.BinExpr, frame: Frame) -> None:
         """``a + b + c + d`` as one call over its operands (``add_chain``): templates build
         each turn with such chains, and one call costs a fifth of four."""
         operands: list[nodes.Expr] = []
@@ -688,7 +688,8 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 size = weight(left, limit) + weight(right, limit)
                 _check_size(size, "a concatenated value")
-                result = left + right
+                # Python's own ``+``: mixed kinds (a str and a list) fail as they would there.
+                result = self.binop_table["+"](left, right)
                 _remember(result, size)
                 return result
         elif operator == "%" and isinstance(left, str):

@@ -33,6 +33,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from itertools import repeat
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -105,8 +106,10 @@ def compute_local_block_hashes(
     seed = hash_seed(lora_name, cache_salt)
     stride = block_size * 4
     if block_extra is None:
-        return list(
-            map(_xxh3, map(raw.__getitem__, _block_slices(stride, num_blocks)), repeat(seed))
+        # ``LocalBlockHash`` is an ``int`` at run time: no wrapping per block on this path.
+        return cast(
+            list[LocalBlockHash],
+            list(map(_xxh3, map(raw.__getitem__, _block_slices(stride, num_blocks)), repeat(seed))),
         )
     out: list[LocalBlockHash] = []
     for b in range(num_blocks):

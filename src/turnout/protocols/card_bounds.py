@@ -102,7 +102,7 @@ def card_problem(
             return CardProblem(name, f"{len(value)} characters; at most {b.max_name_chars}")
     if not card.display_name:
         return CardProblem("display_name", "empty")
-    for name, value, high in (
+    for name, number, high in (
         ("context_length", card.context_length, b.max_context_length),
         ("kv_cache_block_size", card.kv_cache_block_size, b.max_kv_block_size),
         (
@@ -111,13 +111,13 @@ def card_problem(
             b.max_data_parallel_size,
         ),
     ):
-        why = _out_of_range(value, 1, high)
+        why = _out_of_range(number, 1, high)
         if why is not None:
             return CardProblem(name, why)
     rc = card.runtime_config
-    for name, value in (("total_kv_blocks", rc.total_kv_blocks), ("max_num_seqs", rc.max_num_seqs),
+    for name, count in (("total_kv_blocks", rc.total_kv_blocks), ("max_num_seqs", rc.max_num_seqs),
                         ("max_num_batched_tokens", rc.max_num_batched_tokens)):  # fmt: skip
-        why = None if value is None else _out_of_range(value, 0, 1 << 40)
+        why = None if count is None else _out_of_range(count, 0, 1 << 40)
         if why is not None:
             return CardProblem(f"runtime_config.{name}", why)
     if len(card.eos_token_ids) > b.max_eos_token_ids:

@@ -52,7 +52,7 @@ request, which loses a cache hit but never claims one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeGuard
 
 import msgspec
 
@@ -191,10 +191,10 @@ def _decode_event(raw: Any) -> NativeEvent | None:
         names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS
         fields = dict(zip(names, raw[1:], strict=False))
     elif isinstance(raw, dict):
-        tag = raw.get("type")
-        if not isinstance(tag, str):
+        kind = raw.get("type")
+        if not isinstance(kind, str):
             raise NativeKvDecodeError("tagged map without a string 'type'")
-        fields = raw
+        tag, fields = kind, raw
     else:
         raise NativeKvDecodeError(f"event is a {type(raw).__name__}, expected array or map")
     if tag == "BlockStored":
@@ -217,8 +217,8 @@ def _decode_stored(fields: dict[str, Any]) -> NativeStored:
     block_size = fields.get("block_size")
     if not _is_int(block_size) or block_size <= 0:
         raise NativeKvDecodeError(f"block_size {block_size!r} is not a positive int")
-    lora_name = fields.get("lora_name")
-    lora_name = lora_name if isinstance(lora_name, str) else None  # SGLang: metadata here
+    raw_lora = fields.get("lora_name")
+    lora_name = raw_lora if isinstance(raw_lora, str) else None  # SGLang: metadata here
     lora_id = _opt_int(fields.get("lora_id"))
     salt, opaque = _read_extra_keys(fields.get("extra_keys"), parent is None, lora_name, lora_id)
     return NativeStored(
@@ -258,7 +258,7 @@ def _read_extra_keys(
     return salt, None
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 
@@ -33,6 +33,8 @@ from turnout.protocols.llm import (
 from turnout.protocols.model import ModelCapabilities
 
 from .upstream import Upstream, UpstreamGarbage
+
+_T = TypeVar("_T")
 
 #: Most alternatives per token any attached engine is asked for (OpenAI's limit).
 MAX_TOP_LOGPROBS: Final = 20
@@ -284,7 +286,7 @@ def error_kind(err: ErrorBody) -> ErrorKind:
     return ErrorKind.ENGINE_FAILED
 
 
-def decode_event(decoder: msgspec.json.Decoder[object], url: str, payload: bytes) -> object:
+def decode_event(decoder: msgspec.json.Decoder[_T], url: str, payload: bytes) -> _T:
     """``decoder.decode(payload)``, with a malformed event as ``UpstreamGarbage``."""
     try:
         return decoder.decode(payload)

@@ -134,7 +134,6 @@ class _Decoder(ChunkDecoder):
         if payload == b"[DONE]":
             return None
         event = decode_event(_event_decoder, self._url, payload)
-        assert isinstance(event, _Event)
         if field == "error" or event.error is not None or event.message is not None:
             err = event.error
             if not isinstance(err, ErrorBody):

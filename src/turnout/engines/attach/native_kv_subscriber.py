@@ -280,7 +280,7 @@ class NativeKvSubscriber:
         if not self._replay_endpoint or expected is None or self._last_payload is None:
             return False
         got = await self._fetch_replay(expected - 1, expected)
-        return bool(got) and got[0] == (expected - 1, self._last_payload)
+        return got is not None and got[:1] == [(expected - 1, self._last_payload)]
 
     async def _fetch_replay(self, start: int, stop: int) -> list[tuple[int, bytes]] | None:
         """Ask the replay server for batches from ``start``; the batches below ``stop`` it

@@ -32,6 +32,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -96,16 +97,19 @@ class AttachSettings:
     reasoning_parser: str | None = None
 
 
-class _Instance:
+class _Instance(Protocol):
     """What SERVING holds: something with ``failed``, ``failure`` and ``stop``."""
 
-    failed: asyncio.Event
-    failure: str | None
+    @property
+    def failed(self) -> asyncio.Event: ...
+
+    @property
+    def failure(self) -> str | None: ...
 
     async def stop(self, drain_timeout: float) -> None: ...
 
 
-class TextInstance(_Instance):
+class TextInstance:
     """A text-mode server in discovery: the relay handler under its own lease, with the
     engine's health checks and load reports (its ``generate`` is never called)."""
 
@@ -169,12 +173,12 @@ class TextInstance(_Instance):
             self._publisher = None
 
 
-class _WorkerInstance(_Instance):
+class _WorkerInstance:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.failed = worker.failed
 
-    @property  # type: ignore[override]
+    @property
     def failure(self) -> str | None:
         return self.worker.failure
 

@@ -103,7 +103,6 @@ class _Decoder(ChunkDecoder):
         if payload == b"[DONE]":
             return Piece(last=True)
         event = decode_event(_event_decoder, self._url, payload)
-        assert isinstance(event, _Event)
         if field == "error" or event.error is not None or event.object == "error":
             err = event.error
             if not isinstance(err, ErrorBody):
@@ -212,8 +211,8 @@ class SglangApi(TokensApi):
                 info.context_length = ctx
         version = server.get("version")
         info.version = version if isinstance(version, str) else None
-        path = server.get("tokenizer_path") or server.get("model_path")
-        info.model_path = path if isinstance(path, str) else None
+        model_path = server.get("tokenizer_path") or server.get("model_path")
+        info.model_path = model_path if isinstance(model_path, str) else None
         return info
 
     def own_refusal(self, request: PreprocessedRequest) -> str | None:

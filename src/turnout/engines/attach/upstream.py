@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,7 +242,7 @@ class Upstream:
 
     # ------------------------------------------------------------ streams
 
-    async def stream_lines(self, path: str, body: Any) -> AsyncIterator[bytes]:
+    async def stream_lines(self, path: str, body: Any) -> AsyncGenerator[bytes, None]:
         """POST ``body`` and yield the stream's non-empty lines (SSE ``data: ...`` and
         ``error: ...`` lines, without the line end). Raises ``UpstreamStatus`` for an HTTP
         error answer, ``UpstreamTimeout`` past the first-byte or idle deadline, ``Unreachable``

@@ -128,7 +128,6 @@ class _Decoder(ChunkDecoder):
         if payload == b"[DONE]":
             return Piece(last=True)
         event = decode_event(_event_decoder, self._url, payload)
-        assert isinstance(event, _Event)
         if field == "error" or event.error is not None or event.object == "error":
             err = event.error or ErrorBody(
                 message=event.message or "", type=event.type, code=event.code

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -112,7 +113,7 @@ def build_bert_embedding_graph(
             raise ValueError(f"weights lack tensor {key!r}")
         return weights[key].astype(np.float32)
 
-    def op(kind: str, *inputs: str, **attrs: object) -> str:
+    def op(kind: str, *inputs: str, **attrs: Any) -> str:
         nonlocal counter
         counter += 1
         out = f"{kind.lower()}_{counter}"

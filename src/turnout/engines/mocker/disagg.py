@@ -155,7 +155,7 @@ class KvHandles:
         try:
             await self._sleep(self._config.transfer_seconds(entry.handle.num_bytes))
         finally:
-            self._pulls.discard(transfer)  # type: ignore[arg-type]
+            self._pulls.discard(transfer)
             # Across, or the puller left mid-way: handles are single-use (a decode worker
             # that gave up fails back to the frontend, which prefills again), so either way
             # the blocks go back now.

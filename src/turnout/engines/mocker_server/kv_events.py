@@ -81,13 +81,15 @@ class _RankTranslator:
         if data.parent_hash is not None:
             parent = self.resident.get(data.parent_hash)
             if parent is None:
-                return self._skip(data, "its parent is unknown")
+                self._skip(data, "its parent is unknown")
+                return None
         tokens: list[int] = []
         salt: str | None = None
         for i, block in enumerate(data.blocks):
             entry = self.pending.pop(block.block_hash, None)
             if entry is None:
-                return self._skip(data, "its tokens were not reported")
+                self._skip(data, "its tokens were not reported")
+                return None
             tokens.extend(entry[0])
             if i == 0:
                 salt = entry[1]
@@ -117,7 +119,6 @@ class _RankTranslator:
         self.num_skipped += 1
         for block in data.blocks:
             self.pending.pop(block.block_hash, None)
-        return None
 
 
 class KvEventBridge:

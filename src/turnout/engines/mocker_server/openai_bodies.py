@@ -162,7 +162,7 @@ class OpenAIWriter:
                 content.extend(chat_logprobs(tokenizer, delta)["content"])
             if delta.finish_reason is not None:
                 final = delta
-        message = {
+        message: dict[str, Any] = {
             "role": "assistant",
             "content": "".join(texts),
             "tool_calls": [],

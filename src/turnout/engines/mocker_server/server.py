@@ -158,7 +158,7 @@ class MockerServer:
             publisher = NativeKvPublisher(
                 rank_endpoint(cfg.kv_events_endpoint, rank),
                 rank_endpoint(replay, rank) if replay is not None else None,
-                api=cfg.api.value,  # type: ignore[arg-type]
+                api=cfg.api.value,
                 encoding=cfg.kv_events_encoding,
                 batch_encoding=cfg.kv_events_encoding,
                 topic=cfg.kv_events_topic,

@@ -46,7 +46,7 @@ import contextlib
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -826,7 +826,7 @@ class EtcdStore(DiscoveryStore):
 
     async def _stream(
         self, ep: _Endpoint, prefix: str, start: int, closed: asyncio.Event
-    ) -> AsyncIterator[WatchEvent | int]:
+    ) -> AsyncGenerator[WatchEvent | int, None]:
         """One watch stream from revision ``start``: its events, and the revision of each
         progress notification (an int: every change up to it was sent). Ends when the store
         closes, raises ``_Unreachable`` when the stream breaks (the transport's doing, see

@@ -81,7 +81,7 @@ def decode_msg(payload: bytes, type_: type[T]) -> T:
     decoder = _decoders.get(type_)
     if decoder is None:
         decoder = _decoders[type_] = msgspec.msgpack.Decoder(type_)
-    return decoder.decode(payload)  # type: ignore[no-any-return]
+    return decoder.decode(payload)
 
 
 def check_name(what: str, value: str) -> None:
