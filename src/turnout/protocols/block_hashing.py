@@ -51,7 +51,8 @@ _ARRAY_IS_LE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 def hash_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
     """The seed for local block hashes: each adapter and each cache salt is its own hash space.
 
-    Without a salt the seed is what it always was (so unsalted hashes keep their values); a
+    Without a salt the seed depends on the adapter alone (``KV_HASH_SEED``, or the adapter
+    name hashed under it), so every unsalted request of an adapter shares one space; a
     salted key spells out the adapter name's length, so no (adapter, salt) split of the same
     bytes can meet another.
     """

@@ -38,9 +38,9 @@ slews it), and it stops during suspend, as every process does. What it does not 
 reboot: the file keeps the boot id (``/proc/sys/kernel/random/boot_id``) its deadlines belong
 to, and the first process of a new boot to open it ends every lease of the old one (its keys
 vanish, with DELETE events). As a second guard, a deadline further ahead than its lease's TTL
-cannot come from this clock (an older turnout writing wall-clock deadlines, or another time
-namespace): such a lease is ended by the next sweep. Processes in containers share the host's
-clock unless they run in their own time namespace, which is not supported.
+cannot come from this clock (a writer on the wall clock, or in another time namespace): such
+a lease is ended by the next sweep. Processes in containers share the host's clock unless
+they run in their own time namespace, which is not supported.
 
 **A file deleted or replaced under running processes.** SQLite keeps using the inode it
 opened: processes that had the file open go on sharing the unlinked one, while every process
@@ -346,7 +346,7 @@ class FileStore(DiscoveryStore):
         return self._db
 
     def _adopt_boot(self, db: sqlite3.Connection) -> None:
-        """Deadlines of another boot (or of a file from before deadlines were monotonic)
+        """Deadlines of another boot (or of a file with no boot id, whose clock is unknown)
         mean nothing on this clock: end those leases, then claim the file for this boot."""
         row = db.execute("SELECT value FROM clock WHERE name='boot_id'").fetchone()
         if row is not None and row[0] == self._boot_id:
