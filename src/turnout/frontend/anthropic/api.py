@@ -39,7 +39,7 @@ from turnout.frontend.http.surface import Pipeline, Surface, SurfaceRequest, dec
 from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.frontend.models.manager import ModelKind
 from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline
-from turnout.frontend.openai.chat_run import ChatRun, write_run
+from turnout.frontend.openai.chat_run import ChatRun, Choice, respond
 from turnout.frontend.openai.choice_output import ChoicePiece
 from turnout.frontend.openai.chunk_writer import JSON_HEADERS, new_request_id
 from turnout.protocols.openai import Usage
@@ -73,10 +73,12 @@ def anthropic_error_body(err: HttpError) -> bytes:
 
 class MessageWriter:
     """One message's content blocks and, when streamed, its events (``events``: the encoded
-    events not sent yet; None for a whole message)."""
+    events not sent yet; None for a whole message). It is the ``RunWriter`` of a run
+    (``respond``)."""
 
     def __init__(self, model: str, *, stream: bool) -> None:
         self.model = model
+        self.stream = stream
         self.id = "msg_" + new_request_id()
         self.events: list[bytes] | None = [] if stream else None
         #: Finished blocks, in order.
@@ -84,6 +86,43 @@ class MessageWriter:
         self._open: dict[str, Any] | None = None
         self._parts: list[str] = []
         self._call_index: int | None = None
+
+    # ---------------------------------------------------------------- a run's writer
+
+    def head(self, run: ChatRun) -> bytes:
+        self.start(run.prompt_tokens)
+        return self.drain()
+
+    def text(self, index: int, text: str) -> bytes:
+        self._text_block("text", text)
+        return self.drain()
+
+    def piece(self, index: int, piece: ChoicePiece) -> bytes:
+        self.add(piece)
+        return self.drain()
+
+    def end(self, choice: Choice) -> bytes:
+        return b""
+
+    async def tail(self, run: ChatRun) -> bytes:
+        choice = run.choices[0]
+        message = self.finish(choice.finish_reason, choice.matched_stop, run.usage)
+        return self.drain() if self.stream else _json.encode(message)
+
+    def error(self, err: HttpError) -> bytes:
+        self.fail(err)
+        return self.drain()
+
+    def drain(self) -> bytes:
+        """The events not sent yet, taken."""
+        events = self.events
+        if not events:
+            return b""
+        out = b"".join(events)
+        events.clear()
+        return out
+
+    # ---------------------------------------------------------------- events
 
     def start(self, input_tokens: int) -> None:
         message = {**self._message([], None, None), "usage": _usage_of(input_tokens, 0, 0)}
@@ -239,18 +278,9 @@ def messages_surface(metrics: FrontendMetrics) -> Surface:
         request: MessagesRequest = req.request
         tokens = _tokens_pipeline(pipeline, request.model)
         chat = to_chat(request, tokens.card, limits=tokens.preprocessor.limits)
+        writer = MessageWriter(request.model, stream=request.stream)
         run = await ChatRun.start(tokens, chat, ctx, metrics, session_id)
-        try:
-            writer = MessageWriter(request.model, stream=request.stream)
-            await write_run(
-                proto, run, writer,
-                start=lambda: writer.start(len(run.generation.request.token_ids)),
-                finish=lambda: writer.finish(
-                    run.finish_reason, run.generation.decoder.matched_stop, run.usage
-                ),
-            )  # fmt: skip
-        finally:
-            await run.aclose()
+        await respond(proto, run, writer)
 
     return Surface("messages", ModelKind.CHAT, decode, serve, anthropic_error_body)
 

@@ -1,24 +1,37 @@
-"""A chat request run for a surface that writes its own shapes (the Responses API, Anthropic
-messages): the same preprocessing, routing, migration and output parsing as chat completions,
-delivered as :class:`~.choice_output.ChoicePiece` s.
+"""One generation request run through a Tokens-input pipeline, for every surface: chat
+completions, completions (``n`` >= 1), the Responses API and Anthropic messages.
 
-Use::
+``ChatRun`` owns the sequence every surface shares::
 
-    run = await ChatRun.start(pipeline, chat_request, ctx, metrics)  # raises before any output
-    try:
-        async for piece in run.pieces():   # mid-stream failures raise HttpError
-            ...
-        run.finish_reason, run.usage       # once pieces() is exhausted
-    finally:
-        await run.aclose()                  # always: stops the work on the worker
+    preprocess -> pin check -> metrics -> each choice's output stage -> generate
+    -> the first output (any failure until then raises: the response's status)
+    -> every choice's deltas, as text or pieces, into the surface's writer
+    -> close: stop the work on the workers, record the request's metrics
+
+A surface only writes its own shapes, through a :class:`RunWriter` (``respond`` drives it):
+whole, the body once every choice has ended; streamed, the writer's events as the choices
+go, and a failure after the status line is an in-band error event.
+
+``n`` > 1: the preprocessed request fans out into ``n`` sub-requests that differ only in
+their sampling seed (the request's ``seed`` + i, or a random base), each with its own
+context (its own id: routers book, and workers run, each on its own), routed like any
+request (they share the prompt, so KV routing sends them where it is cached). Their deltas
+meet in one bounded queue; each choice ends on its own. Usage counts the prompt once and the
+completion tokens of all choices. Closing the run cancels every unfinished sub-request.
+
+Timing (``turnout_time_to_first_token_seconds``, ``..._inter_token_latency_seconds``) is
+taken when a delta brings tokens, before any parser: every surface, whole or streamed,
+reports the same latencies for the same generation, however long a parser holds text back.
 """
 
 from __future__ import annotations
 
-import inspect
+import asyncio
+import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -33,165 +46,334 @@ from turnout.frontend.openai.choice_output import (
 )
 from turnout.frontend.openai.chunk_writer import JSON_HEADERS, SSE_HEADERS, make_usage
 from turnout.llm.backend import DecodedDelta
-from turnout.protocols.llm import FinishReason
-from turnout.protocols.openai import ChatCompletionRequest, Usage
+from turnout.protocols.llm import FinishReason, PreprocessedRequest
+from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest, Usage
 from turnout.router.push_router import check_pinned
 from turnout.runtime.context import RequestContext
-from turnout.runtime.http import Exchange
+from turnout.runtime.http import ClientDisconnected, Exchange
 
-_json = msgspec.json.Encoder()
+#: Deltas buffered per choice (``n`` > 1) before the slowest reader holds the choices back.
+_QUEUE_PER_CHOICE = 16
+
+#: Sends bytes to the client (a streamed response's transport).
+Send = Callable[[bytes], Awaitable[None]]
+#: What a choice's pump hands over (``n`` > 1): its index and a delta, or what failed it.
+_Event = tuple[int, DecodedDelta | Exception]
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice of a run: its generation (a request of its own when ``n`` > 1), its
+    context and its output stage."""
+
+    index: int
+    generation: Generation
+    ctx: RequestContext
+    output: ChoiceOutput
+    #: How the generation ended (None: not yet).
+    reason: FinishReason | None = None
+    #: Streamed plain text: the writer takes the decoded text as it is (the per-token path).
+    fast: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason (``tool_calls`` once the model called a tool)."""
+        return self.output.finish_reason(self.reason or FinishReason.STOP)
+
+    def whole(self, prefix: str = "") -> WholeChoice:
+        """The ended choice, as a whole response reports it (its output stage kept what it
+        said: ``ChatRun.start``'s ``keep``); ``prefix`` starts its text."""
+        return self.output.whole(self.reason or FinishReason.STOP, prefix)
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the choice, if one did."""
+        return self.generation.decoder.matched_stop
+
+
+class RunWriter(Protocol):
+    """A surface's response to a run. Streamed (``stream``), every call returns the bytes to
+    send at once (``b""``: nothing yet); whole, only ``tail`` counts (the body)."""
+
+    stream: bool
+
+    def head(self, run: ChatRun) -> bytes:
+        """The stream's first events, before any output."""
+        ...
+
+    def text(self, index: int, text: str) -> bytes:
+        """Plain text of choice ``index`` (streamed choices without parser or logprobs)."""
+        ...
+
+    def piece(self, index: int, piece: ChoicePiece) -> bytes:
+        """A non-empty piece of choice ``index``."""
+        ...
+
+    def end(self, choice: Choice) -> bytes:
+        """``choice`` has ended (``choice.reason`` set, its parser's tail already given)."""
+        ...
+
+    async def tail(self, run: ChatRun) -> bytes:
+        """Every choice has ended: the stream's last events, or the whole body."""
+        ...
+
+    def error(self, err: HttpError) -> bytes:
+        """The run failed after the stream started: the in-band error events."""
+        ...
 
 
 class ChatRun:
-    """One running chat request (one choice)."""
+    """One running request: ``n`` choices of one preprocessed prompt."""
 
-    __slots__ = ("_first", "_metrics", "_reason", "_timer", "generation", "output", "request")
+    __slots__ = ("_first", "_metrics", "_pumps", "_queue", "_timer", "choices", "echo", "request")
 
-    def __init__(
-        self,
-        request: ChatCompletionRequest,
-        generation: Generation,
-        output: ChoiceOutput,
-        first: DecodedDelta,
-        metrics: ModelMetrics,
-        timer: StreamTimer,
-    ) -> None:
+    def __init__(self, request: ChatCompletionRequest | CompletionRequest, metrics: ModelMetrics):
         self.request = request
-        self.generation = generation
-        self.output = output
-        self._first: DecodedDelta | None = first
         self._metrics = metrics
-        self._timer = timer
-        self._reason = FinishReason.STOP
+        self._timer = StreamTimer(metrics)
+        self.choices: list[Choice] = []
+        #: Completions' ``echo``: the prompt the text of the (only) choice starts with.
+        self.echo = ""
+        self._first: _Event = (0, DecodedDelta())
+        self._queue: asyncio.Queue[_Event] | None = None
+        self._pumps: list[asyncio.Task[None]] = []
 
     @classmethod
     async def start(
         cls,
         pipeline: TokensPipeline,
-        request: ChatCompletionRequest,
+        request: ChatCompletionRequest | CompletionRequest,
         ctx: RequestContext,
         metrics: FrontendMetrics,
         session_id: str | None = None,
+        *,
+        keep: bool = False,
     ) -> ChatRun:
         """Preprocess, route and await the first output: every failure until then raises
-        (and becomes the response's status)."""
+        (and becomes the response's status), including a first output that is already the
+        worker's failure (nothing has reached the client: the status says it plainly).
+
+        ``keep``: the choices are answered whole from their output stages
+        (``ChoiceOutput.whole``), which then keep what they say; a surface that writes its
+        own items (or streams) leaves it off, and a choice costs no memory per token."""
+        model_metrics = metrics.model(request.model)
+        run = cls(request, model_metrics)
         pre = await pipeline.preprocess(request)
         pre.session_id = session_id
         if pre.backend_instance_id is not None:
+            # Every router mode: an unknown pin is a 404 before any work, a known instance
+            # that is down a 503.
             check_pinned(pipeline.client, pre.backend_instance_id, f"model {request.model}")
-        model_metrics = metrics.model(request.model)
         model_metrics.input_tokens.observe(len(pre.token_ids))
-        timer = StreamTimer(model_metrics)
-        output = choice_output(pipeline, request, pre)
-        generation = pipeline.generate(pre, ctx)
+        run.echo = _echoed_prompt(request, pipeline, pre.token_ids)
+        n = request.n or 1
+        if n == 1:
+            output = choice_output(pipeline, request, pre, text_offset=len(run.echo), keep=keep)
+            run.choices.append(Choice(0, pipeline.generate(pre, ctx), ctx, output))
+        else:
+            run._fan_out(pipeline, pre, ctx, n, keep)
         try:
-            first = await anext(generation.__aiter__())
-            if first.finish_reason is FinishReason.ERROR and not first.token_ids:
-                raise worker_error(first.error or "")
+            await run._first_output()
         except BaseException:
-            await generation.aclose()
+            await run.aclose()
             raise
-        return cls(request, generation, output, first, model_metrics, timer)
+        return run
 
-    async def pieces(self) -> AsyncIterator[ChoicePiece]:
-        """The choice's pieces (never empty ones), the parser's held text last."""
-        delta = self._first
-        self._first = None
-        deltas = self.generation.__aiter__()
-        while delta is not None:
+    def _fan_out(
+        self,
+        pipeline: TokensPipeline,
+        pre: PreprocessedRequest,
+        ctx: RequestContext,
+        n: int,
+        keep: bool,
+    ) -> None:
+        seed = pre.sampling_options.seed
+        base = seed if seed is not None else random.getrandbits(31)
+        for i in range(n):
+            sampling = msgspec.structs.replace(pre.sampling_options, seed=base + i)
+            sub = msgspec.structs.replace(pre, sampling_options=sampling)
+            sub_ctx = RequestContext(f"{ctx.request_id}-{i}")
+            output = choice_output(pipeline, self.request, sub, keep=keep)
+            self.choices.append(Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, output))
+        self._queue = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * n)
+
+    async def _first_output(self) -> None:
+        queue = self._queue
+        if queue is None:
+            first: _Event = (0, await anext(self.choices[0].generation.__aiter__()))
+        else:
+            self._pumps = [asyncio.create_task(_pump(c, queue)) for c in self.choices]
+            first = await queue.get()
+        delta = first[1]
+        if isinstance(delta, Exception):
+            raise delta
+        if delta.finish_reason is FinishReason.ERROR:
+            raise worker_error(delta.error or "")
+        self._first = first
+
+    # ---------------------------------------------------------------- output
+
+    async def drive(self, writer: RunWriter, send: Send | None) -> None:
+        """Run every choice to its end through ``writer``; ``send``: streamed, each call's
+        bytes go out as they come (None: whole, nothing is sent). A failure raises (a worker's
+        error, a broken stream); the caller answers it."""
+        for choice in self.choices:
+            choice.fast = send is not None and choice.output.plain
+        if self._queue is None:
+            await self._drive_one(writer, send)
+        else:
+            await self._drive_many(self._queue, writer, send)
+
+    async def _drive_one(self, writer: RunWriter, send: Send | None) -> None:
+        choice = self.choices[0]
+        delta = self._first[1]
+        assert isinstance(delta, DecodedDelta)
+        deltas = choice.generation.__aiter__()
+        take = self._take
+        while True:
             if delta.text or delta.token_ids:
-                piece = self.output.take(delta)
-                if piece:
-                    self._timer.on_tokens()
-                    yield piece
+                out = take(choice, delta, writer)
+                if out and send is not None:
+                    await send(out)
             if delta.finish_reason is not None:
-                if delta.finish_reason is FinishReason.ERROR:
-                    raise worker_error(delta.error or "")
-                self._reason = delta.finish_reason
                 break
-            delta = await anext(deltas, None)
-        tail = self.output.end()
-        if tail:
-            yield tail
+            delta = await anext(deltas)
+        out = self._end(choice, delta, writer)
+        if out and send is not None:
+            await send(out)
+
+    async def _drive_many(
+        self, queue: asyncio.Queue[_Event], writer: RunWriter, send: Send | None
+    ) -> None:
+        choices = self.choices
+        open_choices = len(choices)
+        index, delta = self._first
+        while True:
+            if isinstance(delta, Exception):
+                raise delta
+            choice = choices[index]
+            if delta.text or delta.token_ids:
+                out = self._take(choice, delta, writer)
+                if out and send is not None:
+                    await send(out)
+            if delta.finish_reason is not None:
+                out = self._end(choice, delta, writer)
+                if out and send is not None:
+                    await send(out)
+                open_choices -= 1
+                if not open_choices:
+                    return
+            index, delta = await queue.get()
+
+    def _take(self, choice: Choice, delta: DecodedDelta, writer: RunWriter) -> bytes:
+        """What a delta that brings tokens adds to ``choice``, as the writer writes it."""
+        self._timer.on_tokens()
+        if choice.fast:
+            return writer.text(choice.index, delta.text) if delta.text else b""
+        piece = choice.output.take(delta)
+        return writer.piece(choice.index, piece) if piece else b""
+
+    def _end(self, choice: Choice, delta: DecodedDelta, writer: RunWriter) -> bytes:
+        """``choice``'s last delta (its text already taken): its parser's tail, its end."""
+        reason = delta.finish_reason
+        assert reason is not None
+        if reason is FinishReason.ERROR:
+            raise worker_error(delta.error or "")
+        choice.reason = reason
+        tail = choice.output.end()
+        out = writer.piece(choice.index, tail) if tail else b""
+        return out + writer.end(choice)
+
+    # ---------------------------------------------------------------- accounting
 
     @property
-    def finish_reason(self) -> str:
-        """OpenAI's finish reason (``tool_calls`` once the model called a tool)."""
-        return self.output.finish_reason(self._reason)
-
-    @property
-    def stopped_by_limit(self) -> bool:
-        return self._reason is FinishReason.LENGTH
+    def prompt_tokens(self) -> int:
+        return len(self.choices[0].generation.request.token_ids)
 
     @property
     def usage(self) -> Usage:
-        decoder = self.generation.decoder
+        """The prompt once, the completion tokens of every choice."""
+        decoder = self.choices[0].generation.decoder
         return make_usage(
-            len(self.generation.request.token_ids),
-            decoder.num_output_tokens,
+            self.prompt_tokens,
+            sum(c.generation.decoder.num_output_tokens for c in self.choices),
             decoder.cached_tokens,
         )
 
-    def whole(self) -> WholeChoice:
-        """Everything the choice said (after ``pieces()`` is exhausted)."""
-        return self.output.whole(self._reason)
+    @property
+    def finish_reason(self) -> str:
+        """The first choice's (the only one, on surfaces without ``n``)."""
+        return self.choices[0].finish_reason
 
     async def aclose(self) -> None:
-        await self.generation.aclose()
-        decoder = self.generation.decoder
-        self._metrics.output_tokens.observe(decoder.num_output_tokens)
-        if decoder.cached_tokens:
-            self._metrics.cached_tokens.inc(decoder.cached_tokens)
-        self._metrics.duration.observe(time.perf_counter() - self._timer.start)
+        """Stop every choice's work on its worker and record the request's metrics. Always
+        called (``start`` calls it when it raises)."""
+        for task in self._pumps:
+            task.cancel()
+        if self._pumps:
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+        own_contexts = len(self.choices) > 1
+        for choice in self.choices:
+            if own_contexts and choice.reason is None:
+                choice.ctx.cancel()
+            await choice.generation.aclose()
+        metrics = self._metrics
+        usage = self.usage
+        metrics.output_tokens.observe(usage.completion_tokens)
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        if cached:
+            metrics.cached_tokens.inc(cached)
+        metrics.duration.observe(time.perf_counter() - self._timer.start)
 
 
-class EventWriter(Protocol):
-    """A surface's writer: it turns pieces into its own body or events. ``events`` holds the
-    encoded events not sent yet (None: a whole response, no events)."""
-
-    events: list[bytes] | None
-
-    def add(self, piece: ChoicePiece) -> None: ...
-
-    def fail(self, err: HttpError) -> None: ...
-
-
-async def write_run(
-    proto: Exchange,
-    run: ChatRun,
-    writer: EventWriter,
-    *,
-    start: Callable[[], None],
-    finish: Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]],
-) -> None:
-    """Answer with ``run`` through ``writer``: whole, the body ``finish`` returns; streamed,
-    ``start``'s events at once, each piece's as it comes, then ``finish``'s (or, when the run
-    fails midway, ``fail``'s). ``finish`` may be a coroutine function: what it awaits (the
-    response store's write) comes before the final body or event goes out."""
-    events = writer.events
-    if events is None:
-        async for piece in run.pieces():
-            writer.add(piece)
-        proto.response_bytes(200, JSON_HEADERS, _json.encode(await _settled(finish())))
-        return
-    send = proto.response_stream(200, SSE_HEADERS).send_bytes
-
-    async def flush() -> None:
-        for event in events:
-            await send(event)
-        events.clear()
-
-    start()
-    await flush()
+async def _pump(choice: Choice, queue: asyncio.Queue[_Event]) -> None:
+    """Hand ``choice``'s deltas to the run, up to its finish (or what failed it)."""
+    deltas = choice.generation.__aiter__()
     try:
-        async for piece in run.pieces():
-            writer.add(piece)
-            await flush()
-        await _settled(finish())
-    except Exception as exc:  # mid-stream failure: tell the client in-band
-        writer.fail(to_http_error(exc))
-    await flush()
+        while True:
+            delta = await anext(deltas)
+            await queue.put((choice.index, delta))
+            if delta.finish_reason is not None:
+                return
+    except Exception as exc:  # handed to the run, which answers it
+        await queue.put((choice.index, exc))
 
 
-async def _settled(body: dict[str, Any] | Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    return await body if inspect.isawaitable(body) else body
+async def respond(proto: Exchange, run: ChatRun, writer: RunWriter) -> None:
+    """Answer with ``run`` through ``writer``, then close the run: whole, the body ``tail``
+    returns once every choice has ended; streamed, ``head``'s events at once, the choices' as
+    they come, then ``tail``'s (or, when the run fails midway, ``error``'s)."""
+    try:
+        if not writer.stream:
+            await run.drive(writer, None)
+            proto.response_bytes(200, JSON_HEADERS, await writer.tail(run))
+            return
+        send = proto.response_stream(200, SSE_HEADERS).send_bytes
+        head = writer.head(run)
+        if head:
+            await send(head)
+        try:
+            await run.drive(writer, send)
+            last = await writer.tail(run)
+        except ClientDisconnected:
+            raise
+        except Exception as exc:  # mid-stream failure: tell the client in-band
+            last = writer.error(to_http_error(exc))
+        await send(last)
+    finally:
+        await run.aclose()
+
+
+def _echoed_prompt(
+    request: ChatCompletionRequest | CompletionRequest, pipeline: TokensPipeline, ids: list[int]
+) -> str:
+    """Completions' ``echo``: the prompt as the client sent it (a string), or its tokens'
+    text; the response's text starts with it. Empty when not asked for."""
+    if not isinstance(request, CompletionRequest) or not request.echo:
+        return ""
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return pipeline.preprocessor.tokenizer.decode(ids, skip_special_tokens=False)

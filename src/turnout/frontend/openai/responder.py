@@ -1,5 +1,6 @@
-"""One generation request's HTTP response: streamed (SSE) or whole, from a Tokens-input
-pipeline (the frontend detokenizes) or relayed from a Text-input worker.
+"""One chat or completions request's HTTP response: streamed (SSE) or whole, from a
+Tokens-input pipeline (run by ``ChatRun``; this module writes OpenAI's shapes) or relayed from
+a Text-input worker.
 
 The first output is awaited before the status line goes out, so a failure before generation
 starts gets its own status and body; after that, a failure is an SSE ``error`` event.
@@ -7,16 +8,15 @@ starts gets its own status and body; after that, a failure is an SSE ``error`` e
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
 
-from turnout.frontend.http.errors import HttpError, to_http_error, worker_error
-from turnout.frontend.metrics.frontend import FrontendMetrics, StreamTimer
-from turnout.frontend.models.pipeline import Generation, TextPipeline, TokensPipeline
-from turnout.frontend.openai.choice_output import ChoiceOutput, choice_output
-from turnout.frontend.openai.choices import serve_choices
+from turnout.frontend.http.errors import HttpError, to_http_error
+from turnout.frontend.metrics.frontend import FrontendMetrics
+from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline
+from turnout.frontend.openai.chat_run import ChatRun, Choice, respond
+from turnout.frontend.openai.choice_output import ChoicePiece
 from turnout.frontend.openai.chunk_writer import (
     JSON_HEADERS,
     SSE_DONE,
@@ -24,13 +24,11 @@ from turnout.frontend.openai.chunk_writer import (
     ChunkWriter,
     aggregate_chunks,
     answered_service_tier,
-    make_usage,
     sse,
     whole_response,
 )
-from turnout.protocols.llm import FinishReason
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
-from turnout.router.push_router import PIN_METADATA, check_pinned
+from turnout.router.push_router import PIN_METADATA
 from turnout.runtime.context import RequestContext
 from turnout.runtime.http import Exchange
 
@@ -50,176 +48,13 @@ class Responder:
         ctx: RequestContext,
         session_id: str | None = None,
     ) -> None:
-        pre = await pipeline.preprocess(request)
-        pre.session_id = session_id
-        if pre.backend_instance_id is not None:
-            # Every router mode: an unknown pin is a 404 before any work, a known instance
-            # that is down a 503.
-            check_pinned(pipeline.client, pre.backend_instance_id, f"model {request.model}")
-        metrics = self.metrics.model(request.model)
-        metrics.input_tokens.observe(len(pre.token_ids))
-        timer = StreamTimer(metrics)
-        if (request.n or 1) > 1:
-            try:
-                total = await serve_choices(
-                    proto, pipeline, request, pre, ctx, timer,
-                    lambda choice_ctx: self._nvext(request, choice_ctx),
-                )  # fmt: skip
-                metrics.output_tokens.observe(total)
-            finally:
-                metrics.duration.observe(time.perf_counter() - timer.start)
-            return
-        echo = _echoed_prompt(request, pipeline, pre.token_ids)
-        output = choice_output(
-            pipeline, request, pre, text_offset=len(echo), keep=not request.stream
+        writer: ChunkStream | WholeBody = (
+            ChunkStream(request) if request.stream else WholeBody(request)
         )
-        generation = pipeline.generate(pre, ctx)
-        try:
-            deltas = generation.__aiter__()
-            first = await anext(deltas)
-            if (
-                first.finish_reason is FinishReason.ERROR
-                and generation.decoder.num_output_tokens == 0
-            ):
-                raise worker_error(first.error or "")
-            args = (proto, request, generation, first, timer, ctx, output, echo)
-            if request.stream:
-                await self._stream_tokens(*args)
-            else:
-                await self._whole_tokens(*args)
-        finally:
-            await generation.aclose()
-            metrics.output_tokens.observe(generation.decoder.num_output_tokens)
-            cached = generation.decoder.cached_tokens
-            if cached:
-                metrics.cached_tokens.inc(cached)
-            metrics.duration.observe(time.perf_counter() - timer.start)
-
-    def _nvext(
-        self, request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
-    ) -> dict[str, Any] | None:
-        fields = request.nvext.extra_fields if request.nvext else None
-        if not fields:
-            return None
-        out: dict[str, Any] = {}
-        if "worker_id" in fields and "worker_instance_id" in ctx.metadata:
-            out["worker_id"] = f"{ctx.metadata['worker_instance_id']:x}"
-        if "routing" in fields and "routing" in ctx.metadata:
-            out["routing"] = ctx.metadata["routing"]
-        if "migrations" in fields:
-            out["migrations"] = ctx.metadata.get("migrations", 0)
-        return out or None
-
-    async def _stream_tokens(
-        self,
-        proto: Exchange,
-        request: ChatCompletionRequest | CompletionRequest,
-        generation: Generation,
-        first: Any,
-        timer: StreamTimer,
-        ctx: RequestContext,
-        output: ChoiceOutput,
-        echo: str = "",
-    ) -> None:
-        writer = ChunkWriter(
-            request.model,
-            isinstance(request, ChatCompletionRequest),
-            service_tier=answered_service_tier(request),
+        run = await ChatRun.start(
+            pipeline, request, ctx, self.metrics, session_id, keep=not request.stream
         )
-        transport = proto.response_stream(200, SSE_HEADERS)
-        send = transport.send_bytes
-        if writer.is_chat:
-            await send(writer.role())
-        if echo:
-            await send(writer.text(echo))
-        plain = output.plain
-        delta = first
-        deltas = generation.__aiter__()
-        while True:
-            if plain:
-                if delta.text:
-                    timer.on_tokens()
-                    await send(writer.text(delta.text))
-            elif delta.text or delta.token_ids:
-                piece = output.take(delta)
-                if piece:
-                    timer.on_tokens()
-                    await send(writer.piece(piece))
-            if delta.finish_reason is not None:
-                break
-            try:
-                delta = await anext(deltas)
-            except StopAsyncIteration:
-                break
-            except Exception as exc:  # mid-stream failure: tell the client in-band
-                err = to_http_error(exc)
-                await send(sse(err.body()))
-                await send(SSE_DONE)
-                return
-        reason = delta.finish_reason or FinishReason.STOP
-        if reason is FinishReason.ERROR:
-            await send(sse(worker_error(delta.error or "").body()))
-            await send(SSE_DONE)
-            return
-        if not plain:
-            tail = output.end()
-            if tail:
-                await send(writer.piece(tail))
-        await send(writer.finish(output.finish_reason(reason), self._nvext(request, ctx)))
-        opts = request.stream_options
-        if opts is not None and opts.include_usage:
-            decoder = generation.decoder
-            await send(
-                writer.usage(
-                    make_usage(
-                        len(generation.request.token_ids),
-                        decoder.num_output_tokens,
-                        decoder.cached_tokens,
-                    )
-                )
-            )
-        await send(SSE_DONE)
-
-    async def _whole_tokens(
-        self,
-        proto: Exchange,
-        request: ChatCompletionRequest | CompletionRequest,
-        generation: Generation,
-        first: Any,
-        timer: StreamTimer,
-        ctx: RequestContext,
-        output: ChoiceOutput,
-        echo: str = "",
-    ) -> None:
-        delta = first
-        deltas = generation.__aiter__()
-        while True:
-            if delta.text:
-                timer.on_tokens()
-            output.take(delta)
-            if delta.finish_reason is not None:
-                break
-            try:
-                delta = await anext(deltas)
-            except StopAsyncIteration:
-                break
-        reason = delta.finish_reason or FinishReason.STOP
-        if reason is FinishReason.ERROR:
-            raise worker_error(delta.error or "")
-        output.end()
-        decoder = generation.decoder
-        usage = make_usage(
-            len(generation.request.token_ids), decoder.num_output_tokens, decoder.cached_tokens
-        )
-        body = whole_response(
-            model=request.model,
-            is_chat=isinstance(request, ChatCompletionRequest),
-            choices=[output.whole(reason, echo)],
-            usage=usage,
-            nvext=self._nvext(request, ctx),
-            service_tier=answered_service_tier(request),
-        )
-        proto.response_bytes(200, JSON_HEADERS, body)
+        await respond(proto, run, writer)
 
     async def relay_text(
         self,
@@ -259,6 +94,109 @@ class Responder:
             await chunks.aclose()  # type: ignore[attr-defined]
 
 
+def response_nvext(
+    request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
+) -> dict[str, Any] | None:
+    """The ``nvext`` a response carries: the facts ``nvext.extra_fields`` asks for, as the
+    pipeline recorded them on the (choice's) context."""
+    fields = request.nvext.extra_fields if request.nvext else None
+    if not fields:
+        return None
+    out: dict[str, Any] = {}
+    if "worker_id" in fields and "worker_instance_id" in ctx.metadata:
+        out["worker_id"] = f"{ctx.metadata['worker_instance_id']:x}"
+    if "routing" in fields and "routing" in ctx.metadata:
+        out["routing"] = ctx.metadata["routing"]
+    if "migrations" in fields:
+        out["migrations"] = ctx.metadata.get("migrations", 0)
+    return out or None
+
+
+class ChunkStream:
+    """A streamed chat or completions response: one ``ChunkWriter`` per choice (one
+    response id and ``created`` for all), chunks naming their choice's ``index``."""
+
+    __slots__ = ("_lead", "_request", "_writers")
+
+    stream = True
+
+    def __init__(self, request: ChatCompletionRequest | CompletionRequest) -> None:
+        self._request = request
+        is_chat = isinstance(request, ChatCompletionRequest)
+        tier = answered_service_tier(request)
+        lead = self._lead = ChunkWriter(request.model, is_chat, service_tier=tier)
+        self._writers = [lead] + [
+            ChunkWriter(
+                request.model, is_chat, lead.response_id, index=i, created=lead.created,
+                service_tier=tier,
+            )
+            for i in range(1, request.n or 1)
+        ]  # fmt: skip
+
+    def head(self, run: ChatRun) -> bytes:
+        """Chat: each choice's role chunk; completions: the echoed prompt, if asked for."""
+        if self._lead.is_chat:
+            return b"".join(writer.role() for writer in self._writers)
+        return self._lead.text(run.echo) if run.echo else b""
+
+    def text(self, index: int, text: str) -> bytes:
+        return self._writers[index].text(text)
+
+    def piece(self, index: int, piece: ChoicePiece) -> bytes:
+        return self._writers[index].piece(piece)
+
+    def end(self, choice: Choice) -> bytes:
+        nvext = response_nvext(self._request, choice.ctx)
+        return self._writers[choice.index].finish(choice.finish_reason, nvext)
+
+    async def tail(self, run: ChatRun) -> bytes:
+        opts = self._request.stream_options
+        if opts is not None and opts.include_usage:
+            return self._lead.usage(run.usage) + SSE_DONE
+        return SSE_DONE
+
+    def error(self, err: HttpError) -> bytes:
+        return sse(err.body()) + SSE_DONE
+
+
+class WholeBody:
+    """A whole chat or completions response: the choices' output stages keep what they say
+    (the run is started with ``keep``), read once every choice has ended."""
+
+    __slots__ = ("_request",)
+
+    stream = False
+
+    def __init__(self, request: ChatCompletionRequest | CompletionRequest) -> None:
+        self._request = request
+
+    def head(self, run: ChatRun) -> bytes:
+        return b""
+
+    def text(self, index: int, text: str) -> bytes:
+        return b""
+
+    def piece(self, index: int, piece: ChoicePiece) -> bytes:
+        return b""
+
+    def end(self, choice: Choice) -> bytes:
+        return b""
+
+    async def tail(self, run: ChatRun) -> bytes:
+        request = self._request
+        return whole_response(
+            model=request.model,
+            is_chat=isinstance(request, ChatCompletionRequest),
+            choices=[c.whole(run.echo) for c in run.choices],
+            usage=run.usage,
+            nvext=response_nvext(request, run.choices[0].ctx),
+            service_tier=answered_service_tier(request),
+        )
+
+    def error(self, err: HttpError) -> bytes:
+        return b""
+
+
 def text_refusal(chunk: bytes) -> HttpError | None:
     """A text worker's first chunk that is an error body with a 4xx ``status`` beside it
     (``{"error": {...}, "status": 400}``: a request the worker cannot honour, or its server
@@ -279,18 +217,3 @@ def text_refusal(chunk: bytes) -> HttpError | None:
         str(err.get("message") or "the worker refused the request"),
         param=param if isinstance(param, str) else None,
     )
-
-
-def _echoed_prompt(
-    request: ChatCompletionRequest | CompletionRequest, pipeline: TokensPipeline, ids: list[int]
-) -> str:
-    """Completions' ``echo``: the prompt as the client sent it (a string), or its tokens'
-    text; the response's text starts with it. Empty when not asked for."""
-    if not isinstance(request, CompletionRequest) or not request.echo:
-        return ""
-    prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    return pipeline.preprocessor.tokenizer.decode(ids, skip_special_tokens=False)

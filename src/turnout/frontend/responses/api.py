@@ -23,6 +23,7 @@ so a client that continues the chain at once finds it.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -39,7 +40,7 @@ from turnout.frontend.http.surface import (
 from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.frontend.models.manager import ModelKind
 from turnout.frontend.models.pipeline import TextPipeline
-from turnout.frontend.openai.chat_run import ChatRun, write_run
+from turnout.frontend.openai.chat_run import ChatRun, Choice, respond
 from turnout.frontend.openai.choice_output import ChoicePiece
 from turnout.frontend.openai.chunk_writer import new_request_id
 from turnout.frontend.responses.history import ResponseHistory
@@ -57,7 +58,8 @@ _decoder = msgspec.json.Decoder(ResponsesRequest)
 
 class ResponseWriter:
     """One response's output items and, when streamed, its events (``events`` collects the
-    encoded events of each call; ``None``: a whole response, no events)."""
+    encoded events not sent yet; ``None``: a whole response, no events). It is the
+    ``RunWriter`` of a run (``respond``)."""
 
     def __init__(
         self,
@@ -67,10 +69,15 @@ class ResponseWriter:
         response_id: str | None = None,
         store: bool = False,
         conversation_id: str | None = None,
+        keep: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         """``store``: what the body says until the response is settled (whether it will be
-        stored); ``conversation_id``: the conversation it belongs to."""
+        stored); ``conversation_id``: the conversation it belongs to; ``keep``: what the
+        settled response goes through before its last event (or its body) goes out (the
+        response store's write: a client that continues the chain at once finds it)."""
         self.request = request
+        self.stream = stream
+        self._keep = keep
         self.id = response_id or "resp_" + new_request_id()
         self.store = store
         self.conversation_id = conversation_id
@@ -83,6 +90,43 @@ class ResponseWriter:
         self._open: dict[str, Any] | None = None
         self._text: list[str] = []
         self._call_index: int | None = None
+
+    # ---------------------------------------------------------------- a run's writer
+
+    def head(self, run: ChatRun) -> bytes:
+        self.start()
+        return self.drain()
+
+    def text(self, index: int, text: str) -> bytes:
+        self._write("message", text)
+        return self.drain()
+
+    def piece(self, index: int, piece: ChoicePiece) -> bytes:
+        self.add(piece)
+        return self.drain()
+
+    def end(self, choice: Choice) -> bytes:
+        return b""
+
+    async def tail(self, run: ChatRun) -> bytes:
+        response = self.settle(run.finish_reason, run.usage)
+        if self._keep is not None:
+            response = await self._keep(response)
+        self.complete(response)
+        return self.drain() if self.stream else _json.encode(response)
+
+    def error(self, err: HttpError) -> bytes:
+        self.fail(err)
+        return self.drain()
+
+    def drain(self) -> bytes:
+        """The events not sent yet, taken."""
+        events = self.events
+        if not events:
+            return b""
+        out = b"".join(events)
+        events.clear()
+        return out
 
     # ---------------------------------------------------------------- events
 
@@ -299,25 +343,17 @@ def responses_surface(
         if turn.context:  # the chain's or conversation's items, then the request's own
             items = [*turn.context, *turn.input_items]
             chat = to_chat(msgspec.structs.replace(request, input=items), limits)
+        writer = ResponseWriter(
+            request, stream=request.stream, response_id=turn.response_id, store=turn.store,
+            conversation_id=turn.conversation_id,
+            keep=lambda response: history.keep(turn, response),
+        )  # fmt: skip
         try:
             run = await ChatRun.start(pipeline, chat, ctx, metrics, session_id or turn.session_id)
         except RequestError as exc:
             if exc.param == "reasoning_effort":  # chat's name for this API's reasoning.effort
                 exc.param = "reasoning"
             raise
-        try:
-            writer = ResponseWriter(
-                request, stream=request.stream, response_id=turn.response_id,
-                store=turn.store, conversation_id=turn.conversation_id,
-            )  # fmt: skip
-
-            async def finish() -> dict[str, Any]:
-                response = await history.keep(turn, writer.settle(run.finish_reason, run.usage))
-                writer.complete(response)
-                return response
-
-            await write_run(proto, run, writer, start=writer.start, finish=finish)
-        finally:
-            await run.aclose()
+        await respond(proto, run, writer)
 
     return Surface("responses", ModelKind.CHAT, decode, serve)
