@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 #: How long a store remembers a deletion for callers it cannot see (between two watches),
@@ -92,7 +92,7 @@ class DiscoveryStore(abc.ABC):
     @abc.abstractmethod
     def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         """Snapshot-then-changes stream of the keys under ``prefix`` (see module docstring).
 
         The iterator ends when the store is closed; ``aclose()`` stops it early.

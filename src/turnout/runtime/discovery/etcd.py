@@ -46,7 +46,7 @@ import contextlib
 import logging
 import math
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -759,7 +759,7 @@ class EtcdStore(DiscoveryStore):
 
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         if self._closed:
             return
         closed = self._closed_waiter()

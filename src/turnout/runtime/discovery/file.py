@@ -86,7 +86,7 @@ import os
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from functools import partial
 from typing import TypeVar
 
@@ -705,7 +705,7 @@ class FileStore(DiscoveryStore):
 
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         after = start_revision
         #: This watch's row in ``watchers``, the position it holds, and when it was written.
         row: int | None = None

@@ -24,7 +24,7 @@ import asyncio
 import collections
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from turnout.errors import DiscoveryError
@@ -242,7 +242,7 @@ class MemoryStore(DiscoveryStore):
 
     async def watch_prefix(
         self, prefix: str, *, start_revision: int | None = None
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         if self._closed:
             return
         # Backlog and registration happen with no await between them: nothing can slip in.
