@@ -12,9 +12,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
+from tests.frontend.stack import echo_engine, make_stack
 
+from turnout.engines import worker as worker_module
 from turnout.engines.base import EngineBase
 from turnout.engines.mocker import MockerConfig, MockerEngine
 from turnout.engines.tensor import NumericEngine
@@ -143,3 +146,48 @@ async def test_side_handlers_refuse_unknown_fields() -> None:
             await collect(
                 client, instance, _encode({"dp_rank": 0, "layer": 2}), handler=KV_SNAPSHOT_HANDLER
             )
+
+
+def older_request_type(without: str) -> type[msgspec.Struct]:
+    """``PreprocessedRequest`` as a worker built before ``without`` existed reads it."""
+    fields: list[tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(PreprocessedRequest):
+        if f.name == without:
+            continue
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, f.type))  # type: ignore[arg-type]
+    return msgspec.defstruct(
+        "OlderPreprocessedRequest",
+        fields,
+        kw_only=True,
+        omit_defaults=True,
+        forbid_unknown_fields=True,
+    )
+
+
+async def test_a_frontend_newer_than_its_worker_gets_an_error_not_a_silent_200(
+    gguf_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the HTTP frontend: a worker that does not know ``cache_salt`` refuses a
+    salted request (a 400 naming the field) rather than serving it unsalted, sharing the
+    tenant's cache; an unsalted request, which does not carry the field, runs."""
+    monkeypatch.setattr(
+        worker_module, "_request_decoder", msgspec.msgpack.Decoder(older_request_type("cache_salt"))
+    )
+    stack = await make_stack()
+    try:
+        await stack.add_worker(echo_engine(gguf_path))
+        await stack.wait_for_model("echo")
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            body: dict[str, Any] = {"model": "echo", "prompt": "hello there", "max_tokens": 2}
+            plain = await http.post("/v1/completions", json=body)
+            assert plain.status_code == 200, plain.text
+            salted = await http.post("/v1/completions", json={**body, "cache_salt": "tenant-a"})
+        assert salted.status_code == 400, salted.text
+        assert "unknown field `cache_salt`" in salted.json()["error"]["message"]
+    finally:
+        await stack.close()
