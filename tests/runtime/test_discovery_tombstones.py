@@ -197,3 +197,28 @@ async def test_file_store_close_removes_its_watch_rows(tmp_path: Path) -> None:
     assert count(path, "watchers") == 0
     with contextlib.suppress(StopAsyncIteration):
         await pending  # the watch ends with its store
+
+
+async def test_file_watch_row_removed_under_it_is_written_again(tmp_path: Path) -> None:
+    """A row dropped while its watch lives (its pid read as gone from another pid namespace)
+    comes back at the watch's next position update."""
+    clock = Clock()
+    path = tmp_path / "d.sqlite"
+    store = FileStore(path, poll_interval=0.01, clock=clock, delete_grace=GRACE)
+    try:
+        start = await store.put("p/a", b"v")
+        watch = store.watch_prefix("p/", start_revision=start)
+        pending = asyncio.ensure_future(anext(watch))
+        await eventually(lambda: count(path, "watchers") == 1, what="the watch's row")
+        db = sqlite3.connect(path)
+        db.execute("DELETE FROM watchers")
+        db.commit()
+        db.close()
+        clock.now += file_store._POSITION_EVERY
+        await store.put("q/other", b"v")  # the watch moves past it: a position to write
+        await eventually(lambda: count(path, "watchers") == 1, what="the row written again")
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await watch.aclose()
+    finally:
+        await store.close()

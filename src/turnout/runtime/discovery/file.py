@@ -24,7 +24,8 @@ file is a peer, and every one of them keeps the store honest:
   position moved forward at most every ``_POSITION_EVERY`` seconds (a stale position only
   keeps more), removed when it ends or its store closes; the rows of a process that is gone
   (``kill -9``: its pid is no longer alive on this machine, or it ran in another boot) are
-  removed by the next trim.
+  removed by the next trim (a process in another pid namespace may read as gone: its row is
+  written again at its next position update, and the grace covers it meanwhile).
 
 The database runs in WAL mode (readers never block the writer) with a busy timeout, so any
 number of processes may open the same path at once. Each store object talks to SQLite through
@@ -743,10 +744,14 @@ class FileStore(DiscoveryStore):
                     await self._call(self._write, partial(self._remove_watchers, [row]))
 
     def _place_watcher(self, row: int | None, position: int, db: sqlite3.Connection) -> int:
-        """Write a watch's position (a new row when ``row`` is None); returns its row id."""
+        """Write a watch's position (a new row when ``row`` is None, or when its row was
+        removed as a dead process's: a pid seen from another pid namespace); returns its row
+        id."""
         if row is not None:
-            db.execute("UPDATE watchers SET position=? WHERE id=?", (position, row))
-            return row
+            cur = db.execute("UPDATE watchers SET position=? WHERE id=?", (position, row))
+            if cur.rowcount == 1:
+                return row
+            self._watch_rows.discard(row)
         cur = db.execute(
             "INSERT INTO watchers (pid, position) VALUES (?, ?)", (os.getpid(), position)
         )
