@@ -27,6 +27,7 @@ from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker, artifact_handler
 from turnout.errors import ConfigError
 from turnout.frontend.models.artifacts import CACHE_ENV, ArtifactFetcher, DiskArtifactCache
+from turnout.frontend.models.manager import ModelKind
 from turnout.frontend.service import Frontend, FrontendConfig, free_port
 from turnout.llm.artifacts import (
     CHUNK_SIZE,
@@ -278,8 +279,8 @@ async def test_frontend_serves_without_the_workers_files(
 
     frontend = await start_frontend(runtime, tmp_path / "cache", monkeypatch)
     try:
-        await until(lambda: "tiny" in frontend.manager.list_chat_models())
-        assert "tiny" in frontend.manager.list_completions_models()
+        await until(lambda: "tiny" in frontend.manager.list_models_of(ModelKind.CHAT))
+        assert "tiny" in frontend.manager.list_models_of(ModelKind.COMPLETIONS)
         # The echo engine returns the prompt's tokens: the frontend's templating and
         # tokenizing both ran with the fetched tokenizer.
         assert "hello world" in await chat(frontend, "tiny", "hello world")
@@ -324,7 +325,7 @@ async def test_bad_artifact_leaves_the_instance_out_until_a_good_one_comes(
         assert not any(r.exc_info for r in caplog.records if r.levelno >= logging.ERROR)
 
         await good.start()
-        await until(lambda: "tiny" in frontend.manager.list_chat_models())
+        await until(lambda: "tiny" in frontend.manager.list_models_of(ModelKind.CHAT))
         assert good.serving is not None and bad.serving is not None
         entries = frontend.manager.entries_for_model("tiny")
         assert [c.instance_id for c in entries] == [good.serving.instance_id]

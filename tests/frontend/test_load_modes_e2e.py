@@ -67,7 +67,9 @@ async def add(stack: Stack, engine: GatedEcho, device_type: str | None = None) -
 def in_flight(stack: Stack) -> dict[int, int]:
     factory = stack.frontend.factory
     assert factory is not None
-    return factory.load_selectors[MODEL][1].snapshot()
+    load = factory.served[MODEL].load
+    assert load is not None
+    return load.snapshot()
 
 
 def body() -> dict[str, Any]:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 
 from turnout.errors import ModelNotFound
-from turnout.frontend.models.manager import ModelAlreadyExists, ModelManager
+from turnout.frontend.models.manager import ModelAlreadyExists, ModelKind, ModelManager
 from turnout.protocols.model import (
     EndpointId,
     ModelDeploymentCard,
@@ -34,70 +33,48 @@ def card(name: str, instance_id: int = 1) -> ModelDeploymentCard:
     )
 
 
-KINDS = ["chat", "completions", "embeddings", "tensor"]
-
-
-def ops(m: ModelManager, kind: str) -> tuple[Callable[..., Any], ...]:
-    """add, remove, list, get for one kind of request."""
-    return (
-        getattr(m, f"add_{kind}_model"),
-        getattr(m, f"remove_{kind}_model"),
-        getattr(m, f"list_{kind}_models"),
-        getattr(m, f"get_{kind}_engine"),
-    )
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_registry_add_get_list_remove(kind: str) -> None:
+@pytest.mark.parametrize("kind", list(ModelKind))
+def test_registry_add_get_list_remove(kind: ModelKind) -> None:
     m = ModelManager()
-    add, remove, list_, get = ops(m, kind)
-    add("b", "engine-b")
-    add("a", "engine-a")
-    assert list_() == ["a", "b"]
-    assert get("a") == "engine-a"
+    m.add_engine(kind, "b", "engine-b")
+    m.add_engine(kind, "a", "engine-a")
+    assert m.list_models_of(kind) == ["a", "b"]
+    assert m.get_engine(kind, "a") == "engine-a"
     assert m.has_model_any("a")
     with pytest.raises(ModelAlreadyExists, match="'a'"):
-        add("a", "again")
-    remove("a")
-    assert list_() == ["b"]
+        m.add_engine(kind, "a", "again")
+    m.remove_engine(kind, "a")
+    assert m.list_models_of(kind) == ["b"]
     assert not m.has_model_any("a")
     with pytest.raises(ModelNotFound, match="'a'"):
-        remove("a")
+        m.remove_engine(kind, "a")
     with pytest.raises(ModelNotFound, match="'a' does not exist"):
-        get("a")
+        m.get_engine(kind, "a")
     # Other kinds' registries are untouched.
-    for other in KINDS:
-        if other != kind:
-            assert ops(m, other)[2]() == []
-
-
-def test_seed_name_for_the_chat_engine() -> None:
-    m = ModelManager()
-    m.add_chat_model("llama", "engine")
-    assert m.get_chat_completions_engine("llama") == "engine"
-    with pytest.raises(ModelNotFound):
-        m.get_chat_completions_engine("qwen")
+    for other in ModelKind:
+        if other is not kind:
+            assert m.list_models_of(other) == []
 
 
 def test_get_names_the_kinds_a_model_does_serve() -> None:
     m = ModelManager()
-    m.add_completions_model("llama", object())
+    m.add_engine(ModelKind.COMPLETIONS, "llama", object())
     with pytest.raises(ModelNotFound, match="'llama' does not serve chat completions; it serves"):
-        m.get_chat_engine("llama")
+        m.get_engine(ModelKind.CHAT, "llama")
 
 
 def test_a_falsy_engine_is_still_an_engine() -> None:
     m = ModelManager()
-    m.add_tensor_model("zero", 0)
-    assert m.get_tensor_engine("zero") == 0
+    m.add_engine(ModelKind.TENSOR, "zero", 0)
+    assert m.get_engine(ModelKind.TENSOR, "zero") == 0
 
 
 def test_list_models_is_the_sorted_union() -> None:
     m = ModelManager()
-    m.add_chat_model("c", 1)
-    m.add_completions_model("c", 2)
-    m.add_embeddings_model("a", 3)
-    m.add_tensor_model("b", 4)
+    m.add_engine(ModelKind.CHAT, "c", 1)
+    m.add_engine(ModelKind.COMPLETIONS, "c", 2)
+    m.add_engine(ModelKind.EMBEDDINGS, "a", 3)
+    m.add_engine(ModelKind.TENSOR, "b", 4)
     assert m.list_models() == ["a", "b", "c"]
 
 
@@ -105,13 +82,13 @@ def test_created_is_when_the_name_became_served_by_any_kind() -> None:
     now = [1000.0]
     manager = ModelManager(clock=lambda: now[0])
     assert manager.created("m") == 0
-    manager.add_completions_model("m", object())
+    manager.add_engine(ModelKind.COMPLETIONS, "m", object())
     now[0] = 2000.0
-    manager.add_chat_model("m", object())
+    manager.add_engine(ModelKind.CHAT, "m", object())
     assert manager.created("m") == 1000
-    manager.remove_completions_model("m")
+    manager.remove_engine(ModelKind.COMPLETIONS, "m")
     assert manager.created("m") == 2000
-    manager.remove_chat_model("m")
+    manager.remove_engine(ModelKind.CHAT, "m")
     assert manager.created("m") == 0
 
 

@@ -12,14 +12,17 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import pytest
+from tests.frontend.fake_clock import FakeClock
 
 from turnout.errors import DiscoveryError, ModelNotFound
 from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.frontend.models import watcher as model_watcher
-from turnout.frontend.models.manager import ModelManager
+from turnout.frontend.models.accepted_instances import AcceptedInstances, ModelClient
+from turnout.frontend.models.manager import ModelKind, ModelManager
 from turnout.frontend.models.watcher import (
     SUPPORTED_PAIRS,
     ModelAdded,
@@ -28,6 +31,7 @@ from turnout.frontend.models.watcher import (
     ModelWatcher,
     is_global_namespace,
 )
+from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.protocols.model import (
     EndpointId,
     LoraInfo,
@@ -36,7 +40,8 @@ from turnout.protocols.model import (
     ModelType,
     mdc_key,
 )
-from turnout.runtime.component import DistributedRuntime, EndpointClient, ServingInstance
+from turnout.router.prefill_router import PrefillPool, PrefillSlots
+from turnout.runtime.component import DistributedRuntime, ServingInstance
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import KeyValue, WatchEvent, WatchEventKind
 from turnout.runtime.discovery.memory import MemoryStore
@@ -56,50 +61,68 @@ class FakeEngine:
 class RecordingFactory:
     """A PipelineFactory that records its calls and returns a FakeEngine per call."""
 
+    max_artifact_bytes = DEFAULT_MAX_ARTIFACT_BYTES
+    prefill_slots: PrefillSlots | None = None
+
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, EndpointClient]] = []
+        self.calls: list[tuple[str, str, AcceptedInstances]] = []
+        #: The cards ``serving`` named, and those released, in order.
+        self.serving_cards: list[ModelDeploymentCard] = []
+        self.released: list[ModelDeploymentCard] = []
+        #: The routing view each card's pipelines were last built with, by checksum.
+        self.views: dict[str, AcceptedInstances] = {}
         #: (kind, model) pairs whose build raises.
         self.fail: set[tuple[str, str]] = set()
         #: When set, completions builds wait for it (to catch the watcher mid-build).
         self.gate: asyncio.Event | None = None
+        #: Model name -> an event every build of that model waits for (a stalled fetch).
+        self.stalled: dict[str, asyncio.Event] = {}
         #: Where the watcher counts card switches.
         self.metrics: FrontendMetrics | None = None
 
-    async def _build(
-        self, kind: str, card: ModelDeploymentCard, client: EndpointClient
-    ) -> FakeEngine:
+    async def _build(self, kind: str, card: ModelDeploymentCard, client: ModelClient) -> FakeEngine:
+        assert isinstance(client, AcceptedInstances)
         self.calls.append((kind, card.display_name, client))
+        self.views[card.checksum()] = client
         if self.gate is not None and kind == "completions":
             await self.gate.wait()
+        stall = self.stalled.get(card.display_name)
+        if stall is not None:
+            await stall.wait()
         if (kind, card.display_name) in self.fail:
             raise RuntimeError(f"cannot build {kind} for {card.display_name}")
         return FakeEngine(kind, card.display_name)
 
-    async def build_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> FakeEngine:
+    async def build_chat(self, card: ModelDeploymentCard, client: ModelClient) -> FakeEngine:
         return await self._build("chat", card, client)
 
-    async def build_completions(
-        self, card: ModelDeploymentCard, client: EndpointClient
-    ) -> FakeEngine:
+    async def build_completions(self, card: ModelDeploymentCard, client: ModelClient) -> FakeEngine:
         return await self._build("completions", card, client)
 
-    async def build_text_chat(
-        self, card: ModelDeploymentCard, client: EndpointClient
-    ) -> FakeEngine:
+    async def build_text_chat(self, card: ModelDeploymentCard, client: ModelClient) -> FakeEngine:
         return await self._build("text_chat", card, client)
 
     async def build_text_completions(
-        self, card: ModelDeploymentCard, client: EndpointClient
+        self, card: ModelDeploymentCard, client: ModelClient
     ) -> FakeEngine:
         return await self._build("text_completions", card, client)
 
-    async def build_embeddings(
-        self, card: ModelDeploymentCard, client: EndpointClient
-    ) -> FakeEngine:
+    async def build_embeddings(self, card: ModelDeploymentCard, client: ModelClient) -> FakeEngine:
         return await self._build("embeddings", card, client)
 
-    async def build_tensor(self, card: ModelDeploymentCard, client: EndpointClient) -> FakeEngine:
+    async def build_tensor(self, card: ModelDeploymentCard, client: ModelClient) -> FakeEngine:
         return await self._build("tensor", card, client)
+
+    async def build_prefill_pool(
+        self, card: ModelDeploymentCard, client: ModelClient
+    ) -> PrefillPool:
+        raise AssertionError("prefill cards are not taken here")
+
+    def serving(self, card: ModelDeploymentCard) -> None:
+        self.serving_cards.append(card)
+
+    async def release(self, card: ModelDeploymentCard) -> None:
+        self.released.append(card)
 
     def kinds(self) -> list[tuple[str, str]]:
         return [(kind, model) for kind, model, _ in self.calls]
@@ -167,8 +190,10 @@ class Harness:
         return await asyncio.wait_for(self.updates.get(), TIMEOUT)
 
     async def barrier(self, namespace: str = "ns") -> list[ModelUpdate]:
-        """Put a card of a fresh chat model and wait until the watcher serves it: every event
-        before it has been handled. Returns the updates queued before the barrier's own."""
+        """Put a card of a fresh chat model, wait until the watcher serves it (every event
+        before it has been read), then until every event read has been handled (models'
+        events are handled concurrently). Returns the updates queued, the barrier's own
+        left out."""
         self.num_barriers += 1
         name = f"{BARRIER}{self.num_barriers}"
         card = make_card(
@@ -179,9 +204,10 @@ class Harness:
         )
         await self.put_card(card)
         await until(lambda: self.manager.has_model_any(name))
+        await asyncio.wait_for(self.watcher.settled(), TIMEOUT)
         drained = [self.updates.get_nowait() for _ in range(self.updates.qsize())]
-        assert drained[-1:] == [ModelUpdate.Added(ModelType.Chat)]
-        return drained[:-1]
+        drained.remove(ModelUpdate.Added(ModelType.Chat))  # the barrier's (all are alike)
+        return drained
 
     def served(self) -> set[str]:
         """Served models, barriers left out."""
@@ -206,13 +232,17 @@ HarnessFactory = Callable[..., Awaitable[Harness]]
 async def make_harness() -> AsyncIterator[HarnessFactory]:
     made: list[Harness] = []
 
-    async def make(namespace: str | None = None, store: MemoryStore | None = None) -> Harness:
+    async def make(
+        namespace: str | None = None, store: MemoryStore | None = None, **watcher_args: Any
+    ) -> Harness:
         store = store or MemoryStore()
         runtime = await DistributedRuntime.create(store=store, request_plane="local")
         manager = ModelManager()
         factory = RecordingFactory()
         updates: asyncio.Queue[ModelUpdate] = asyncio.Queue()
-        watcher = ModelWatcher(runtime, manager, factory, namespace=namespace, updates=updates)
+        watcher = ModelWatcher(
+            runtime, manager, factory, namespace=namespace, updates=updates, **watcher_args
+        )
         task = asyncio.create_task(watcher.watch(), name="model-watcher")
         h = Harness(store, runtime, manager, factory, updates, watcher, task)
         made.append(h)
@@ -226,6 +256,8 @@ async def make_harness() -> AsyncIterator[HarnessFactory]:
         assert await h.next_update() == ModelUpdate.Removed(ModelType.Chat)
         assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
         factory.calls.clear()
+        factory.released.clear()
+        factory.serving_cards.clear()
         return h
 
     yield make
@@ -250,8 +282,8 @@ async def test_card_put_builds_chat_and_completions(h: Harness) -> None:
 
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
     m = h.manager
-    assert m.get_chat_engine("llama") == FakeEngine("chat", "llama")
-    assert m.get_completions_engine("llama") == FakeEngine("completions", "llama")
+    assert m.get_engine(ModelKind.CHAT, "llama") == FakeEngine("chat", "llama")
+    assert m.get_engine(ModelKind.COMPLETIONS, "llama") == FakeEngine("completions", "llama")
     assert m.list_models() == ["llama"]
     assert [c.instance_id for c in m.entries_for_model("llama")] == [inst.instance_id]
     assert m.model_instances("llama") == [inst.instance_id]
@@ -291,10 +323,8 @@ async def test_pipeline_choice_by_input_and_type(
     assert h.factory.kinds() == [(k, "m") for k in kinds]
     served = {kind.value for kind in h.manager.kinds("m")}
     assert served == {k.removeprefix("text_") for k in kinds}
-    assert h.manager.list_chat_models() == (["m"] if "chat" in served else [])
-    assert h.manager.list_completions_models() == (["m"] if "completions" in served else [])
-    assert h.manager.list_embeddings_models() == (["m"] if "embeddings" in served else [])
-    assert h.manager.list_tensor_models() == (["m"] if "tensor" in served else [])
+    for kind in ModelKind:
+        assert h.manager.list_models_of(kind) == (["m"] if kind.value in served else [])
 
 
 async def test_second_instance_joins_without_rebuilding(h: Harness) -> None:
@@ -471,16 +501,28 @@ async def test_last_served_instance_leaving_switches_to_the_largest_standby_card
     client = h.factory.calls[0][2]
     await until(lambda: len(client.announced_ids()) == 4)
     assert client.instance_ids() == [old.instance_id]
+    # One view per card, over one client of the endpoint.
+    views = h.factory.views
+    b_view = views[make_card("llama", context_length=8192).checksum()]
+    small_view = views[make_card("llama", context_length=2048).checksum()]
+    assert len({id(v) for _, m, v in h.factory.calls if m == "llama"}) == 3
+    assert b_view.client is small_view.client is client.client
+    b_ids = sorted([b1.instance_id, b2.instance_id])
+    await until(lambda: b_view.instance_ids() == b_ids)
+    assert small_view.instance_ids() == [small.instance_id]
 
     await old.stop()
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
     assert await h.barrier() == []  # nothing removed, ever
-    b_ids = sorted([b1.instance_id, b2.instance_id])
     entries = h.manager.entries_for_model("llama")
     assert sorted(c.instance_id for c in entries) == b_ids
     assert {c.context_length for c in entries} == {8192}
-    assert client.instance_ids() == b_ids  # the 2048 card still gets nothing
-    assert h.manager.model_instances("llama") == b_ids
+    assert h.manager.get_engine(ModelKind.CHAT, "llama") == FakeEngine("chat", "llama")
+    served = [c.context_length for c in h.factory.serving_cards if c.display_name == "llama"]
+    assert served == [4096, 8192]
+    # The old card's view never lists another card's instances.
+    assert client.instance_ids() == []
+    assert h.manager.model_instances("llama") == b_ids  # the 2048 card still gets nothing
     # The standby pipelines were built once each, when their card first came; none since.
     assert h.built() == [("chat", "llama"), ("completions", "llama")] * 3
     (switch,) = [r.getMessage() for r in caplog.records if "switched card" in r.getMessage()]
@@ -493,13 +535,16 @@ async def test_last_served_instance_leaving_switches_to_the_largest_standby_card
     await b1.stop()
     await b2.stop()
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
-    await until(lambda: client.instance_ids() == [small.instance_id])
     assert [c.context_length for c in h.manager.entries_for_model("llama")] == [2048]
+    assert h.manager.model_instances("llama") == [small.instance_id]
     await small.stop()
     assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
     assert h.served() == set()
-    assert client not in h.runtime._endpoint_clients  # closed
+    assert client.client not in h.runtime._endpoint_clients  # closed
     assert metrics.card_switches.labels("llama")._value.get() == 2
+    # Every card's routing state is released with the model.
+    released = [c for c in h.factory.released if c.display_name == "llama"]
+    assert sorted(c.context_length for c in released) == [2048, 4096, 8192]
 
 
 async def test_served_card_unreachable_switches_to_a_reachable_standby(
@@ -507,8 +552,9 @@ async def test_served_card_unreachable_switches_to_a_reachable_standby(
 ) -> None:
     """A worker that stops taking requests before this frontend sees it leave (a polled
     store) is set aside by the request that found it gone: with no reachable instance of the
-    served card left and a standby card up, the model switches at once, so that request's
-    retry finds an instance."""
+    served card left and a standby card up, the model switches at once, so that the next
+    request finds an instance. The old card's view still lists only the old card's
+    instances: requests tokenized with it never go to the new card's."""
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     old = await h.serve("llama")
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
@@ -518,14 +564,16 @@ async def test_served_card_unreachable_switches_to_a_reachable_standby(
     await until(lambda: len(client.announced_ids()) == 2)
 
     client.report_instance_down(old.instance_id)
-    assert client.instance_ids() == [new.instance_id]  # switched, synchronously
+    # Switched, synchronously.
+    assert h.manager.model_instances("llama") == [new.instance_id]
     assert [c.instance_id for c in h.manager.entries_for_model("llama")] == [new.instance_id]
+    assert client.instance_ids() == []
     assert any("is reachable" in r.getMessage() for r in caplog.records)
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
     # The old card waits on standby; when it leaves, nothing changes for the model.
     await old.stop()
     assert await h.barrier() == []
-    assert client.instance_ids() == [new.instance_id]
+    assert h.manager.model_instances("llama") == [new.instance_id]
 
 
 async def test_switch_ties_go_to_the_card_seen_first(h: Harness) -> None:
@@ -547,8 +595,8 @@ async def test_switch_to_a_card_of_other_kinds_reports_them(h: Harness) -> None:
     await h.store.delete(a)
     assert await h.next_update() == ModelUpdate.Added(ModelType.Chat)
     assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
-    assert h.manager.list_chat_models()[-1:] == ["llama"]
-    assert "llama" not in h.manager.list_completions_models()
+    assert h.manager.list_models_of(ModelKind.CHAT)[-1:] == ["llama"]
+    assert "llama" not in h.manager.list_models_of(ModelKind.COMPLETIONS)
 
 
 async def test_standby_card_leaving_is_quiet(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
@@ -675,7 +723,7 @@ async def test_last_instance_leaving_removes_the_model(h: Harness) -> None:
 
     await a.stop()
     await until(lambda: len(h.manager.entries_for_model("llama")) == 1)
-    assert h.manager.get_chat_engine("llama") == FakeEngine("chat", "llama")
+    assert h.manager.get_engine(ModelKind.CHAT, "llama") == FakeEngine("chat", "llama")
     assert h.updates.empty()
 
     await b.stop()
@@ -684,9 +732,9 @@ async def test_last_instance_leaving_removes_the_model(h: Harness) -> None:
     assert h.manager.list_models() == []
     assert h.manager.entries_for_model("llama") == []
     assert h.manager.model_instances("llama") == []
-    assert client not in h.runtime._endpoint_clients  # closed
+    assert client.client not in h.runtime._endpoint_clients  # closed
     with pytest.raises(ModelNotFound, match="llama"):
-        h.manager.get_chat_engine("llama")
+        h.manager.get_engine(ModelKind.CHAT, "llama")
 
 
 async def test_removed_only_for_kinds_left_empty(h: Harness) -> None:
@@ -699,7 +747,7 @@ async def test_removed_only_for_kinds_left_empty(h: Harness) -> None:
     await h.store.delete(both)
     assert await h.next_update() == ModelUpdate.Removed(ModelType.Completions)
     assert await h.barrier() == []
-    assert "chatty" in h.manager.list_chat_models()
+    assert "chatty" in h.manager.list_models_of(ModelKind.CHAT)
 
 
 async def test_unknown_delete_is_logged(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
@@ -716,7 +764,7 @@ async def test_expired_lease_removes_the_card(h: Harness) -> None:
     lease_id = await h.store.grant_lease(0.05)  # never kept alive
     await h.put_card(make_card("brief", model_type=ModelType.Chat), lease_id=lease_id)
     assert await h.next_update() == ModelUpdate.Added(ModelType.Chat)
-    assert h.manager.list_chat_models() == ["brief"]
+    assert h.manager.list_models_of(ModelKind.CHAT) == ["brief"]
 
     assert await h.next_update() == ModelUpdate.Removed(ModelType.Chat)
     assert h.manager.list_models() == []
@@ -753,13 +801,13 @@ async def test_cancelled_mid_build_rolls_back(h: Harness) -> None:
     await h.serve("llama")
     await until(lambda: len(h.factory.calls) == 2)  # chat built, completions waiting
     (_, _, client), _ = h.factory.calls
-    assert client in h.runtime._endpoint_clients
+    assert client.client in h.runtime._endpoint_clients
 
     h.task.cancel()
     await asyncio.wait([h.task])
     assert h.task.cancelled()
     assert not h.manager.has_model_any("llama")
-    assert client not in h.runtime._endpoint_clients  # closed
+    assert client.client not in h.runtime._endpoint_clients  # closed
     assert h.updates.empty()
 
 
@@ -806,7 +854,7 @@ class FlakyStore(MemoryStore):
                     raise DiscoveryError("watch broken")
                 yield event
         finally:
-            await inner.aclose()  # type: ignore[attr-defined]
+            await inner.aclose()
 
 
 async def test_a_failed_watch_resumes_and_replays_what_it_missed(
@@ -831,3 +879,178 @@ async def test_a_failed_watch_resumes_and_replays_what_it_missed(
     store.down = False
     await until(lambda: store.watches_opened > opened)
     await until(lambda: h.served() == {"later"})
+
+
+# -- one view per card, and the switch grace period ---------------------------------------------
+
+
+async def test_each_card_routes_to_its_own_instances_only(h: Harness) -> None:
+    """During a rolling upgrade the old and the new card share one endpoint client, but each
+    card's pipelines route through a view of their own: before, during and after the switch,
+    the old card's view never lists an instance of the new card, nor the reverse."""
+    old = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    new = await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    a_view = h.factory.views[make_card("llama").checksum()]
+    b_view = h.factory.views[make_card("llama", context_length=8192).checksum()]
+    assert a_view is not b_view and a_view.client is b_view.client
+    await until(lambda: a_view.announced_ids() == {old.instance_id, new.instance_id})
+    assert a_view.instance_ids() == [old.instance_id]
+    assert [i.instance_id for i in a_view.instances()] == [old.instance_id]
+    assert a_view.get_instance(new.instance_id) is None
+    assert b_view.instance_ids() == [new.instance_id]
+
+    await old.stop()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert h.manager.model_instances("llama") == [new.instance_id]
+    # Requests still running on the old card (a migration, a retry) find no instance of it;
+    # they are never handed to the new card's instance.
+    assert a_view.instance_ids() == []
+    assert a_view.get_instance(new.instance_id) is None
+    assert b_view.instance_ids() == [new.instance_id]
+
+
+GRACE = 3.0
+
+
+async def test_switch_back_when_the_served_card_returns_within_the_grace_period(
+    make_harness: HarnessFactory,
+) -> None:
+    """The served card's last worker leaves and the model switches to the standby card; a
+    worker of the served card registering again within the grace period takes the model
+    back (its pipelines kept meanwhile, not rebuilt)."""
+    clock = FakeClock()
+    h = await make_harness(card_grace_s=GRACE, clock=clock)
+    old = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    odd = await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    built = len(h.built())
+
+    await old.stop()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert h.manager.model_instances("llama") == [odd.instance_id]
+    assert h.factory.released == []  # the old card's pipelines are kept for the grace period
+
+    clock.advance(GRACE - 0.5)
+    back = await h.serve("llama")  # the old card again, a new instance
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await until(lambda: h.manager.model_instances("llama") == [back.instance_id])
+    assert [c.context_length for c in h.manager.entries_for_model("llama")] == [4096]
+    assert len(h.built()) == built  # nothing rebuilt
+    # The odd card is standby again; its view still lists only its own instance.
+    b_view = h.factory.views[make_card("llama", context_length=8192).checksum()]
+    assert b_view.instance_ids() == [odd.instance_id]
+
+    # Past a grace period, no switch back.
+    await back.stop()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    clock.advance(GRACE)
+    late = await h.serve("llama")
+    assert await h.barrier() == []
+    await until(lambda: late.instance_id in b_view.announced_ids())
+    assert h.manager.model_instances("llama") == [odd.instance_id]
+    assert [c.context_length for c in h.manager.entries_for_model("llama")] == [8192]
+
+
+async def test_switch_back_when_a_set_aside_instance_answers_again(
+    make_harness: HarnessFactory,
+) -> None:
+    """A served instance set aside (unreachable for a moment) switches the model to a
+    reachable standby card at once; when it is routable again within the grace period, the
+    model returns to it."""
+    clock = FakeClock()
+    h = await make_harness(card_grace_s=GRACE, clock=clock)
+    old = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    odd = await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    a_view = h.factory.views[make_card("llama").checksum()]
+    await until(lambda: len(a_view.announced_ids()) == 2)
+
+    a_view.report_instance_down(old.instance_id)
+    assert h.manager.model_instances("llama") == [odd.instance_id]
+    # Announced again (its record re-put): back in service, and the model with it.
+    await h.store.put(*await _instance_record(h, old))
+    await until(lambda: h.manager.model_instances("llama") == [old.instance_id])
+    assert [c.context_length for c in h.manager.entries_for_model("llama")] == [4096]
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+
+
+async def test_grace_period_over_forgets_an_empty_previous_card(
+    make_harness: HarnessFactory,
+) -> None:
+    clock = FakeClock()
+    h = await make_harness(card_grace_s=GRACE, clock=clock)
+    old = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    await old.stop()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert h.factory.released == []
+    clock.advance(GRACE)
+    await until(lambda: [c.context_length for c in h.factory.released] == [4096])
+
+
+async def test_no_grace_period_drops_the_old_card_at_the_switch(
+    make_harness: HarnessFactory,
+) -> None:
+    h = await make_harness(card_grace_s=0)
+    old = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await h.serve("llama", context_length=8192)
+    assert await h.barrier() == []
+    await old.stop()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await until(lambda: [c.context_length for c in h.factory.released] == [4096])
+
+
+async def _instance_record(h: Harness, inst: ServingInstance) -> tuple[str, bytes]:
+    """The discovery record (key, value) ``inst`` announced itself with."""
+    (kv,) = [
+        kv
+        for kv in await h.store.get_prefix("v1/instances/")
+        if kv.key.endswith(f"{inst.instance_id:x}")
+    ]
+    return kv.key, kv.value
+
+
+# -- concurrent builds ----------------------------------------------------------------------------
+
+
+async def test_a_stalled_build_does_not_hold_up_other_models(h: Harness) -> None:
+    """Model A's artifact fetch hangs; model B, announced after it, is served meanwhile. A's
+    own later events wait behind its build, in order."""
+    stall = h.factory.stalled["slow"] = asyncio.Event()
+    slow_key = await h.put_card(make_card("slow", ep=endpoint("ns", "slow")))
+    await until(lambda: ("chat", "slow") in h.built())
+    await h.put_card(make_card("quick", ep=endpoint("ns", "quick")))
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    assert h.served() == {"quick"}
+    await h.store.delete(slow_key)  # queued behind the stalled build
+
+    stall.set()
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)  # slow, built at last
+    await asyncio.wait_for(h.watcher.settled(), TIMEOUT)
+    assert h.served() == {"quick"}  # and removed by its DELETE, handled after
+
+
+async def test_concurrent_builds_are_bounded(make_harness: HarnessFactory) -> None:
+    h = await make_harness(max_concurrent_models=2)
+    names = ["m1", "m2", "m3"]
+    for name in names:
+        h.factory.stalled[name] = asyncio.Event()
+        await h.put_card(make_card(name, ep=endpoint("ns", name)))
+    await until(lambda: len(h.built()) == 2)
+    await asyncio.sleep(0.01)  # time under test: the third model waits for a slot
+    assert len(h.built()) == 2
+    first = h.built()[0][1]
+    h.factory.stalled[first].set()
+    await until(lambda: {m for _, m in h.built()} == set(names))
+    for name in names:
+        h.factory.stalled[name].set()
+    await asyncio.wait_for(h.watcher.settled(), TIMEOUT)
+    assert h.served() == set(names)

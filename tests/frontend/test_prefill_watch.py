@@ -15,6 +15,7 @@ import pytest
 
 from turnout.frontend.models.manager import ModelManager
 from turnout.frontend.models.watcher import ModelWatcher
+from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.protocols.model import (
     EndpointId,
     ModelDeploymentCard,
@@ -35,6 +36,9 @@ PREFILL = EndpointId(namespace="ns", component="prefill", name="generate")
 
 class Factory:
     """Builds nothing real: records pools and pipelines."""
+
+    max_artifact_bytes = DEFAULT_MAX_ARTIFACT_BYTES
+    metrics = None
 
     def __init__(self) -> None:
         self.prefill_slots = PrefillSlots()
@@ -59,6 +63,24 @@ class Factory:
 
     async def build_completions(self, card: ModelDeploymentCard, client: Any) -> object:
         return object()
+
+    async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> object:
+        raise AssertionError("not built in these tests")
+
+    async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> object:
+        raise AssertionError("not built in these tests")
+
+    async def build_embeddings(self, card: ModelDeploymentCard, client: Any) -> object:
+        raise AssertionError("not built in these tests")
+
+    async def build_tensor(self, card: ModelDeploymentCard, client: Any) -> object:
+        raise AssertionError("not built in these tests")
+
+    def serving(self, card: ModelDeploymentCard) -> None:
+        pass
+
+    async def release(self, card: ModelDeploymentCard) -> None:
+        pass
 
 
 async def _never(*_: Any) -> AsyncIterator[Any]:
@@ -110,7 +132,7 @@ async def h() -> AsyncIterator[Harness]:
     store = MemoryStore()
     runtime = await DistributedRuntime.create(store=store, request_plane="local")
     factory = Factory()
-    watcher = ModelWatcher(runtime, ModelManager(), factory)  # type: ignore[arg-type]
+    watcher = ModelWatcher(runtime, ModelManager(), factory)
     task = asyncio.create_task(watcher.watch())
     yield Harness(runtime, watcher, factory)
     task.cancel()
@@ -132,11 +154,10 @@ async def test_first_prefill_instance_activates_last_one_deactivates(h: Harness)
     await until(lambda: h.watcher.prefill.instances("m") == [p1.instance_id])  # type: ignore[union-attr]
 
     p2 = await h.serve("m", PREFILL, prefill=True)
+    prefill = h.watcher.prefill
+    assert prefill is not None
     await until(
-        lambda: (
-            sorted(h.watcher.prefill.instances("m") or [])
-            == sorted([p1.instance_id, p2.instance_id])
-        )  # type: ignore[union-attr]
+        lambda: sorted(prefill.instances("m") or []) == sorted([p1.instance_id, p2.instance_id])
     )
     assert len(h.factory.pools) == 1  # one pool per model, shared by its instances
 

@@ -14,6 +14,7 @@ from tests.helpers import assert_no_leaked_tasks
 from turnout.engines.echo import EchoEngine
 from turnout.errors import ConfigError
 from turnout.frontend.models.factory import PipelineFactory
+from turnout.frontend.models.manager import ModelKind
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.router.mode import RouterMode
 from turnout.runtime.context import RequestContext
@@ -146,7 +147,7 @@ async def test_the_session_rebinds_when_its_instance_is_set_aside(stack: Stack) 
     """What an unreachable instance becomes: set aside by the endpoint client."""
     async with httpx.AsyncClient(base_url=stack.url) as http:
         home = worker_of(await complete(http, "s"))
-        pipeline = stack.frontend.manager.get_completions_engine(MODEL)
+        pipeline = stack.frontend.manager.get_engine(ModelKind.COMPLETIONS, MODEL)
         pipeline.client.report_instance_down(home)  # type: ignore[attr-defined]
         new_home = worker_of(await complete(http, "s"))
         assert new_home != home

@@ -16,6 +16,7 @@ from tests.frontend.stack import Stack, echo_engine, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.echo import EchoEngine
+from turnout.frontend.models.manager import ModelKind
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import EndpointId, ModelDeploymentCard, ModelInput, ModelType, mdc_key
 from turnout.router.mode import RouterMode
@@ -96,7 +97,7 @@ async def test_unknown_pinned_instance_is_404_in_every_mode(any_mode: Stack) -> 
 
 async def test_pinned_instance_that_is_down_is_503(direct: Stack) -> None:
     iid = instance_of(direct)
-    client = direct.frontend.manager.get_completions_engine("echo").client
+    client = direct.frontend.manager.get_engine(ModelKind.COMPLETIONS, "echo").client
     client.report_instance_down(iid)  # type: ignore[attr-defined]
     async with httpx.AsyncClient(base_url=direct.url) as http:
         r = await http.post("/v1/completions", json=completion(backend_instance_id=iid))

@@ -18,7 +18,7 @@ class SessionAffinityCollector(Collector):
     could not be reached or broke a stream. Counters restart with a model's table (when the
     model leaves discovery and comes back)."""
 
-    def __init__(self, tables: Mapping[str, tuple[Any, SessionTable]]) -> None:
+    def __init__(self, tables: Mapping[str, SessionTable]) -> None:
         self._tables = tables
 
     def collect(self) -> Iterator[Any]:
@@ -37,7 +37,7 @@ class SessionAffinityCollector(Collector):
             "Bindings freed because their instance left, was set aside or failed",
             labels=["model"],
         )
-        for model, (_, table) in list(self._tables.items()):
+        for model, table in list(self._tables.items()):
             sessions.add_metric([model], len(table))
             refused.add_metric([model], table.num_refused)
             rebound.add_metric([model], table.num_rebound)

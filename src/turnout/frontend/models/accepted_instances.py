@@ -1,54 +1,115 @@
-"""A model's endpoint client as its pipelines see it: only instances of an accepted card."""
+"""What a model's pipelines need of an endpoint client, and the per-card view they route
+through.
+
+Several cards of one model may be announced on one endpoint at once (a rolling upgrade: the
+old workers and the new ones, whose tokenizer, template or limits differ). Each card gets its
+own ``AcceptedInstances`` over the endpoint's one client, listing only the instances that
+publish that card, so a request tokenized with one card's tokenizer is never sent to an
+instance of another, neither at first nor when it migrates.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from turnout.protocols.model import Instance
-    from turnout.runtime.component import EndpointClient
+from turnout.protocols.model import EndpointId, Instance
+from turnout.runtime.context import RequestContext
 
-__all__ = ["AcceptedInstances"]
+__all__ = ["AcceptedInstances", "ModelClient"]
+
+
+class ModelClient(Protocol):
+    """What the pipelines, the routers, the artifact fetcher and the model manager use of a
+    model's endpoint client (``runtime.endpoint_client.EndpointClient`` is one)."""
+
+    @property
+    def endpoint(self) -> EndpointId: ...
+
+    def instance_ids(self) -> list[int]:
+        """Instances that may take a request now (announced, not set aside), sorted."""
+        ...
+
+    def announced_ids(self) -> set[int]:
+        """Every instance discovery announces, set-aside ones included (membership)."""
+        ...
+
+    def instances(self) -> list[Instance]: ...
+
+    def get_instance(self, instance_id: int) -> Instance | None: ...
+
+    def stream(
+        self, instance_id: int, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]: ...
+
+    def call(
+        self, instance_id: int, name: str, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]: ...
+
+    def report_instance_down(self, instance_id: int) -> None: ...
+
+    def add_listener(self, callback: Callable[[], None]) -> None: ...
+
+    def remove_listener(self, callback: Callable[[], None]) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class AcceptedInstances:
-    """A model's endpoint client, as its pipelines see it: ``instance_ids()`` and
-    ``instances()`` keep only the instances whose card the watcher ``accepted``.
+    """One card's view of its endpoint's client: ``instance_ids()``, ``instances()`` and
+    ``get_instance()`` keep only the instances in ``accepted`` (those that publish the card,
+    set by the model watcher); streams, side-handler calls, set-asides and listeners go to the
+    client. ``announced_ids`` is the client's: state kept per instance (KV indexes, load
+    counts) follows membership of the endpoint, whatever the card.
 
-    Everything else (streaming to an instance, side-handler calls, membership through
-    ``announced_ids``, listeners, ``close``) is the client's own. It compares and hashes as
-    the client it wraps.
+    ``close`` closes the client: the view is handed to the model manager, which closes what it
+    holds at shutdown. The model watcher, which shares one client among the views of one
+    endpoint, closes the client itself when its last view goes.
     """
 
-    __slots__ = ("accepted", "client", "listener")
+    __slots__ = ("accepted", "client")
 
-    def __init__(self, client: EndpointClient) -> None:
+    def __init__(self, client: ModelClient) -> None:
         self.client = client
-        #: Instance ids with an accepted card of the model; set by the watcher.
+        #: Instance ids publishing this view's card; set by the model watcher.
         self.accepted: set[int] = set()
-        #: The watcher's callback on the client's instance changes (removed at close).
-        self.listener: Callable[[], None] = _nothing
+
+    @property
+    def endpoint(self) -> EndpointId:
+        return self.client.endpoint
 
     def instance_ids(self) -> list[int]:
         accepted = self.accepted
         return [i for i in self.client.instance_ids() if i in accepted]
 
+    def announced_ids(self) -> set[int]:
+        return self.client.announced_ids()
+
     def instances(self) -> list[Instance]:
         accepted = self.accepted
         return [inst for inst in self.client.instances() if inst.instance_id in accepted]
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
+    def get_instance(self, instance_id: int) -> Instance | None:
+        if instance_id not in self.accepted:
+            return None
+        return self.client.get_instance(instance_id)
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, AcceptedInstances):
-            other = other.client
-        return self.client is other
+    def stream(self, instance_id: int, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        return self.client.stream(instance_id, payload, ctx)
 
-    def __hash__(self) -> int:
-        return hash(self.client)
+    def call(
+        self, instance_id: int, name: str, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]:
+        return self.client.call(instance_id, name, payload, ctx)
 
+    def report_instance_down(self, instance_id: int) -> None:
+        self.client.report_instance_down(instance_id)
 
-def _nothing() -> None:
-    pass
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        self.client.add_listener(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        self.client.remove_listener(callback)
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -76,7 +76,8 @@ _encode = msgspec.msgpack.Encoder().encode
 class ArtifactSource(Protocol):
     """What fetching needs of an endpoint client (``runtime.component.EndpointClient``)."""
 
-    endpoint: EndpointId
+    @property
+    def endpoint(self) -> EndpointId: ...
 
     def announced_ids(self) -> set[int]: ...
 

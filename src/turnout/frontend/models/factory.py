@@ -3,13 +3,21 @@
 One factory per frontend: it holds what pipelines of one model share (a KV router, load
 counts, session tables, the prefill slot) and what every model shares (router mode, timeouts,
 the artifact fetcher). Which pipelines a card gets is the watcher's decision
-(``model_watcher``); how each is put together is decided here.
+(``frontend.models.watcher``); how each is put together is decided here.
+
+A model may have pipelines of several cards at once (a rolling upgrade: the served card and
+standby ones, each routed through its own view of the endpoint). What pipelines share is
+kept per card (``CardRouting``: one KV router, one load table, one session table), so that
+a card's requests are scored, counted and pinned among its own instances only. The maps read
+per model name (``kv_routers``, ``session_tables``, ``served``) hold the card the watcher
+says is served (``serving``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -17,6 +25,7 @@ import msgspec
 from turnout.errors import ConfigError, TemplateLimitExceeded
 from turnout.frontend.metrics.disagg import DisaggMetrics
 from turnout.frontend.metrics.frontend import FrontendMetrics
+from turnout.frontend.models.accepted_instances import ModelClient
 from turnout.frontend.models.artifacts import ArtifactFetcher
 from turnout.frontend.models.pairs import InvalidCard
 from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline, WorkerGate
@@ -28,7 +37,7 @@ from turnout.llm.limits import RequestLimits
 from turnout.llm.migration import Migration
 from turnout.llm.preprocessor import Preprocessor
 from turnout.llm.tokenizer import Tokenizer
-from turnout.protocols.llm import LLMEngineOutput
+from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.unary import EmbeddingOutput, TensorOutput
 from turnout.router.instance_load import InstanceLoad
@@ -37,8 +46,8 @@ from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.router import KvRouter
 from turnout.router.lora import LoraRegistry, LoraSelector
 from turnout.router.mode import RouterMode
-from turnout.router.prefill_router import PrefillPool, PrefillRouter, PrefillSlots
-from turnout.router.push_router import InstanceSource, PushRouter
+from turnout.router.prefill_router import EngineFn, PrefillPool, PrefillRouter, PrefillSlots
+from turnout.router.push_router import PushRouter
 from turnout.router.selectors import InstanceSelector, make_selector
 from turnout.router.session_affinity import MAX_TTL_S, SessionAffinityRouter, SessionTable
 from turnout.router.unary import UnaryCaller
@@ -58,8 +67,30 @@ def _identity(raw: bytes) -> bytes:
     return raw
 
 
+@dataclass(slots=True, eq=False)
+class CardRouting:
+    """What the pipelines of one card of a model share (its chat and completions ones):
+    created with the first pipeline that needs each part, freed by ``release``."""
+
+    card: ModelDeploymentCard
+    #: The card's routing view, which every part below follows.
+    client: ModelClient
+    kv_router: KvRouter | None = None
+    session_table: SessionTable | None = None
+    #: Load-based modes: the in-flight counts the card's push routers keep, the selector
+    #: reading them, and the listener that forgets instances leaving the endpoint.
+    load: InstanceLoad | None = None
+    selector: InstanceSelector | None = None
+    prune: Callable[[], None] | None = None
+
+
+def _card_key(card: ModelDeploymentCard) -> tuple[str, str]:
+    return card.display_name, card.checksum()
+
+
 class PipelineFactory:
-    """Builds pipelines for the model watcher (see ``model_watcher.PipelineFactory``)."""
+    """Builds pipelines for the model watcher (the ``models.pairs.PipelineFactory``
+    protocol)."""
 
     def __init__(
         self,
@@ -127,8 +158,13 @@ class PipelineFactory:
                     f"--max-artifact-bytes must be at least 1, got {max_artifact_bytes}"
                 )
             self.artifacts.max_bytes = max_artifact_bytes
-        #: One KV router per model, shared by its chat and completions pipelines.
+        #: Per card (model name, checksum): what its pipelines share.
+        self.cards: dict[tuple[str, str], CardRouting] = {}
+        #: Per model name, the served card's routing, KV router and session table (for
+        #: busy thresholds, metrics and tests).
+        self.served: dict[str, CardRouting] = {}
         self.kv_routers: dict[str, KvRouter] = {}
+        self.session_tables: dict[str, SessionTable] = {}
         #: ``--router-session-affinity-ttl-secs`` (None: off); one binding table per model,
         #: shared by its chat and completions pipelines (see ``router.session_affinity``).
         if session_affinity_ttl_s is not None and not (0 < session_affinity_ttl_s <= MAX_TTL_S):
@@ -137,18 +173,11 @@ class PipelineFactory:
                 f"{MAX_TTL_S:g} (a year), got {session_affinity_ttl_s}"
             )
         self.session_affinity_ttl_s = session_affinity_ttl_s
-        self.session_tables: dict[str, tuple[InstanceSource, SessionTable]] = {}
         #: ``--enable-lora``: adapter requests go only to instances holding (or loading) the
         #: adapter (see ``router.lora``); None: LoRA serving off.
         self.lora = lora
-        #: Load-based modes: per model, its client, the in-flight counts its push routers
-        #: keep and the selector reading them (shared by its chat and completions pipelines,
-        #: forgetting instances that leave), and the listener that prunes them.
         self.device_types = device_types
         self.cpu_gpu_ratio = cpu_gpu_ratio
-        self.load_selectors: dict[
-            str, tuple[InstanceSource, InstanceLoad, InstanceSelector, Callable[[], None]]
-        ] = {}
         #: Disaggregated serving: each model's prefill side, activated by the model watcher
         #: (``frontend.prefill_watch``) while it has prefill instances.
         if prefill_min_tokens < 0:
@@ -158,13 +187,27 @@ class PipelineFactory:
         self.decode_fallback = decode_fallback
         self.disagg_metrics = disagg_metrics
 
-    def _router(self, card: ModelDeploymentCard, client: InstanceSource, **codec: Any) -> Any:
+    def _routing(self, card: ModelDeploymentCard, client: ModelClient) -> CardRouting:
+        """The shared parts of ``card``'s pipelines; fresh when the card comes back with
+        another view (it left and returned: what the old parts held is stale)."""
+        key = _card_key(card)
+        routing = self.cards.get(key)
+        if routing is not None and routing.client is client:
+            return routing
+        if routing is not None:
+            self._drop(routing)
+        routing = self.cards[key] = CardRouting(card, client)
+        return routing
+
+    def _router(
+        self, card: ModelDeploymentCard, client: ModelClient, **codec: Any
+    ) -> PushRouter[Any, Any]:
         mode = self.router_mode
         if mode is RouterMode.KV:
             # Text-input models send no tokens to hash: spread them round-robin.
             mode = RouterMode.ROUND_ROBIN
         if mode in LOAD_MODES:
-            load, selector = self._load_selector(card.display_name, client)
+            load, selector = self._load_selector(self._routing(card, client))
             return PushRouter(
                 client,
                 self._lora_selector(selector),
@@ -179,16 +222,14 @@ class PipelineFactory:
             **codec,
         )
 
-    def _load_selector(
-        self, name: str, client: InstanceSource
-    ) -> tuple[InstanceLoad, InstanceSelector]:
-        """The model's in-flight counts and load-based selector (new for a new client)."""
-        entry = self.load_selectors.get(name)
-        if entry is not None and entry[0] is client:
-            return entry[1], entry[2]
-        self._drop_load_selector(name)
+    def _load_selector(self, routing: CardRouting) -> tuple[InstanceLoad, InstanceSelector]:
+        """The card's in-flight counts and load-based selector, forgetting instances that
+        leave the endpoint."""
+        if routing.load is not None and routing.selector is not None:
+            return routing.load, routing.selector
         load = InstanceLoad()
         accessor = self.device_types
+        name = routing.card.display_name
         selector = make_selector(
             self.router_mode,
             seed=self.router_seed,
@@ -196,66 +237,90 @@ class PipelineFactory:
             device_types=(lambda: accessor(name)) if accessor is not None else None,
             cpu_gpu_ratio=self.cpu_gpu_ratio,
         )
-        mm_cache = getattr(selector, "mm_cache", None)
-        members = getattr(client, "announced_ids", client.instance_ids)
+        client = routing.client
 
         def prune() -> None:
-            live = set(members())
-            load.retain(live)
-            if mm_cache is not None:
-                mm_cache.retain(live)
+            load.retain(client.announced_ids())
 
-        add_listener = getattr(client, "add_listener", None)
-        if add_listener is not None:
-            add_listener(prune)
-        self.load_selectors[name] = (client, load, selector, prune)
+        client.add_listener(prune)
+        routing.load, routing.selector, routing.prune = load, selector, prune
         return load, selector
 
-    def _drop_load_selector(self, name: str) -> None:
-        entry = self.load_selectors.pop(name, None)
-        if entry is None:
-            return
-        remove_listener = getattr(entry[0], "remove_listener", None)
-        if remove_listener is not None:
-            remove_listener(entry[3])
+    def _drop(self, routing: CardRouting) -> KvRouter | None:
+        """Forget ``routing``: returns its KV router, for the caller to close."""
+        key = _card_key(routing.card)
+        if self.cards.get(key) is routing:
+            del self.cards[key]
+        name = routing.card.display_name
+        if self.served.get(name) is routing:
+            del self.served[name]
+            self.kv_routers.pop(name, None)
+            self.session_tables.pop(name, None)
+        if routing.prune is not None:
+            routing.client.remove_listener(routing.prune)
+            routing.prune = None
+        router, routing.kv_router = routing.kv_router, None
+        return router
 
     def _lora_selector(self, selector: InstanceSelector) -> InstanceSelector:
         return selector if self.lora is None else LoraSelector(selector, self.lora)
 
-    def _gate(self, client: Any) -> WorkerGate | None:
+    def _gate(self, client: ModelClient) -> WorkerGate | None:
         if self.min_initial_workers <= 1:
             return None
         return WorkerGate(client, self.min_initial_workers)
 
-    async def _kv_router(self, card: ModelDeploymentCard, client: Any) -> KvRouter:
-        router = self.kv_routers.get(card.display_name)
-        if router is not None and router.client is client:
-            return router
-        if router is not None:  # the model came back with a new client: start afresh
-            await router.close()
+    async def _kv_router(self, routing: CardRouting) -> KvRouter:
+        """The card's KV router: it scores and tracks only the card's instances."""
+        if routing.kv_router is not None:
+            return routing.kv_router
+        card = routing.card
         assert self.event_plane is not None
         config = msgspec.structs.replace(self.kv_config, block_size=card.kv_cache_block_size)
         router = KvRouter(
             config,
-            client,
+            routing.client,
             self.event_plane,
             card.endpoint,
             dp_size=card.runtime_config.data_parallel_size,
             share_active=self.kv_share_active,
         )
         await router.start()
-        self.kv_routers[card.display_name] = router
+        routing.kv_router = router
+        self._publish(routing)
         return router
 
-    def _session_table(self, name: str, client: InstanceSource) -> SessionTable:
-        entry = self.session_tables.get(name)
-        if entry is None or entry[0] is not client:  # new model, or back with a new client
+    def _session_table(self, routing: CardRouting) -> SessionTable:
+        if routing.session_table is None:
             assert self.session_affinity_ttl_s is not None
-            entry = self.session_tables[name] = (client, SessionTable(self.session_affinity_ttl_s))
-        return entry[1]
+            routing.session_table = SessionTable(self.session_affinity_ttl_s)
+            self._publish(routing)
+        return routing.session_table
+
+    def _publish(self, routing: CardRouting) -> None:
+        """Expose ``routing``'s parts under its model's name when it is the served card."""
+        name = routing.card.display_name
+        if self.served.get(name) is not routing:
+            return
+        if routing.kv_router is not None:
+            self.kv_routers[name] = routing.kv_router
+        if routing.session_table is not None:
+            self.session_tables[name] = routing.session_table
+
+    def serving(self, card: ModelDeploymentCard) -> None:
+        """``card``'s pipelines are the ones registered for its model now."""
+        name = card.display_name
+        self.kv_routers.pop(name, None)
+        self.session_tables.pop(name, None)
+        routing = self.cards.get(_card_key(card))
+        if routing is None:
+            self.served.pop(name, None)
+            return
+        self.served[name] = routing
+        self._publish(routing)
 
     async def build_prefill_pool(
-        self, card: ModelDeploymentCard, client: InstanceSource
+        self, card: ModelDeploymentCard, client: ModelClient
     ) -> PrefillPool:
         """The router among a model's prefill workers (its prefill card, its endpoint):
         KV-aware in KV mode (the prompt goes where most of it is cached, weighed against
@@ -265,7 +330,7 @@ class PipelineFactory:
             config = msgspec.structs.replace(self.kv_config, block_size=card.kv_cache_block_size)
             kv_router = KvRouter(
                 config,
-                client,  # type: ignore[arg-type]
+                client,
                 self.event_plane,
                 card.endpoint,
                 dp_size=card.runtime_config.data_parallel_size,
@@ -289,21 +354,24 @@ class PipelineFactory:
         )
         return PrefillPool(card.endpoint, client, router.generate, card.checksum())
 
-    async def release(self, name: str) -> None:
-        self.session_tables.pop(name, None)
-        self._drop_load_selector(name)
-        router = self.kv_routers.pop(name, None)
+    async def release(self, card: ModelDeploymentCard) -> None:
+        """No pipeline of ``card`` is kept: close its KV router, forget its tables."""
+        routing = self.cards.get(_card_key(card))
+        if routing is None:
+            return
+        router = self._drop(routing)
         if router is not None:
             await router.close()
 
     async def close(self) -> None:
         for pool in self.prefill_slots.deactivate_all():
             await pool.close()
-        for router in self.kv_routers.values():
-            await router.close()
-        self.kv_routers.clear()
+        for routing in list(self.cards.values()):
+            router = self._drop(routing)
+            if router is not None:
+                await router.close()
 
-    async def _tokenizer(self, card: ModelDeploymentCard, client: InstanceSource) -> Tokenizer:
+    async def _tokenizer(self, card: ModelDeploymentCard, client: ModelClient) -> Tokenizer:
         """The card's tokenizer, by content from the workers (or the caches), never from a
         path: ``ArtifactError`` when no instance delivers it (the watcher builds nothing)."""
         if card.tokenizer is None:
@@ -340,16 +408,18 @@ class PipelineFactory:
             raise InvalidCard("chat_template", str(err)) from err
 
     async def _tokens_pipeline(
-        self, card: ModelDeploymentCard, client: InstanceSource, *, is_chat: bool
+        self, card: ModelDeploymentCard, client: ModelClient, *, is_chat: bool
     ) -> TokensPipeline:
         # The template first: refusing a card for it costs no tokenizer fetch.
         template = await self._chat_template(card) if is_chat else None
         tokenizer = await self._tokenizer(card, client)
         # The preprocessor's fit check reads it: computed once per tokenizer, not on the loop.
         await asyncio.to_thread(lambda: tokenizer.max_token_chars)
+        routing = self._routing(card, client)
+        router: KvPushRouter | PushRouter[PreprocessedRequest, LLMEngineOutput]
         if self.router_mode is RouterMode.KV:
-            router: Any = KvPushRouter(
-                await self._kv_router(card, client),
+            router = KvPushRouter(
+                await self._kv_router(routing),
                 allow=self.lora.allowed if self.lora is not None else None,
             )
         else:
@@ -357,10 +427,10 @@ class PipelineFactory:
                 card, client, encode=_msgpack_encode, decode=_output_decoder.decode
             )
         migrations = self.metrics.migrations.labels(card.display_name) if self.metrics else None
-        generate = router.generate
+        generate: EngineFn = router.generate
         if self.session_affinity_ttl_s is not None:
             generate = SessionAffinityRouter(
-                generate, self._session_table(card.display_name, client), client
+                generate, self._session_table(routing), client
             ).generate
         generate = self._prefill_router(card, generate, router).generate
         migration = Migration(
@@ -370,7 +440,7 @@ class PipelineFactory:
             request_timeout=self.request_timeout,
             ttft_timeout=self.ttft_timeout,
             stall_timeout=self.stall_timeout,
-            report_down=getattr(client, "report_instance_down", None),
+            report_down=client.report_instance_down,
         )
         return TokensPipeline(
             name=card.display_name,
@@ -383,7 +453,12 @@ class PipelineFactory:
             gate=self._gate(client),
         )
 
-    def _prefill_router(self, card: ModelDeploymentCard, decode: Any, router: Any) -> PrefillRouter:
+    def _prefill_router(
+        self,
+        card: ModelDeploymentCard,
+        decode: EngineFn,
+        router: KvPushRouter | PushRouter[PreprocessedRequest, LLMEngineOutput],
+    ) -> PrefillRouter:
         # The decode worker is chosen before the prefill (push target, conditional prefill)
         # where the KV router decides alone; with session affinity the session's binding
         # decides, at dispatch.
@@ -404,20 +479,24 @@ class PipelineFactory:
             observer=metrics.observer(card.display_name) if metrics is not None else None,
         )
 
-    async def build_chat(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:
+    async def build_chat(self, card: ModelDeploymentCard, client: ModelClient) -> TokensPipeline:
         return await self._tokens_pipeline(card, client, is_chat=True)
 
-    async def build_completions(self, card: ModelDeploymentCard, client: Any) -> TokensPipeline:
+    async def build_completions(
+        self, card: ModelDeploymentCard, client: ModelClient
+    ) -> TokensPipeline:
         return await self._tokens_pipeline(card, client, is_chat=False)
 
-    async def build_text_chat(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+    async def build_text_chat(self, card: ModelDeploymentCard, client: ModelClient) -> TextPipeline:
         return self._text_pipeline(card, client, is_chat=True)
 
-    async def build_text_completions(self, card: ModelDeploymentCard, client: Any) -> TextPipeline:
+    async def build_text_completions(
+        self, card: ModelDeploymentCard, client: ModelClient
+    ) -> TextPipeline:
         return self._text_pipeline(card, client, is_chat=False)
 
     def _text_pipeline(
-        self, card: ModelDeploymentCard, client: Any, *, is_chat: bool
+        self, card: ModelDeploymentCard, client: ModelClient, *, is_chat: bool
     ) -> TextPipeline:
         router = self._router(card, client, encode=_identity, decode=_identity)
         return TextPipeline(
@@ -430,7 +509,9 @@ class PipelineFactory:
             request_timeout=self.request_timeout,
         )
 
-    async def build_embeddings(self, card: ModelDeploymentCard, client: Any) -> EmbeddingsPipeline:
+    async def build_embeddings(
+        self, card: ModelDeploymentCard, client: ModelClient
+    ) -> EmbeddingsPipeline:
         """Tokens + Embedding: tokenize here, route (no KV routing: nothing is cached), reply."""
         if card.embedding is None:
             raise ValueError(
@@ -443,7 +524,7 @@ class PipelineFactory:
             card.display_name, card, tokenizer, caller, client, gate=self._gate(client)
         )
 
-    async def build_tensor(self, card: ModelDeploymentCard, client: Any) -> TensorPipeline:
+    async def build_tensor(self, card: ModelDeploymentCard, client: ModelClient) -> TensorPipeline:
         """Tensor + TensorBased: checked against the card's tensors, routed, one reply."""
         if card.tensor is None:
             raise ValueError(
@@ -454,7 +535,7 @@ class PipelineFactory:
         return TensorPipeline(card.display_name, card, caller, client, gate=self._gate(client))
 
     def _unary_caller(
-        self, card: ModelDeploymentCard, client: Any, decode: Callable[[bytes], Any]
+        self, card: ModelDeploymentCard, client: ModelClient, decode: Callable[[bytes], Any]
     ) -> UnaryCaller[Any, Any]:
         """Routes a one-reply request (no KV routing: nothing is cached), sent again to
         another instance when one fails, under ``--request-timeout``."""
@@ -464,6 +545,6 @@ class PipelineFactory:
             router.generate,
             retries=self.migration_limit,
             request_timeout=self.request_timeout,
-            report_down=getattr(client, "report_instance_down", None),
+            report_down=client.report_instance_down,
             on_retry=retries.inc if retries is not None else None,
         )

@@ -28,8 +28,8 @@ from turnout.errors import ModelNotFound, TurnoutError
 from turnout.protocols.model import ModelDeploymentCard
 
 if TYPE_CHECKING:
+    from turnout.frontend.models.accepted_instances import ModelClient
     from turnout.frontend.models.lora import LoraModels
-    from turnout.runtime.component import EndpointClient
 
 __all__ = ["ModelAlreadyExists", "ModelKind", "ModelManager"]
 
@@ -109,68 +109,12 @@ class ModelManager:
         # save_model_entry / remove_model_entry, so they always agree.
         self._entries: dict[str, ModelDeploymentCard] = {}
         self._entries_by_model: dict[str, dict[str, ModelDeploymentCard]] = {}
-        self._clients: dict[str, list[EndpointClient]] = {}
+        self._clients: dict[str, list[ModelClient]] = {}
         #: ``--enable-lora``: resolves an adapter's name to its base model's pipeline
         #: (``frontend.lora.LoraModels``) when no model of that name is registered.
         self.lora: LoraModels | None = None
 
     # -- engines ------------------------------------------------------------------------------
-
-    def add_chat_model(self, name: str, engine: object) -> None:
-        """Serve ``name`` for chat completions; ``ModelAlreadyExists`` if it already is."""
-        self._chat.add(name, engine)
-
-    def add_completions_model(self, name: str, engine: object) -> None:
-        self._completions.add(name, engine)
-
-    def add_embeddings_model(self, name: str, engine: object) -> None:
-        self._embeddings.add(name, engine)
-
-    def add_tensor_model(self, name: str, engine: object) -> None:
-        self._tensor.add(name, engine)
-
-    def remove_chat_model(self, name: str) -> None:
-        """Stop serving ``name`` for chat completions; ``ModelNotFound`` if it was not."""
-        self._chat.remove(name)
-
-    def remove_completions_model(self, name: str) -> None:
-        self._completions.remove(name)
-
-    def remove_embeddings_model(self, name: str) -> None:
-        self._embeddings.remove(name)
-
-    def remove_tensor_model(self, name: str) -> None:
-        self._tensor.remove(name)
-
-    def list_chat_models(self) -> list[str]:
-        """Names served for chat completions, sorted."""
-        return self._chat.names()
-
-    def list_completions_models(self) -> list[str]:
-        return self._completions.names()
-
-    def list_embeddings_models(self) -> list[str]:
-        return self._embeddings.names()
-
-    def list_tensor_models(self) -> list[str]:
-        return self._tensor.names()
-
-    def get_chat_engine(self, name: str) -> object:
-        """The chat engine of ``name``; ``ModelNotFound`` (HTTP 404) if it is not served."""
-        return self._get(self._chat, name)
-
-    def get_chat_completions_engine(self, name: str) -> object:
-        """``get_chat_engine`` under the seed's name (``get_chat_completions_engine``)."""
-        return self.get_chat_engine(name)
-
-    def get_completions_engine(self, name: str) -> object:
-        return self._get(self._completions, name)
-
-    def get_embeddings_engine(self, name: str) -> object:
-        return self._get(self._embeddings, name)
-
-    def get_tensor_engine(self, name: str) -> object:
-        return self._get(self._tensor, name)
 
     def add_engine(self, kind: ModelKind, name: str, engine: object) -> None:
         """Serve ``name`` for ``kind`` requests; ``ModelAlreadyExists`` if it already is."""
@@ -264,15 +208,15 @@ class ModelManager:
 
     # -- endpoint clients -----------------------------------------------------------------------
 
-    def add_model_client(self, name: str, client: EndpointClient) -> None:
+    def add_model_client(self, name: str, client: ModelClient) -> None:
         """Remember a client that ``name``'s pipelines route through."""
         self._clients.setdefault(name, []).append(client)
 
-    def take_model_clients(self, name: str) -> list[EndpointClient]:
+    def take_model_clients(self, name: str) -> list[ModelClient]:
         """Remove and return ``name``'s clients; the caller closes them."""
         return self._clients.pop(name, [])
 
-    def take_all_clients(self) -> list[EndpointClient]:
+    def take_all_clients(self) -> list[ModelClient]:
         """Remove and return every model's clients (shutdown); the caller closes them."""
         clients = [c for cs in self._clients.values() for c in cs]
         self._clients.clear()

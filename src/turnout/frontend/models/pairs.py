@@ -8,13 +8,16 @@ card with a type its input cannot serve is refused whole, with Dynamo's message.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from turnout.frontend.models.accepted_instances import ModelClient
 from turnout.frontend.models.manager import ModelKind
 from turnout.protocols.model import ModelDeploymentCard, ModelInput, ModelType
 
 if TYPE_CHECKING:
-    from turnout.runtime.component import EndpointClient
+    from turnout.frontend.metrics.frontend import FrontendMetrics
+    from turnout.router.prefill_router import PrefillPool, PrefillSlots
 
 __all__ = [
     "PAIRS",
@@ -32,16 +35,106 @@ SUPPORTED_PAIRS = (
     "Tokens+(Chat|Completions), Text+Chat, Text+Completions, Tokens+Embeddings, Tensor+TensorBased"
 )
 
+
+class PipelineFactory(Protocol):
+    """Builds the engine the HTTP service calls for one model and one kind of request.
+
+    Each ``build_*`` method gets the card and the routing view of that card's instances (one
+    per card, shared by its chat and completions pipelines) and returns the engine to
+    register. Raising refuses the card: the watcher logs the error and serves nothing of it
+    (``InvalidCard``: once per model and message, naming the field).
+    """
+
+    @property
+    def max_artifact_bytes(self) -> int:
+        """The largest artifact a card may name (larger ones are refused unread)."""
+        ...
+
+    @property
+    def metrics(self) -> FrontendMetrics | None:
+        """Where the watcher counts card switches; None: not counted."""
+        ...
+
+    @property
+    def prefill_slots(self) -> PrefillSlots | None:
+        """Each model's prefill side (disaggregated serving); None: prefill cards are not
+        taken."""
+        ...
+
+    async def build_chat(self, card: ModelDeploymentCard, client: ModelClient) -> object:
+        """Tokens + Chat: preprocessor -> migration -> backend -> router -> worker."""
+        ...
+
+    async def build_completions(self, card: ModelDeploymentCard, client: ModelClient) -> object:
+        """Tokens + Completions: the same pipeline, without a chat template."""
+        ...
+
+    async def build_text_chat(self, card: ModelDeploymentCard, client: ModelClient) -> object:
+        """Text + Chat: the worker does its own pre/post-processing; router only."""
+        ...
+
+    async def build_text_completions(
+        self, card: ModelDeploymentCard, client: ModelClient
+    ) -> object:
+        """Text + Completions: router only."""
+        ...
+
+    async def build_embeddings(self, card: ModelDeploymentCard, client: ModelClient) -> object:
+        """Tokens + Embedding: tokenizer -> router -> worker (one reply per request)."""
+        ...
+
+    async def build_tensor(self, card: ModelDeploymentCard, client: ModelClient) -> object:
+        """Tensor + TensorBased: checked against the card's tensors -> router -> worker."""
+        ...
+
+    async def build_prefill_pool(
+        self, card: ModelDeploymentCard, client: ModelClient
+    ) -> PrefillPool:
+        """The router among a model's prefill workers (a prefill card, its view)."""
+        ...
+
+    def serving(self, card: ModelDeploymentCard) -> None:
+        """``card``'s pipelines are the ones registered for its model now: what is read per
+        model name (its KV router, its session table) is that card's."""
+        ...
+
+    async def release(self, card: ModelDeploymentCard) -> None:
+        """No pipeline of ``card`` is kept any more: free what they held (a KV router, load
+        and session tables). A card the factory holds nothing for is ignored."""
+        ...
+
+
+#: Builds one pipeline of a card with the factory, routed through the card's view.
+Build = Callable[[PipelineFactory, ModelDeploymentCard, ModelClient], Awaitable[object]]
+
 #: What each served (input, type) pair is built with, and which requests it serves. A card
 #: whose every type pairs with its input is served on each; one type that does not makes
 #: the whole card unsupported (never half-served).
-PAIRS: dict[tuple[ModelInput, ModelType], tuple[str, ModelKind]] = {
-    (ModelInput.Tokens, ModelType.Chat): ("build_chat", ModelKind.CHAT),
-    (ModelInput.Tokens, ModelType.Completions): ("build_completions", ModelKind.COMPLETIONS),
-    (ModelInput.Tokens, ModelType.Embedding): ("build_embeddings", ModelKind.EMBEDDINGS),
-    (ModelInput.Text, ModelType.Chat): ("build_text_chat", ModelKind.CHAT),
-    (ModelInput.Text, ModelType.Completions): ("build_text_completions", ModelKind.COMPLETIONS),
-    (ModelInput.Tensor, ModelType.TensorBased): ("build_tensor", ModelKind.TENSOR),
+PAIRS: dict[tuple[ModelInput, ModelType], tuple[Build, ModelKind]] = {
+    (ModelInput.Tokens, ModelType.Chat): (
+        lambda f, card, client: f.build_chat(card, client),
+        ModelKind.CHAT,
+    ),
+    (ModelInput.Tokens, ModelType.Completions): (
+        lambda f, card, client: f.build_completions(card, client),
+        ModelKind.COMPLETIONS,
+    ),
+    (ModelInput.Tokens, ModelType.Embedding): (
+        lambda f, card, client: f.build_embeddings(card, client),
+        ModelKind.EMBEDDINGS,
+    ),
+    (ModelInput.Text, ModelType.Chat): (
+        lambda f, card, client: f.build_text_chat(card, client),
+        ModelKind.CHAT,
+    ),
+    (ModelInput.Text, ModelType.Completions): (
+        lambda f, card, client: f.build_text_completions(card, client),
+        ModelKind.COMPLETIONS,
+    ),
+    (ModelInput.Tensor, ModelType.TensorBased): (
+        lambda f, card, client: f.build_tensor(card, client),
+        ModelKind.TENSOR,
+    ),
 }
 #: The request kind of each model type (to say which kinds a model no longer serves).
 TYPE_KINDS = {
@@ -69,9 +162,9 @@ class InvalidCard(UnsupportedModel):
         self.reason = reason
 
 
-def pipelines_for(card: ModelDeploymentCard) -> list[tuple[str, ModelKind]]:
-    """The factory methods and request kinds of ``card``; ``UnsupportedModel`` if any type
-    of the card does not pair with its input (Dynamo's message, naming which)."""
+def pipelines_for(card: ModelDeploymentCard) -> list[tuple[Build, ModelKind]]:
+    """How to build each pipeline of ``card``, and its request kind; ``UnsupportedModel`` if
+    any type of the card does not pair with its input (Dynamo's message, naming which)."""
     mt, mi = card.model_type, card.model_input
     types = [t for t in ModelType if t in mt]
     missing = [t for t in types if (mi, t) not in PAIRS]
@@ -83,46 +176,3 @@ def pipelines_for(card: ModelDeploymentCard) -> list[tuple[str, ModelKind]]:
             f"{SUPPORTED_PAIRS}"
         )
     return [PAIRS[(mi, t)] for t in types]
-
-
-class PipelineFactory(Protocol):
-    """Builds the engine the HTTP service calls for one model and one kind of request.
-
-    Each method gets the model's card and the endpoint client to route through (one client
-    per model, shared by its chat and completions pipelines) and returns the engine to
-    register. Raising refuses the model: the watcher logs the error and serves nothing of it
-    (``InvalidCard``: once per model and message, naming the field).
-
-    Optional attribute read by the watcher: ``max_artifact_bytes`` (int), the largest artifact
-    a card may name (default ``protocols.card_bounds.DEFAULT_MAX_ARTIFACT_BYTES``).
-    """
-
-    async def build_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tokens + Chat: preprocessor -> migration -> backend -> router -> worker."""
-        ...
-
-    async def build_completions(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tokens + Completions: the same pipeline, without a chat template."""
-        ...
-
-    async def build_text_chat(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Text + Chat: the worker does its own pre/post-processing; router only."""
-        ...
-
-    async def build_text_completions(
-        self, card: ModelDeploymentCard, client: EndpointClient
-    ) -> object:
-        """Text + Completions: router only."""
-        ...
-
-    async def build_embeddings(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tokens + Embedding: tokenizer -> router -> worker (one reply per request)."""
-        ...
-
-    async def build_tensor(self, card: ModelDeploymentCard, client: EndpointClient) -> object:
-        """Tensor + TensorBased: checked against the card's tensors -> router -> worker."""
-        ...
-
-    async def release(self, name: str) -> None:
-        """The model's last instance left: free what its pipelines hold (e.g. a KV router)."""
-        ...

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from turnout.frontend.models.accepted_instances import AcceptedInstances, ModelClient
 from turnout.protocols.model import ModelDeploymentCard, ModelType
 from turnout.router.prefill_router import PrefillPool, PrefillSlots
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BuildPool = Callable[[ModelDeploymentCard, Any], Awaitable[PrefillPool]]
+BuildPool = Callable[[ModelDeploymentCard, ModelClient], Awaitable[PrefillPool]]
 
 
 def is_prefill_card(card: ModelDeploymentCard) -> bool:
@@ -37,7 +38,7 @@ def is_prefill_card(card: ModelDeploymentCard) -> bool:
 @dataclass(slots=True, eq=False)
 class _PrefillSide:
     card: ModelDeploymentCard
-    view: Any
+    view: AcceptedInstances
     pool: PrefillPool
     #: Discovery key -> instance id of each prefill entry.
     entries: dict[str, int] = field(default_factory=dict)
@@ -49,7 +50,7 @@ class PrefillWatch:
         runtime: DistributedRuntime,
         slots: PrefillSlots,
         build_pool: BuildPool,
-        view: Callable[[Any], Any],
+        view: Callable[[ModelClient], AcceptedInstances],
     ) -> None:
         """``view(client)``: the routing view of an endpoint client (only accepted
         instances); ``build_pool(card, view)``: the factory's pool builder."""

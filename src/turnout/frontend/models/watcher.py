@@ -10,13 +10,13 @@ The ``ModelWatcher`` follows that prefix and keeps the ``ModelManager`` in step 
   ``PipelineFactory``, chosen by the card's ``ModelInput`` x ``ModelType``), register them,
   remember the entry, send ``ModelUpdate.Added``.
 * PUT for a model already served, with the served card (same ``checksum()``): another
-  instance joined; remember the entry, send ``Added``. Nothing is rebuilt: the model's
-  endpoint client already sees the new instance.
+  instance joined; remember the entry, send ``Added``. Nothing is rebuilt: the card's
+  routing view already sees the new instance.
 * PUT for a model already served, with another card: the instance would be served with the
   wrong tokenizer, template or limits, so it gets none of the served card's requests. Its
   entry joins a *standby group* (one per checksum); the first instance of a new card builds
   that group's pipelines at once, unregistered (logged once, as a warning: a rolling upgrade
-  looks like this). A card whose pipelines cannot be built is refused, as before.
+  looks like this). A card whose pipelines cannot be built is refused.
 * DELETE (the worker left, or its lease expired): forget the entry. When it was the last
   entry of the served card and standby groups remain, the model *switches* card: the
   standby group with the most instances (ties: the earliest seen) becomes the served one,
@@ -26,24 +26,40 @@ The ``ModelWatcher`` follows that prefix and keeps the ``ModelManager`` in step 
   close its clients, and send ``ModelUpdate.Removed`` for each request kind that no model
   serves any more.
 
-The switch also happens the moment the client sees the served card's last instance leave
-discovery (``_on_instances_changed``), when a standby card has a live instance: the instance
-key and the card key of a leaving worker vanish together, but the endpoint client and this
-watcher learn it on separate watches; in between, a request would find no instance of the
-served card to route to. Switching on the first of the two closes that gap, which is what
-lets a rolling upgrade (start the new workers, stop the old ones one by one) fail no request.
+Every card of a model routes through a view of its own (``AcceptedInstances``) over the one
+endpoint client the model's cards on that endpoint share, listing only the instances that
+publish that card; the factory keeps one KV router (and one load table, one session table)
+per card. A request is tokenized by the pipeline of the card served when it arrived, and it
+stays on that card's instances to its end, retries and migrations included: after a switch,
+requests already running on the old card finish on the old card's instances (or fail there),
+never on an instance whose tokenizer or template differs. An instance announced in discovery
+whose card was refused (artifacts that could not be fetched, invalid card) is in no view.
 
-The pipelines route through the model's endpoint client seen as ``AcceptedInstances``: only
-instances of the served card are candidates. An instance announced in discovery whose card
-was refused (artifacts that could not be fetched, invalid card) or is on standby gets no
-request of this model.
+The switch also happens the moment the client sees the served card's last instance leave
+discovery or be set aside (``_on_instances_changed``), when a standby card has a live
+instance: the instance key and the card key of a leaving worker vanish together, but the
+endpoint client and this watcher learn it on separate watches; in between, a new request
+would find no instance of the served card to route to. Switching on the first of the two
+closes that gap, which is what lets a rolling upgrade (start the new workers, stop the old
+ones one by one) refuse no new request.
+
+A card switched away from is not forgotten at once: for ``card_grace_s`` seconds (the switch
+*grace period*) it stays the model's *previous* card, its pipelines and view kept even with
+no instance left. When an instance of the previous card is routable again within the grace
+period (it was set aside for a moment, or its worker registered again after a lost lease),
+the model switches back to it: a transient loss of the served card does not hand the model
+for good to another card, which may be a single odd worker. Past the grace period the switch
+is final; the previous card, if it still has instances, is one more standby card.
 
 Cards of prefill instances (``ModelType.Prefill``, disaggregated serving) are not models:
-they go to ``frontend.prefill_watch``, which activates the model's prefill router with its
-first prefill instance and deactivates it with the last.
+they go to ``frontend.models.prefill_watch``, which activates the model's prefill router with
+its first prefill instance and deactivates it with the last.
 
-Events are handled one at a time, in store order. A bad event (invalid card, unsupported
-pair, failing factory) is logged and skipped; the watcher never stops for one.
+Events of one model are handled one at a time, in store order; different models' events are
+handled concurrently (at most ``max_concurrent_models`` at once), so that a model whose build
+waits on a slow artifact fetch (a tokenizer fetch running to its deadline) never holds up the
+others. A bad event (invalid card, unsupported pair, failing factory) is logged and skipped;
+the watcher never stops for one.
 
 Nothing in a card is trusted: whoever can write the store can write one. A card whose
 numbers are out of range (a context of 2^62 tokens, a KV block of 0 tokens, a tokenizer
@@ -54,10 +70,11 @@ reason: the next instances of the same card are refused at debug level), and no 
 A key that held a served card and now holds a refused one leaves its model first.
 
 Building a Tokens model fetches the artifacts its card names (the tokenizer) by content from
-the model's instances (``frontend.artifacts``, called by the factory). When no instance
-delivers them (worker gone, checksum mismatch, deadline passed), the build fails like any
-other: nothing of the model is registered, the instance is left out, the reason is logged once
-(as an error, without a traceback), and the next instance's card builds the model afresh.
+the model's instances (``frontend.models.artifacts``, called by the factory). When no
+instance delivers them (worker gone, checksum mismatch, deadline passed), the build fails
+like any other: nothing of the model is registered, the instance is left out, the reason is
+logged once (as an error, without a traceback), and the next instance's card builds the model
+afresh.
 
 This is a re-design of Dynamo's ``discovery/watcher.rs`` for asyncio.
 """
@@ -69,13 +86,16 @@ import contextlib
 import enum
 import functools
 import logging
+from collections import deque
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 
 from turnout.errors import ModelNotFound
-from turnout.frontend.models.accepted_instances import AcceptedInstances
+from turnout.frontend.admission.limiter import Cancellable, Clock, LoopClock
+from turnout.frontend.models.accepted_instances import AcceptedInstances, ModelClient
 from turnout.frontend.models.manager import ModelKind, ModelManager
 from turnout.frontend.models.pairs import (
     SUPPORTED_PAIRS,
@@ -87,7 +107,7 @@ from turnout.frontend.models.pairs import (
 )
 from turnout.frontend.models.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.llm.artifacts import ArtifactError
-from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES, CardBounds, card_problem
+from turnout.protocols.card_bounds import CardBounds, card_problem
 from turnout.protocols.model import (
     MDC_ROOT,
     ModelDeploymentCard,
@@ -96,12 +116,8 @@ from turnout.protocols.model import (
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from turnout.router.lora import LoraRegistry
-    from turnout.runtime.component import DistributedRuntime, EndpointClient
-
-    _Builder = Callable[[ModelDeploymentCard, EndpointClient], Awaitable[object]]
+    from turnout.runtime.component import DistributedRuntime
 
 __all__ = [
     "GLOBAL_NAMESPACES",
@@ -122,6 +138,16 @@ MDC_PREFIX = f"{MDC_ROOT}/"
 #: Backoff between attempts to re-open a failed model watch.
 WATCH_RETRY_MIN_SECONDS = 0.5
 WATCH_RETRY_MAX_SECONDS = 10.0
+#: How long a card switched away from may come back and be served again (see above). Shorter
+#: than the endpoint client's first set-aside (``runtime.endpoint_client.DOWN_RETRY_SECONDS``):
+#: an instance that merely ends its set-aside, unproven, does not take the model back; one
+#: announced again, or whose connection answers again, does.
+CARD_GRACE_SECONDS = 3.0
+#: Models whose events are handled at once (each may be waiting on an artifact fetch).
+MAX_CONCURRENT_MODELS = 8
+#: Events read from the store and not yet handled; past it the watch waits (a model whose
+#: build is stalled cannot make the watcher hold an unbounded backlog).
+MAX_QUEUED_EVENTS = 4096
 
 #: Namespaces whose frontend serves the models of every namespace: the empty one (no
 #: namespace given) and ``"global"``. Any other name serves only its own namespace.
@@ -178,14 +204,24 @@ class _Outcome(enum.Enum):
 _Built = tuple[ModelKind, object]
 
 
+class _CardName(msgspec.Struct):
+    """The part of a card that says which model's events it belongs with."""
+
+    display_name: str
+
+
+_card_name_decoder = msgspec.json.Decoder(_CardName)
+
+
 @dataclass(slots=True, eq=False)
 class _Group:
     """The entries of one model that publish the same card (same checksum), and the pipelines
     built from that card, registered or not.
 
-    A model has one served group (its pipelines registered, its instances the only ones routed
-    to) and any number of standby groups (pipelines built, not registered, no request routed to
-    them): the new workers of a rolling upgrade, until the served card's last instance leaves.
+    A model has one served group (its pipelines registered, its instances the only ones
+    new requests are routed to) and any number of standby groups (pipelines built, not
+    registered): the new workers of a rolling upgrade, until the served card's last instance
+    leaves, and the card switched away from during its grace period.
     """
 
     name: str
@@ -194,7 +230,7 @@ class _Group:
     card: ModelDeploymentCard
     #: Order of first sight among the model's groups (ties in the choice of a new card).
     seq: int
-    #: The routing view its pipelines use (shared with other groups on the same endpoint).
+    #: The routing view its pipelines use: this card's instances only.
     view: AcceptedInstances
     built: list[_Built]
     #: Discovery key -> card of every entry (instance, or LoRA entry) with this card.
@@ -205,18 +241,44 @@ class _Group:
 
 
 @dataclass(slots=True, eq=False)
+class _Endpoint:
+    """The client of one endpoint a model's cards are announced on, shared by their views,
+    and the watcher's listener on it."""
+
+    client: ModelClient
+    listener: Callable[[], None]
+
+
+@dataclass(slots=True, eq=False)
 class _Model:
-    """A served model: its served group and its standby groups (by checksum)."""
+    """A served model: its served group, its standby groups (by checksum), and the endpoint
+    clients their views share (by endpoint path)."""
 
     served: _Group
+    endpoints: dict[str, _Endpoint]
     standby: dict[str, _Group] = field(default_factory=dict)
     #: Instances of the served group that could be routed to at the last look (announced,
     #: not set aside): when the last of them goes while a standby group has routable
     #: instances, the model switches at once.
     served_live: set[int] = field(default_factory=set)
+    #: The card served before the last switch, while it may come back (until
+    #: ``previous_until`` on the watcher's clock); one of ``standby``.
+    previous: _Group | None = None
+    previous_until: float = 0.0
+    #: Forgets ``previous`` once its grace period is over.
+    previous_timer: Cancellable | None = None
 
     def groups(self) -> list[_Group]:
         return [self.served, *self.standby.values()]
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    """The events of one model waiting to be handled, in store order, and the task handling
+    them (None when there are none)."""
+
+    events: deque[WatchEvent] = field(default_factory=deque)
+    task: asyncio.Task[None] | None = None
 
 
 # -- the watcher --------------------------------------------------------------------------------
@@ -232,7 +294,11 @@ class ModelWatcher:
 
     ``namespace``: serve only that namespace's models, unless it is global (see
     ``is_global_namespace``). ``updates``: where ``ModelUpdate`` values are put (awaiting
-    space if the queue is bounded, as the seed's channel does).
+    space if the queue is bounded, so a slow reader slows the watcher instead of losing
+    updates). ``card_grace_s``: how long a card switched away from may come back and be
+    served again (0: never); ``clock``: where that grace period is measured and timed (the
+    event loop's by default).
+    ``max_concurrent_models``: how many models' events are handled at once.
     """
 
     def __init__(
@@ -244,7 +310,14 @@ class ModelWatcher:
         namespace: str | None = None,
         updates: asyncio.Queue[ModelUpdate] | None = None,
         lora: LoraRegistry | None = None,
+        card_grace_s: float = CARD_GRACE_SECONDS,
+        clock: Clock | None = None,
+        max_concurrent_models: int = MAX_CONCURRENT_MODELS,
     ) -> None:
+        if not card_grace_s >= 0:
+            raise ValueError(f"card_grace_s must be >= 0, got {card_grace_s}")
+        if max_concurrent_models < 1:
+            raise ValueError(f"max_concurrent_models must be >= 1, got {max_concurrent_models}")
         self._runtime = runtime
         # ``--enable-lora``: adapter cards feed this registry instead of becoming models.
         self._lora = lora
@@ -253,6 +326,8 @@ class ModelWatcher:
         self._namespace = namespace
         self._global = is_global_namespace(namespace)
         self._updates = updates
+        self._grace = card_grace_s
+        self._clock: Clock = clock or LoopClock()
         # Set, then replaced, whenever a chat-capable model may have appeared: every task
         # waiting on the old event wakes (Tokio's Notify::notify_waiters).
         self._model_changed = asyncio.Event()
@@ -261,24 +336,32 @@ class ModelWatcher:
         # (model, message) of refused cards already logged (see ``_first_sight``).
         self._refusals_logged: set[tuple[str, str]] = set()
         # What a card may announce; artifacts as large as the factory's fetcher takes.
-        self._bounds = CardBounds(
-            max_artifact_bytes=getattr(
-                pipeline_factory, "max_artifact_bytes", DEFAULT_MAX_ARTIFACT_BYTES
-            )
-        )
+        self._bounds = CardBounds(max_artifact_bytes=pipeline_factory.max_artifact_bytes)
         # Model name -> its groups of cards; key -> the group holding its entry.
         self._models: dict[str, _Model] = {}
         self._groups_by_key: dict[str, _Group] = {}
         self._seq = 0
-        # Updates of switches made outside the event handler (see ``_on_instances_changed``).
+        # Per model name, its events waiting to be handled; key -> the model name its last
+        # PUT was queued under (so its DELETE follows it). Both hold only keys in the store
+        # and models with events in flight.
+        self._lanes: dict[str, _Lane] = {}
+        self._lane_of_key: dict[str, str] = {}
+        self._handling = asyncio.Semaphore(max_concurrent_models)
+        self._room = asyncio.Semaphore(MAX_QUEUED_EVENTS)
+        self._queued = 0
+        self._settled = asyncio.Event()
+        self._settled.set()
+        # Background work started where nothing can await: updates of switches made in a
+        # client's listener, clients being closed.
         self._pending_sends: set[asyncio.Task[None]] = set()
         # Prefill instances' cards activate their model's prefill router (disaggregated
         # serving), with a factory that builds prefill pools.
-        slots = getattr(pipeline_factory, "prefill_slots", None)
-        build = getattr(pipeline_factory, "build_prefill_pool", None)
+        slots = pipeline_factory.prefill_slots
         self.prefill: PrefillWatch | None = None
-        if slots is not None and build is not None:
-            self.prefill = PrefillWatch(runtime, slots, build, AcceptedInstances)
+        if slots is not None:
+            self.prefill = PrefillWatch(
+                runtime, slots, pipeline_factory.build_prefill_pool, AcceptedInstances
+            )
 
     @property
     def manager(self) -> ModelManager:
@@ -287,10 +370,14 @@ class ModelWatcher:
     async def wait_for_chat_model(self) -> str:
         """The name of a served chat model (first by name), waiting until there is one."""
         while True:
-            names = self._manager.list_chat_models()
+            names = self._manager.list_models_of(ModelKind.CHAT)
             if names:
                 return names[0]
             await self._model_changed.wait()
+
+    async def settled(self) -> None:
+        """Return once every event read from the store so far has been handled."""
+        await self._settled.wait()
 
     def _notify_model_changed(self) -> None:
         self._model_changed.set()
@@ -303,8 +390,19 @@ class ModelWatcher:
         after the last revision it delivered, so nothing is missed and the models served
         meanwhile stay served: replaying a change already applied is harmless (a PUT of a
         known card is a no-op, a DELETE of an unknown key too), and a store that compacted
-        past that revision re-lists and reports what vanished as DELETEs.
+        past that revision re-lists and reports what vanished as DELETEs. Events still being
+        handled when it ends are cancelled (a build in progress rolls back).
         """
+        try:
+            await self._watch()
+        finally:
+            lanes = [lane.task for lane in self._lanes.values() if lane.task is not None]
+            for task in lanes:
+                task.cancel()
+            if lanes:
+                await asyncio.wait(lanes)
+
+    async def _watch(self) -> None:
         revision: int | None = None
         delay = WATCH_RETRY_MIN_SECONDS
         while True:
@@ -313,7 +411,7 @@ class ModelWatcher:
                 async for event in events:
                     revision = max(revision or 0, event.kv.revision)
                     delay = WATCH_RETRY_MIN_SECONDS
-                    await self.handle_event(event)
+                    await self._dispatch(event)
                 return  # the store was closed
             except asyncio.CancelledError:
                 raise
@@ -325,33 +423,85 @@ class ModelWatcher:
                     delay,
                 )
             finally:
-                aclose = getattr(events, "aclose", None)  # stop the store's watch now
+                aclose = getattr(events, "aclose", None)  # an async generator's: stop it now
                 if aclose is not None:
                     await aclose()
             await asyncio.sleep(delay)
             delay = min(2 * delay, WATCH_RETRY_MAX_SECONDS)
 
+    async def _dispatch(self, event: WatchEvent) -> None:
+        """Queue ``event`` behind its model's earlier events. Events that belong to no model
+        (a value that is not a card, the DELETE of a key never queued) are handled here: they
+        build nothing, so they cannot hold the watch up."""
+        key = event.kv.key
+        name: str | None
+        if event.kind is WatchEventKind.PUT:
+            try:
+                name = _card_name_decoder.decode(event.kv.value).display_name
+            except msgspec.DecodeError:
+                name = None
+            if name is not None:
+                self._lane_of_key[key] = name
+        else:
+            name = self._lane_of_key.pop(key, None)
+        if name is None:
+            await self.handle_event(event)
+            return
+        await self._room.acquire()
+        self._queued += 1
+        self._settled.clear()
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes[name] = _Lane()
+        lane.events.append(event)
+        if lane.task is None:
+            lane.task = asyncio.get_running_loop().create_task(
+                self._run_lane(name, lane), name=f"model-events-{name}"
+            )
+
+    async def _run_lane(self, name: str, lane: _Lane) -> None:
+        """Handle ``name``'s queued events in order, holding one of the concurrent slots for
+        each; the lane is gone once it is empty."""
+        try:
+            while lane.events:
+                event = lane.events.popleft()
+                try:
+                    async with self._handling:
+                        await self.handle_event(event)
+                finally:
+                    self._done_one()
+        finally:
+            for _ in lane.events:  # cancelled: what was left will not be handled
+                self._done_one()
+            lane.events.clear()
+            if self._lanes.get(name) is lane:
+                del self._lanes[name]
+
+    def _done_one(self) -> None:
+        self._room.release()
+        self._queued -= 1
+        if self._queued == 0:
+            self._settled.set()
+
     def _accept(self, model: _Model) -> None:
-        """Make the routing views match the groups: a view routes to the instances of the
-        served group, and a view only standby groups use routes to theirs (it serves nothing
-        until a switch, which sets it again)."""
-        served = model.served
-        for group in model.standby.values():
-            if group.view is not served.view:
-                group.view.accepted = group.instance_ids()
-        served.view.accepted = served.instance_ids()
-        model.served_live = _routable(served)
+        """Make every routing view list its own card's instances."""
+        for group in model.groups():
+            group.view.accepted = group.instance_ids()
+        model.served_live = _routable(model.served)
 
     async def close(self) -> None:
         """Close every endpoint client the watcher opened (at frontend shutdown)."""
-        views = {id(g.view): g.view for m in self._models.values() for g in m.groups()}
-        for view in views.values():
-            view.client.remove_listener(view.listener)
+        endpoints = [e for m in self._models.values() for e in m.endpoints.values()]
+        for model in self._models.values():
+            if model.previous_timer is not None:
+                model.previous_timer.cancel()
+        for endpoint in endpoints:
+            endpoint.client.remove_listener(endpoint.listener)
         if self.prefill is not None:
             await self.prefill.close()
         await self._manager.close()
-        for view in views.values():  # standby views (closing twice is harmless)
-            await _close_client(view)
+        for endpoint in endpoints:  # those of standby views (closing twice is harmless)
+            await _close_client(endpoint.client)
         # Clients being closed and updates being sent after a switch: let them finish (an
         # update into a full, unread queue would wait forever: those are cancelled).
         pending = list(self._pending_sends)
@@ -418,12 +568,13 @@ class ModelWatcher:
         if model is not None:
             return await self._join(model, key, card)
 
+        endpoints: dict[str, _Endpoint] = {}
         try:
-            view = await self._view(card)
+            view = await self._view(name, endpoints, card)
             try:
                 built = await self._build(card, view)
             except BaseException:
-                await _close_client(view)
+                await _close_endpoints(endpoints)
                 raise
             self._register(name, built)
         except Exception as err:
@@ -442,9 +593,10 @@ class ModelWatcher:
             )
             return _Outcome.REJECTED
         group = self._new_group(card, view, built)
-        model = self._models[name] = _Model(served=group)
+        model = self._models[name] = _Model(served=group, endpoints=endpoints)
         self._add_entry(model, group, key, card)
         self._manager.add_model_client(name, view)
+        self._factory.serving(card)
         log.info(
             "added model model=%s namespace=%s type=%s input=%s instance=%x checksum=%s",
             name,
@@ -485,19 +637,21 @@ class ModelWatcher:
                 card.instance_id,
                 checksum,
             )
+            back = self._switch_back(model)
+            if back:
+                await self._send_all(back)
             return _Outcome.STANDBY
 
         # A card never seen for this model: build its pipelines now (nothing is registered),
         # so that the switch, when it comes, is instant and cannot fail half-way.
+        fresh = card.endpoint.path() not in model.endpoints
         try:
-            view = served.view
-            if card.endpoint != view.endpoint:
-                view = await self._view(card)
+            view = await self._view(name, model.endpoints, card)
             try:
                 built = await self._build(card, view)
             except BaseException:
-                if view is not served.view:
-                    await _close_client(view)
+                if fresh:
+                    await self._drop_endpoint_if_unused(model, card.endpoint.path())
                 raise
         except Exception as err:
             if isinstance(err, InvalidCard):
@@ -518,9 +672,9 @@ class ModelWatcher:
             )
             return _Outcome.REJECTED
         if self._models.get(name) is not model:
-            # The model changed while we built (only cancellation interleaves; be safe).
-            if view is not served.view:
-                await _close_client(view)
+            # The model was removed while we built (a key moved to it from another model
+            # left it empty): what was built goes.
+            self._release_card(card)
             return _Outcome.REJECTED
         group = self._new_group(card, view, built)
         model.standby[checksum] = group
@@ -575,14 +729,20 @@ class ModelWatcher:
         if key in self._groups_by_key:
             await self._handle_delete(key)
 
-    async def _view(self, card: ModelDeploymentCard) -> AcceptedInstances:
-        """A new routing view over a new client of ``card``'s endpoint, watched for the
-        instances leaving (see ``_on_instances_changed``)."""
-        inner = await self._runtime.endpoint(card.endpoint).client()
-        view = AcceptedInstances(inner)
-        view.listener = functools.partial(self._on_instances_changed, card.display_name)
-        inner.add_listener(view.listener)
-        return view
+    async def _view(
+        self, name: str, endpoints: dict[str, _Endpoint], card: ModelDeploymentCard
+    ) -> AcceptedInstances:
+        """A new routing view for ``card``, over the model's client of the card's endpoint
+        (opened, and watched for instances leaving, when the model has none there yet: see
+        ``_on_instances_changed``)."""
+        path = card.endpoint.path()
+        endpoint = endpoints.get(path)
+        if endpoint is None:
+            client = await self._runtime.endpoint(card.endpoint).client()
+            listener = functools.partial(self._on_instances_changed, name)
+            client.add_listener(listener)
+            endpoint = endpoints[path] = _Endpoint(client, listener)
+        return AcceptedInstances(endpoint.client)
 
     def _new_group(
         self, card: ModelDeploymentCard, view: AcceptedInstances, built: list[_Built]
@@ -604,13 +764,13 @@ class ModelWatcher:
         card; here a card with several types is served on each, when every one pairs with
         its input). A card with any other pair is refused, naming ``SUPPORTED_PAIRS``.
         """
-        steps = pipelines_for(card)
-        # Typed as the client it stands for: the factory and the manager use it as one.
-        client = cast("EndpointClient", view)
         built: list[_Built] = []
-        for method, kind in steps:
-            build: _Builder = getattr(self._factory, method)
-            built.append((kind, await build(card, client)))
+        try:
+            for build, kind in pipelines_for(card):
+                built.append((kind, await build(self._factory, card, view)))
+        except BaseException:
+            self._release_card(card)  # what the factory holds for it goes with the pipelines
+            raise
         return built
 
     def _register(self, name: str, built: list[_Built]) -> None:
@@ -645,8 +805,9 @@ class ModelWatcher:
 
     def _switch(self, model: _Model, new: _Group, why: str) -> list[ModelUpdate]:
         """Serve ``new`` instead of the served group, in one step (no await): no request
-        finds the model half-built or missing. The old group stays standby while it has
-        entries. Returns the updates to send."""
+        finds the model half-built or missing. The old group stays standby, as the model's
+        previous card for the grace period (a switch back ends it). Returns the updates to
+        send."""
         m = self._manager
         old = model.served
         name = old.name
@@ -658,15 +819,24 @@ class ModelWatcher:
             m.save_model_entry(key, card)
         del model.standby[new.checksum]
         model.served = new
-        if old.entries:
-            model.standby[old.checksum] = old
-        if new.view is not old.view:
-            m.take_model_clients(name)
-            m.add_model_client(name, new.view)
+        model.standby[old.checksum] = old
+        m.take_model_clients(name)
+        m.add_model_client(name, new.view)
+        self._factory.serving(new.card)
+        switching_back = model.previous is new
+        self._forget_previous(model)
+        if not switching_back and self._grace > 0:
+            model.previous = old
+            model.previous_until = self._clock.now() + self._grace
+            model.previous_timer = self._clock.call_later(
+                self._grace, functools.partial(self._previous_expired, name)
+            )
+        elif not old.entries:
+            del model.standby[old.checksum]
+            self._drop_group(model, old)
         self._accept(model)
-        metrics = getattr(self._factory, "metrics", None)
-        if metrics is not None:
-            metrics.card_switches.labels(name).inc()
+        if self._factory.metrics is not None:
+            self._factory.metrics.card_switches.labels(name).inc()
         log.warning(
             "model switched card: model=%s checksum=%s -> %s (%d instances); %s",
             name,
@@ -675,8 +845,6 @@ class ModelWatcher:
             len(new.instance_ids()),
             why,
         )
-        if not old.entries:
-            self._drop_view(model, old)
         self._notify_model_changed()
         updates: list[ModelUpdate] = [ModelUpdate.Added(new.card.model_type)]
         for model_type, kind in TYPE_KINDS.items():
@@ -684,47 +852,120 @@ class ModelWatcher:
                 updates.append(ModelUpdate.Removed(model_type))
         return updates
 
+    def _switch_back(self, model: _Model) -> list[ModelUpdate]:
+        """When the model's previous card has a routable instance again within its grace
+        period, serve it again; returns the updates to send (none when nothing changed)."""
+        previous = model.previous
+        if previous is None or not _routable(previous):
+            return []
+        if self._clock.now() >= model.previous_until:
+            self._forget_previous(model)
+            return []
+        return self._switch(
+            model, previous, "the previous card's instances are back within the grace period"
+        )
+
+    def _forget_previous(self, model: _Model) -> None:
+        """End the grace period of the model's previous card: it stays as a standby card
+        while it has entries, and goes with its pipelines otherwise."""
+        previous, model.previous = model.previous, None
+        if model.previous_timer is not None:
+            model.previous_timer.cancel()
+            model.previous_timer = None
+        if previous is None or previous is model.served or previous.entries:
+            return
+        if model.standby.get(previous.checksum) is previous:
+            del model.standby[previous.checksum]
+        self._drop_group(model, previous)
+        log.info(
+            "previous card of model forgotten model=%s checksum=%s (its grace period is over)",
+            previous.name,
+            previous.checksum,
+        )
+
+    def _previous_expired(self, name: str) -> None:
+        """The grace period's timer: forget the previous card once the clock says it is
+        over (checked again later when the clock disagrees)."""
+        model = self._models.get(name)
+        if model is None or model.previous is None:
+            return
+        left = model.previous_until - self._clock.now()
+        if left > 0:
+            model.previous_timer = self._clock.call_later(
+                left, functools.partial(self._previous_expired, name)
+            )
+            return
+        model.previous_timer = None
+        self._forget_previous(model)
+
     def _on_instances_changed(self, name: str) -> None:
-        """A client of ``name`` saw instances come, go, or be set aside. When the last
-        routable instance of the served card has just gone and a standby card has routable
-        instances, switch now, rather than answer 503 while new workers are up:
+        """A client of ``name`` saw instances come, go, or be set aside.
+
+        When an instance of the previous card is routable again within its grace period, the
+        model switches back to it. When the last routable instance of the served card has
+        just gone and a standby card has routable instances, it switches now, rather than
+        answer 503 while other workers are up:
 
         * it left discovery: the card's DELETE follows on the model watch, but requests
           arriving meanwhile would find no instance to route to;
         * it is set aside (unreachable): typically a worker that stopped taking requests
           before this frontend's discovery saw it leave (stores that are polled).
 
-        Runs inside the client's update (synchronously), so the request that set the last
-        instance aside retries on the new card's instances."""
+        Runs inside the client's update (synchronously), so the next request finds the new
+        card registered."""
         model = self._models.get(name)
         if model is None:
             return
+        updates = self._switch_back(model)
+        if not updates:
+            updates = self._switch_if_served_gone(model)
+        if updates:
+            self._background(self._send_all(updates))
+
+    def _switch_if_served_gone(self, model: _Model) -> list[ModelUpdate]:
         served = model.served
         live = _routable(served)
         was_live, model.served_live = model.served_live, live
         if live or not was_live or not model.standby:
-            return
+            return []
         new = self._choose(model, live_only=True)
         if new is None:
-            return
+            return []
         announced = served.instance_ids() & served.view.announced_ids()
         why = (
             "no instance of the served card is reachable"
             if announced
             else "the last instance of the served card left"
         )
-        updates = self._switch(model, new, why)
-        task = asyncio.get_running_loop().create_task(self._send_all(updates))
-        self._pending_sends.add(task)
-        task.add_done_callback(self._pending_sends.discard)
+        return self._switch(model, new, why)
 
-    def _drop_view(self, model: _Model, group: _Group) -> None:
-        """``group`` is gone: close its view's client unless another group of the model uses
-        it (in the background: closing awaits its watch task)."""
-        if any(g.view is group.view for g in model.groups() if g is not group):
+    def _drop_group(self, model: _Model, group: _Group) -> None:
+        """``group`` is gone from the model: release what the factory holds for its card,
+        and close its endpoint's client unless another group of the model uses it (in the
+        background: closing awaits its watch task)."""
+        self._release_card(group.card)
+        path = group.card.endpoint.path()
+        if any(g.card.endpoint.path() == path for g in model.groups() if g is not group):
             return
-        group.view.client.remove_listener(group.view.listener)
-        task = asyncio.get_running_loop().create_task(_close_client(group.view))
+        endpoint = model.endpoints.pop(path, None)
+        if endpoint is not None:
+            endpoint.client.remove_listener(endpoint.listener)
+            self._background(_close_client(endpoint.client))
+
+    async def _drop_endpoint_if_unused(self, model: _Model, path: str) -> None:
+        """A build on an endpoint new to the model failed: close that endpoint's client."""
+        if any(g.card.endpoint.path() == path for g in model.groups()):
+            return
+        endpoint = model.endpoints.pop(path, None)
+        if endpoint is not None:
+            endpoint.client.remove_listener(endpoint.listener)
+            await _close_client(endpoint.client)
+
+    def _release_card(self, card: ModelDeploymentCard) -> None:
+        self._background(self._factory.release(card))
+
+    def _background(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
 
@@ -748,9 +989,9 @@ class ModelWatcher:
         model = self._models[name]
         del group.entries[key]
         if group is not model.served:
-            if not group.entries:
+            if not group.entries and group is not model.previous:
                 del model.standby[group.checksum]
-                self._drop_view(model, group)
+                self._drop_group(model, group)
                 log.info("standby card of model left model=%s checksum=%s", name, group.checksum)
             self._accept(model)
             return
@@ -772,6 +1013,8 @@ class ModelWatcher:
         model serves any more (a kind another model still serves stays enabled)."""
         name = model.served.name
         del self._models[name]
+        if model.previous_timer is not None:
+            model.previous_timer.cancel()
         m = self._manager
         emptied: list[ModelType] = []
         for model_type, kind in TYPE_KINDS.items():
@@ -782,16 +1025,14 @@ class ModelWatcher:
             if not m.list_models_of(kind):
                 emptied.append(model_type)
         m.take_model_clients(name)
-        views = {id(g.view): g.view for g in model.groups()}
-        for view in views.values():
-            view.client.remove_listener(view.listener)
-            await _close_client(view)
-        release = getattr(self._factory, "release", None)
-        if release is not None:
-            await release(name)
+        for endpoint in model.endpoints.values():
+            endpoint.client.remove_listener(endpoint.listener)
+            await _close_client(endpoint.client)
+        for group in model.groups():
+            await self._factory.release(group.card)
         log.info("removed model model=%s", name)
-        for kind in emptied:
-            await self._send(ModelUpdate.Removed(kind))
+        for model_type in emptied:
+            await self._send(ModelUpdate.Removed(model_type))
         if not emptied:
             log.debug("no model update to send for model=%s", name)
 
@@ -809,7 +1050,14 @@ def _routable(group: _Group) -> set[int]:
     return group.instance_ids() & set(group.view.client.instance_ids())
 
 
-async def _close_client(client: EndpointClient) -> None:
+async def _close_endpoints(endpoints: dict[str, _Endpoint]) -> None:
+    for endpoint in endpoints.values():
+        endpoint.client.remove_listener(endpoint.listener)
+        await _close_client(endpoint.client)
+    endpoints.clear()
+
+
+async def _close_client(client: ModelClient) -> None:
     try:
         await client.close()
     except Exception:

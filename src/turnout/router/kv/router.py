@@ -23,8 +23,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from typing import Any, Protocol
 
 import msgspec
 
@@ -44,7 +44,6 @@ from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
 from turnout.router.kv.selector import Selection
 from turnout.runtime.context import RequestContext
-from turnout.runtime.endpoint_client import EndpointClient
 from turnout.runtime.event_plane import EventPlane, EventPublisher, EventSubscription
 
 log = logging.getLogger("turnout.router.kv")
@@ -54,11 +53,32 @@ _encode = msgspec.msgpack.Encoder().encode
 _snapshot_decoder = msgspec.msgpack.Decoder(KvSnapshot)
 
 
+class KvRouterClient(Protocol):
+    """What the KV router (and its push router) use of the workers' endpoint client
+    (``runtime.endpoint_client.EndpointClient`` is one; so is a routing view over it)."""
+
+    def instance_ids(self) -> list[int]: ...
+
+    def announced_ids(self) -> set[int]: ...
+
+    def stream(
+        self, instance_id: int, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]: ...
+
+    def call(
+        self, instance_id: int, name: str, payload: bytes, ctx: RequestContext
+    ) -> AsyncIterator[bytes]: ...
+
+    def add_listener(self, callback: Callable[[], None]) -> None: ...
+
+    def remove_listener(self, callback: Callable[[], None]) -> None: ...
+
+
 class KvRouter:
     def __init__(
         self,
         config: KvRouterConfig,
-        client: EndpointClient,
+        client: KvRouterClient,
         event_plane: EventPlane,
         endpoint: EndpointId,
         *,
