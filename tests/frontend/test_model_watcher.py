@@ -738,7 +738,7 @@ async def test_last_instance_leaving_removes_the_model(h: Harness) -> None:
 
 
 async def test_removed_only_for_kinds_left_empty(h: Harness) -> None:
-    """Exactly the seed's rule: Removed(t) only when no model serves t any more."""
+    """Removed(t) only when no model serves t any more (Dynamo's watcher's rule)."""
     await h.put_card(make_card("chatty", ep=endpoint("ns", "a"), model_type=ModelType.Chat))
     both = await h.put_card(make_card("both", ep=endpoint("ns", "b")))
     assert await h.next_update() == ModelUpdate.Added(ModelType.Chat)

@@ -134,8 +134,7 @@ class Frontend:
         validate_router_mode_for_lora(
             config.router_mode,
             lora_enabled=config.enable_lora,
-            session_affinity_enabled=getattr(config, "router_session_affinity_ttl_s", None)
-            is not None,
+            session_affinity_enabled=config.router_session_affinity_ttl_s is not None,
         )
         if config.response_store_ttl <= 0 or config.response_store_max_bytes <= 0:
             raise ConfigError(

@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
@@ -323,9 +323,8 @@ class ArtifactFetcher:
                     chunks.append(chunk)
         finally:
             ctx.cancel()
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            if isinstance(stream, AsyncGenerator):  # stop the call now, not when collected
+                await stream.aclose()
         data = b"".join(chunks)
         if len(data) != ref.size:
             raise ArtifactError(f"sent {len(data)} bytes, the card announces {ref.size}")

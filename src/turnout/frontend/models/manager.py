@@ -9,8 +9,9 @@ discovery events, and the HTTP service reads it on every request. It holds three
 * **Model entries**, one per published card: discovery key -> ``ModelDeploymentCard``
   (``v1/mdc/{ns}/{component}/{endpoint}/{instance_id:x}[/{lora}]``). A model stays served
   while it has at least one entry; LoRA keys are entries of the same model name.
-* **Endpoint clients**, per model: the clients the model's pipelines route through, so
-  ``/health`` can say which instances are up (``model_instances``).
+* **Endpoint clients**, per model: what the model's registered pipelines route through (the
+  served card's routing view, ``models.accepted_instances``), so ``/health`` can say which
+  instances are up (``model_instances``).
 
 Everything runs on one event loop; no method awaits, so every method is atomic with respect
 to the others and no lock is needed.

@@ -31,8 +31,8 @@ class WorkerGate:
     """``--router-min-initial-workers``: a model answers 503 (with ``Retry-After``) until
     ``required`` of its instances have been up at once; from then on it stays open.
 
-    The seed blocks the model's discovery while it waits; turnout lists the model at once
-    and refuses requests instead, so the watcher never stalls other models' events.
+    Dynamo's watcher blocks the model's discovery while it waits; here the model is listed at
+    once and refuses requests instead, so the watcher never stalls other models' events.
     """
 
     __slots__ = ("_client", "_open", "_required")

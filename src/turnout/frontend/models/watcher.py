@@ -423,9 +423,7 @@ class ModelWatcher:
                     delay,
                 )
             finally:
-                aclose = getattr(events, "aclose", None)  # an async generator's: stop it now
-                if aclose is not None:
-                    await aclose()
+                await events.aclose()  # stop the store's watch now
             await asyncio.sleep(delay)
             delay = min(2 * delay, WATCH_RETRY_MAX_SECONDS)
 
