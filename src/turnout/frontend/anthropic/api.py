@@ -29,6 +29,7 @@ the prefix cache, ``cache_read_input_tokens`` those that were (their sum is the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -93,7 +94,10 @@ class MessageWriter:
         self.start(run.prompt_tokens)
         return self.drain()
 
-    def text(self, index: int, text: str) -> bytes:
+    def plain_text(self, index: int) -> Callable[[str], bytes]:
+        return self._plain_text
+
+    def _plain_text(self, text: str) -> bytes:
         self._text_block("text", text)
         return self.drain()
 

@@ -19,9 +19,12 @@ request (they share the prompt, so KV routing sends them where it is cached). Th
 meet in one bounded queue; each choice ends on its own. Usage counts the prompt once and the
 completion tokens of all choices. Closing the run cancels every unfinished sub-request.
 
-Timing (``turnout_time_to_first_token_seconds``, ``..._inter_token_latency_seconds``) is
-taken when a delta brings tokens, before any parser: every surface, whole or streamed,
-reports the same latencies for the same generation, however long a parser holds text back.
+Timing: the request's clock starts with the run (the request admitted, before templating
+and tokenization, which the client waits for too, as Dynamo's frontend counts them); the
+first token (``turnout_time_to_first_token_seconds``) and the gaps between tokens
+(``..._inter_token_latency_seconds``) are taken when a delta brings tokens, before any
+parser: every surface, whole or streamed, reports the same latencies for the same
+generation, however long a parser holds text back.
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ class Choice:
     output: ChoiceOutput
     #: How the generation ended (None: not yet).
     reason: FinishReason | None = None
-    #: Streamed plain text: the writer takes the decoded text as it is (the per-token path).
-    fast: bool = False
+    #: Streamed plain text: the writer's function for this choice's text, which takes the
+    #: decoded text as it is (the per-token path); None: pieces through the output stage.
+    plain_text: Callable[[str], bytes] | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -101,8 +105,9 @@ class RunWriter(Protocol):
         """The stream's first events, before any output."""
         ...
 
-    def text(self, index: int, text: str) -> bytes:
-        """Plain text of choice ``index`` (streamed choices without parser or logprobs)."""
+    def plain_text(self, index: int) -> Callable[[str], bytes]:
+        """What writes choice ``index``'s plain text (a streamed choice without parser or
+        log probabilities): asked once per choice, called per delta (the per-token path)."""
         ...
 
     def piece(self, index: int, piece: ChoicePiece) -> bytes:
@@ -127,14 +132,17 @@ class ChatRun:
 
     __slots__ = ("_first", "_metrics", "_pumps", "_queue", "_timer", "choices", "echo", "request")
 
-    def __init__(self, request: ChatCompletionRequest | CompletionRequest, metrics: ModelMetrics):
+    def __init__(
+        self, request: ChatCompletionRequest | CompletionRequest, metrics: ModelMetrics
+    ) -> None:
         self.request = request
         self._metrics = metrics
         self._timer = StreamTimer(metrics)
         self.choices: list[Choice] = []
         #: Completions' ``echo``: the prompt the text of the (only) choice starts with.
         self.echo = ""
-        self._first: _Event = (0, DecodedDelta())
+        #: The first output (``_first_output``), where the choices' deltas start.
+        self._first: _Event | None = None
         self._queue: asyncio.Queue[_Event] | None = None
         self._pumps: list[asyncio.Task[None]] = []
 
@@ -165,7 +173,8 @@ class ChatRun:
             # that is down a 503.
             check_pinned(pipeline.client, pre.backend_instance_id, f"model {request.model}")
         model_metrics.input_tokens.observe(len(pre.token_ids))
-        run.echo = _echoed_prompt(request, pipeline, pre.token_ids)
+        if isinstance(request, CompletionRequest) and request.echo:
+            run.echo = _echoed_prompt(request, pipeline, pre.token_ids)
         n = request.n or 1
         if n == 1:
             output = choice_output(pipeline, request, pre, text_offset=len(run.echo), keep=keep)
@@ -173,7 +182,18 @@ class ChatRun:
         else:
             run._fan_out(pipeline, pre, ctx, n, keep)
         try:
-            await run._first_output()
+            queue = run._queue
+            if queue is None:
+                first: _Event = (0, await anext(run.choices[0].generation.__aiter__()))
+            else:
+                run._pumps = [asyncio.create_task(_pump(c, queue)) for c in run.choices]
+                first = await queue.get()
+            delta = first[1]
+            if isinstance(delta, Exception):
+                raise delta
+            if delta.finish_reason is FinishReason.ERROR:
+                raise worker_error(delta.error or "")
+            run._first = first
         except BaseException:
             await run.aclose()
             raise
@@ -197,47 +217,48 @@ class ChatRun:
             self.choices.append(Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, output))
         self._queue = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * n)
 
-    async def _first_output(self) -> None:
-        queue = self._queue
-        if queue is None:
-            first: _Event = (0, await anext(self.choices[0].generation.__aiter__()))
-        else:
-            self._pumps = [asyncio.create_task(_pump(c, queue)) for c in self.choices]
-            first = await queue.get()
-        delta = first[1]
-        if isinstance(delta, Exception):
-            raise delta
-        if delta.finish_reason is FinishReason.ERROR:
-            raise worker_error(delta.error or "")
-        self._first = first
-
     # ---------------------------------------------------------------- output
 
     async def drive(self, writer: RunWriter, send: Send | None) -> None:
         """Run every choice to its end through ``writer``; ``send``: streamed, each call's
         bytes go out as they come (None: whole, nothing is sent). A failure raises (a worker's
         error, a broken stream); the caller answers it."""
-        for choice in self.choices:
-            choice.fast = send is not None and choice.output.plain
-        if self._queue is None:
-            await self._drive_one(writer, send)
-        else:
+        choices = self.choices
+        if send is not None:
+            for choice in choices:
+                if choice.output.plain:
+                    choice.plain_text = writer.plain_text(choice.index)
+        assert self._first is not None
+        if self._queue is not None:
             await self._drive_many(self._queue, writer, send)
-
-    async def _drive_one(self, writer: RunWriter, send: Send | None) -> None:
-        choice = self.choices[0]
+            return
+        choice = choices[0]
         delta = self._first[1]
         assert isinstance(delta, DecodedDelta)
         deltas = choice.generation.__aiter__()
-        take = self._take
-        while True:
-            if delta.text or delta.token_ids:
-                out = take(choice, delta, writer)
-                if out and send is not None:
-                    await send(out)
-            if delta.finish_reason is not None:
-                break
-            delta = await anext(deltas)
+        plain_text = choice.plain_text
+        if plain_text is not None and send is not None:
+            # The per-token path (one choice, streamed plain text): the loop at its leanest.
+            on_tokens = self._timer.on_tokens
+            while True:
+                if delta.text:
+                    on_tokens()
+                    await send(plain_text(delta.text))
+                elif delta.token_ids:
+                    on_tokens()
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(deltas)
+        else:
+            take = self._take
+            while True:
+                if delta.text or delta.token_ids:
+                    out = take(choice, delta, writer)
+                    if out and send is not None:
+                        await send(out)
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(deltas)
         out = self._end(choice, delta, writer)
         if out and send is not None:
             await send(out)
@@ -247,6 +268,7 @@ class ChatRun:
     ) -> None:
         choices = self.choices
         open_choices = len(choices)
+        assert self._first is not None
         index, delta = self._first
         while True:
             if isinstance(delta, Exception):
@@ -268,8 +290,8 @@ class ChatRun:
     def _take(self, choice: Choice, delta: DecodedDelta, writer: RunWriter) -> bytes:
         """What a delta that brings tokens adds to ``choice``, as the writer writes it."""
         self._timer.on_tokens()
-        if choice.fast:
-            return writer.text(choice.index, delta.text) if delta.text else b""
+        if choice.plain_text is not None:
+            return choice.plain_text(delta.text) if delta.text else b""
         piece = choice.output.take(delta)
         return writer.piece(choice.index, piece) if piece else b""
 
@@ -291,14 +313,18 @@ class ChatRun:
         return len(self.choices[0].generation.request.token_ids)
 
     @property
+    def output_tokens(self) -> int:
+        """The completion tokens of every choice."""
+        choices = self.choices
+        if len(choices) == 1:
+            return choices[0].generation.decoder.num_output_tokens
+        return sum(c.generation.decoder.num_output_tokens for c in choices)
+
+    @property
     def usage(self) -> Usage:
         """The prompt once, the completion tokens of every choice."""
         decoder = self.choices[0].generation.decoder
-        return make_usage(
-            self.prompt_tokens,
-            sum(c.generation.decoder.num_output_tokens for c in self.choices),
-            decoder.cached_tokens,
-        )
+        return make_usage(self.prompt_tokens, self.output_tokens, decoder.cached_tokens)
 
     @property
     def finish_reason(self) -> str:
@@ -306,21 +332,22 @@ class ChatRun:
         return self.choices[0].finish_reason
 
     async def aclose(self) -> None:
-        """Stop every choice's work on its worker and record the request's metrics. Always
-        called (``start`` calls it when it raises)."""
-        for task in self._pumps:
-            task.cancel()
+        """Stop every choice's work on its worker and record the request's metrics (the
+        prompt's cached tokens once, as its usage counts them). Always called (``start``
+        calls it when it raises)."""
+        choices = self.choices
         if self._pumps:
+            for task in self._pumps:
+                task.cancel()
             await asyncio.gather(*self._pumps, return_exceptions=True)
-        own_contexts = len(self.choices) > 1
-        for choice in self.choices:
-            if own_contexts and choice.reason is None:
-                choice.ctx.cancel()
+            for choice in choices:  # their own contexts: cancel what has not ended
+                if choice.reason is None:
+                    choice.ctx.cancel()
+        for choice in choices:
             await choice.generation.aclose()
         metrics = self._metrics
-        usage = self.usage
-        metrics.output_tokens.observe(usage.completion_tokens)
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        metrics.output_tokens.observe(self.output_tokens)
+        cached = choices[0].generation.decoder.cached_tokens
         if cached:
             metrics.cached_tokens.inc(cached)
         metrics.duration.observe(time.perf_counter() - self._timer.start)
@@ -364,13 +391,9 @@ async def respond(proto: Exchange, run: ChatRun, writer: RunWriter) -> None:
         await run.aclose()
 
 
-def _echoed_prompt(
-    request: ChatCompletionRequest | CompletionRequest, pipeline: TokensPipeline, ids: list[int]
-) -> str:
+def _echoed_prompt(request: CompletionRequest, pipeline: TokensPipeline, ids: list[int]) -> str:
     """Completions' ``echo``: the prompt as the client sent it (a string), or its tokens'
-    text; the response's text starts with it. Empty when not asked for."""
-    if not isinstance(request, CompletionRequest) or not request.echo:
-        return ""
+    text; the response's text starts with it."""
     prompt = request.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

@@ -8,6 +8,7 @@ starts gets its own status and body; after that, a failure is an SSE ``error`` e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -125,22 +126,25 @@ class ChunkStream:
         is_chat = isinstance(request, ChatCompletionRequest)
         tier = answered_service_tier(request)
         lead = self._lead = ChunkWriter(request.model, is_chat, service_tier=tier)
-        self._writers = [lead] + [
-            ChunkWriter(
+        self._writers = [lead]
+        for i in range(1, request.n or 1):
+            writer = ChunkWriter(
                 request.model, is_chat, lead.response_id, index=i, created=lead.created,
                 service_tier=tier,
-            )
-            for i in range(1, request.n or 1)
-        ]  # fmt: skip
+            )  # fmt: skip
+            self._writers.append(writer)
 
     def head(self, run: ChatRun) -> bytes:
         """Chat: each choice's role chunk; completions: the echoed prompt, if asked for."""
         if self._lead.is_chat:
-            return b"".join(writer.role() for writer in self._writers)
+            writers = self._writers
+            if len(writers) == 1:
+                return writers[0].role()
+            return b"".join([writer.role() for writer in writers])
         return self._lead.text(run.echo) if run.echo else b""
 
-    def text(self, index: int, text: str) -> bytes:
-        return self._writers[index].text(text)
+    def plain_text(self, index: int) -> Callable[[str], bytes]:
+        return self._writers[index].text
 
     def piece(self, index: int, piece: ChoicePiece) -> bytes:
         return self._writers[index].piece(piece)
@@ -173,8 +177,8 @@ class WholeBody:
     def head(self, run: ChatRun) -> bytes:
         return b""
 
-    def text(self, index: int, text: str) -> bytes:
-        return b""
+    def plain_text(self, index: int) -> Callable[[str], bytes]:
+        raise AssertionError("a whole response takes no streamed text")
 
     def piece(self, index: int, piece: ChoicePiece) -> bytes:
         return b""

@@ -97,7 +97,10 @@ class ResponseWriter:
         self.start()
         return self.drain()
 
-    def text(self, index: int, text: str) -> bytes:
+    def plain_text(self, index: int) -> Callable[[str], bytes]:
+        return self._plain_text
+
+    def _plain_text(self, text: str) -> bytes:
         self._write("message", text)
         return self.drain()
 
