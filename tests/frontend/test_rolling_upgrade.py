@@ -18,12 +18,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.frontend.stack import ENDPOINT
+from tests.frontend.stack import ENDPOINT, make_stack
 from tests.frontend.test_artifacts import start_frontend, write_hf_model
 
 from turnout.engines.echo import EchoEngine
+from turnout.engines.mocker import MockerConfig, make_mocker_engines
 from turnout.engines.worker import Worker
 from turnout.frontend.service import Frontend
+from turnout.router.kv.config import KvRouterConfig
+from turnout.router.mode import RouterMode
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.discovery import DiscoveryStore, FileStore, MemoryStore
 
@@ -160,3 +163,66 @@ async def test_rolling_upgrade_under_load_fails_no_request(
         assert all(status == 503 and "no live instance" in body for status, body in failed)
     switches = frontend.metrics.card_switches.labels(MODEL)._value.get()
     assert switches == 1
+
+
+#: Card B of the mocker workers (card A's context is the mocker's own, larger).
+B_MOCK_CONTEXT = 256
+
+
+async def test_kv_routing_keeps_each_cards_requests_on_its_own_instances(gguf_path: str) -> None:
+    """KV mode, mocker workers of two cards on one endpoint: each card has a KV router of its
+    own, over its own routing view; requests go only to the served card's instances, before
+    the switch and after it, and the KV router read per model name follows the switch."""
+    stack = await make_stack(router_mode=RouterMode.KV, kv=KvRouterConfig(block_size=16))
+    factory = stack.frontend.factory
+    assert factory is not None
+    config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=1.0)
+    old = [
+        await stack.add_worker(engine, model_name="mock")
+        for engine in make_mocker_engines(config, 2, model_path=gguf_path)
+    ]
+    await stack.wait_for_model("mock", instances=2)
+    new = [
+        await stack.add_worker(engine, model_name="mock")
+        for engine in make_mocker_engines(
+            config, 2, model_path=gguf_path, first_worker_id=2, context_length=B_MOCK_CONTEXT
+        )
+    ]
+    try:
+        await until(lambda: len([r for r in factory.cards.values() if r.kv_router]) == 2)
+        a, b = sorted(factory.cards.values(), key=lambda r: r.card.context_length == 256)
+        assert a.card.context_length > B_MOCK_CONTEXT == b.card.context_length
+        assert a.kv_router is not None and b.kv_router is not None
+        assert a.kv_router is not b.kv_router
+        assert a.kv_router.client is a.client and b.kv_router.client is b.client
+        assert factory.kv_routers["mock"] is a.kv_router
+        a_ids = {w.serving.instance_id for w in old if w.serving}
+        b_ids = {w.serving.instance_id for w in new if w.serving}
+        await until(lambda: set(b.client.instance_ids()) == b_ids)
+        assert set(a.client.instance_ids()) == a_ids
+
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+            assert await _worker_ids(http, 8) <= a_ids
+            for w in old:
+                await w.stop(drain_timeout=1.0)
+            await until(lambda: set(stack.frontend.manager.model_instances("mock")) == b_ids)
+            assert await _worker_ids(http, 8) <= b_ids
+        assert factory.kv_routers["mock"] is b.kv_router
+        assert a.client.instance_ids() == []  # the old card's router sees none of B's
+    finally:
+        await stack.close()
+
+
+async def _worker_ids(http: httpx.AsyncClient, n: int) -> set[int]:
+    """The instances ``n`` completions (each a different prompt) were served by."""
+    seen: set[int] = set()
+    for i in range(n):
+        r = await http.post(
+            "/v1/completions",
+            json={"model": "mock", "prompt": [100 + i * 7 + j for j in range(48)],
+                  "max_tokens": 2, "ignore_eos": True,
+                  "nvext": {"extra_fields": ["worker_id"]}},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        seen.add(int(r.json()["nvext"]["worker_id"], 16))
+    return seen
