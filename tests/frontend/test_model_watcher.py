@@ -118,10 +118,10 @@ class RecordingFactory:
     ) -> PrefillPool:
         raise AssertionError("prefill cards are not taken here")
 
-    def serving(self, card: ModelDeploymentCard) -> None:
+    def serving(self, card: ModelDeploymentCard, client: ModelClient) -> None:
         self.serving_cards.append(card)
 
-    async def release(self, card: ModelDeploymentCard) -> None:
+    async def release(self, card: ModelDeploymentCard, client: ModelClient) -> None:
         self.released.append(card)
 
     def kinds(self) -> list[tuple[str, str]]:

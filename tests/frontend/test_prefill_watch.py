@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from turnout.frontend.models.accepted_instances import ModelClient
 from turnout.frontend.models.manager import ModelManager
 from turnout.frontend.models.watcher import ModelWatcher
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
@@ -76,10 +77,10 @@ class Factory:
     async def build_tensor(self, card: ModelDeploymentCard, client: Any) -> object:
         raise AssertionError("not built in these tests")
 
-    def serving(self, card: ModelDeploymentCard) -> None:
+    def serving(self, card: ModelDeploymentCard, client: ModelClient) -> None:
         pass
 
-    async def release(self, card: ModelDeploymentCard) -> None:
+    async def release(self, card: ModelDeploymentCard, client: ModelClient) -> None:
         pass
 
 

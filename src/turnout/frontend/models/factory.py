@@ -84,10 +84,6 @@ class CardRouting:
     prune: Callable[[], None] | None = None
 
 
-def _card_key(card: ModelDeploymentCard) -> tuple[str, str]:
-    return card.display_name, card.checksum()
-
-
 class PipelineFactory:
     """Builds pipelines for the model watcher (the ``models.pairs.PipelineFactory``
     protocol)."""
@@ -158,8 +154,9 @@ class PipelineFactory:
                     f"--max-artifact-bytes must be at least 1, got {max_artifact_bytes}"
                 )
             self.artifacts.max_bytes = max_artifact_bytes
-        #: Per card (model name, checksum): what its pipelines share.
-        self.cards: dict[tuple[str, str], CardRouting] = {}
+        #: Per card, by the routing view its pipelines were built with (a card that leaves
+        #: and comes back gets a new view, and fresh state): what its pipelines share.
+        self.cards: dict[ModelClient, CardRouting] = {}
         #: Per model name, the served card's routing, KV router and session table (for
         #: busy thresholds, metrics and tests).
         self.served: dict[str, CardRouting] = {}
@@ -188,15 +185,10 @@ class PipelineFactory:
         self.disagg_metrics = disagg_metrics
 
     def _routing(self, card: ModelDeploymentCard, client: ModelClient) -> CardRouting:
-        """The shared parts of ``card``'s pipelines; fresh when the card comes back with
-        another view (it left and returned: what the old parts held is stale)."""
-        key = _card_key(card)
-        routing = self.cards.get(key)
-        if routing is not None and routing.client is client:
-            return routing
-        if routing is not None:
-            self._drop(routing)
-        routing = self.cards[key] = CardRouting(card, client)
+        """The shared parts of the pipelines of ``card`` routed through ``client``."""
+        routing = self.cards.get(client)
+        if routing is None:
+            routing = self.cards[client] = CardRouting(card, client)
         return routing
 
     def _router(
@@ -248,9 +240,8 @@ class PipelineFactory:
 
     def _drop(self, routing: CardRouting) -> KvRouter | None:
         """Forget ``routing``: returns its KV router, for the caller to close."""
-        key = _card_key(routing.card)
-        if self.cards.get(key) is routing:
-            del self.cards[key]
+        if self.cards.get(routing.client) is routing:
+            del self.cards[routing.client]
         name = routing.card.display_name
         if self.served.get(name) is routing:
             del self.served[name]
@@ -307,12 +298,13 @@ class PipelineFactory:
         if routing.session_table is not None:
             self.session_tables[name] = routing.session_table
 
-    def serving(self, card: ModelDeploymentCard) -> None:
-        """``card``'s pipelines are the ones registered for its model now."""
+    def serving(self, card: ModelDeploymentCard, client: ModelClient) -> None:
+        """The pipelines of ``card`` over ``client`` are the ones registered for its model
+        now."""
         name = card.display_name
         self.kv_routers.pop(name, None)
         self.session_tables.pop(name, None)
-        routing = self.cards.get(_card_key(card))
+        routing = self.cards.get(client)
         if routing is None:
             self.served.pop(name, None)
             return
@@ -354,9 +346,10 @@ class PipelineFactory:
         )
         return PrefillPool(card.endpoint, client, router.generate, card.checksum())
 
-    async def release(self, card: ModelDeploymentCard) -> None:
-        """No pipeline of ``card`` is kept: close its KV router, forget its tables."""
-        routing = self.cards.get(_card_key(card))
+    async def release(self, card: ModelDeploymentCard, client: ModelClient) -> None:
+        """No pipeline of ``card`` over ``client`` is kept: close its KV router, forget its
+        tables."""
+        routing = self.cards.get(client)
         if routing is None:
             return
         router = self._drop(routing)

@@ -93,14 +93,15 @@ class PipelineFactory(Protocol):
         """The router among a model's prefill workers (a prefill card, its view)."""
         ...
 
-    def serving(self, card: ModelDeploymentCard) -> None:
-        """``card``'s pipelines are the ones registered for its model now: what is read per
-        model name (its KV router, its session table) is that card's."""
+    def serving(self, card: ModelDeploymentCard, client: ModelClient) -> None:
+        """The pipelines of ``card`` built over ``client`` are the ones registered for its
+        model now: what is read per model name (its KV router, its session table) is
+        theirs."""
         ...
 
-    async def release(self, card: ModelDeploymentCard) -> None:
-        """No pipeline of ``card`` is kept any more: free what they held (a KV router, load
-        and session tables). A card the factory holds nothing for is ignored."""
+    async def release(self, card: ModelDeploymentCard, client: ModelClient) -> None:
+        """No pipeline of ``card`` over ``client`` is kept any more: free what they held (a
+        KV router, load and session tables). Nothing held is nothing to do."""
         ...
 
 

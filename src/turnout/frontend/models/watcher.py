@@ -594,7 +594,7 @@ class ModelWatcher:
         model = self._models[name] = _Model(served=group, endpoints=endpoints)
         self._add_entry(model, group, key, card)
         self._manager.add_model_client(name, view)
-        self._factory.serving(card)
+        self._factory.serving(card, view)
         log.info(
             "added model model=%s namespace=%s type=%s input=%s instance=%x checksum=%s",
             name,
@@ -672,7 +672,7 @@ class ModelWatcher:
         if self._models.get(name) is not model:
             # The model was removed while we built (a key moved to it from another model
             # left it empty): what was built goes.
-            self._release_card(card)
+            self._release_card(card, view)
             return _Outcome.REJECTED
         group = self._new_group(card, view, built)
         model.standby[checksum] = group
@@ -767,7 +767,7 @@ class ModelWatcher:
             for build, kind in pipelines_for(card):
                 built.append((kind, await build(self._factory, card, view)))
         except BaseException:
-            self._release_card(card)  # what the factory holds for it goes with the pipelines
+            self._release_card(card, view)  # what the factory holds goes with the pipelines
             raise
         return built
 
@@ -820,7 +820,7 @@ class ModelWatcher:
         model.standby[old.checksum] = old
         m.take_model_clients(name)
         m.add_model_client(name, new.view)
-        self._factory.serving(new.card)
+        self._factory.serving(new.card, new.view)
         switching_back = model.previous is new
         self._forget_previous(model)
         if not switching_back and self._grace > 0:
@@ -941,7 +941,7 @@ class ModelWatcher:
         """``group`` is gone from the model: release what the factory holds for its card,
         and close its endpoint's client unless another group of the model uses it (in the
         background: closing awaits its watch task)."""
-        self._release_card(group.card)
+        self._release_card(group.card, group.view)
         path = group.card.endpoint.path()
         if any(g.card.endpoint.path() == path for g in model.groups() if g is not group):
             return
@@ -959,8 +959,8 @@ class ModelWatcher:
             endpoint.client.remove_listener(endpoint.listener)
             await _close_client(endpoint.client)
 
-    def _release_card(self, card: ModelDeploymentCard) -> None:
-        self._background(self._factory.release(card))
+    def _release_card(self, card: ModelDeploymentCard, view: AcceptedInstances) -> None:
+        self._background(self._factory.release(card, view))
 
     def _background(self, work: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -1027,7 +1027,7 @@ class ModelWatcher:
             endpoint.client.remove_listener(endpoint.listener)
             await _close_client(endpoint.client)
         for group in model.groups():
-            await self._factory.release(group.card)
+            await self._factory.release(group.card, group.view)
         log.info("removed model model=%s", name)
         for model_type in emptied:
             await self._send(ModelUpdate.Removed(model_type))
