@@ -181,8 +181,9 @@ class FrontendMetrics:
         )
         self.card_switches = Counter(
             "turnout_model_card_switches",
-            "Times a model moved to another card (rolling upgrade: the last instance of the "
-            "served card left while instances of another card remained)",
+            "Times a model moved to another card (a rolling upgrade: the served card's "
+            "instances gone while another card's remained; or back to the previous card "
+            "within its grace period)",
             ["model"], registry=r,
         )  # fmt: skip
 
