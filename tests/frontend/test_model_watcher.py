@@ -40,7 +40,7 @@ from turnout.protocols.model import (
     ModelType,
     mdc_key,
 )
-from turnout.router.prefill_router import PrefillPool, PrefillSlots
+from turnout.router.prefill_slots import PrefillPool, PrefillSlots
 from turnout.runtime.component import DistributedRuntime, ServingInstance
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import KeyValue, WatchEvent, WatchEventKind

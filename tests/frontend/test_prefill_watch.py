@@ -25,7 +25,7 @@ from turnout.protocols.model import (
     WorkerRole,
     mdc_key,
 )
-from turnout.router.prefill_router import PrefillPool, PrefillSlots
+from turnout.router.prefill_slots import PrefillPool, PrefillSlots
 from turnout.runtime.component import DistributedRuntime, ServingInstance
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.memory import MemoryStore

@@ -27,14 +27,9 @@ from turnout.protocols.llm import (
     StructuredOutput,
 )
 from turnout.protocols.model import EndpointId, WorkerRole
-from turnout.router.prefill_router import (
-    MAX_KV_RETRIES,
-    LocalReason,
-    PrefillPool,
-    PrefillRouter,
-    PrefillSlot,
-    Stage,
-)
+from turnout.router.prefill_policy import BypassPolicy, LocalReason
+from turnout.router.prefill_router import MAX_KV_RETRIES, PrefillRouter, Stage
+from turnout.router.prefill_slots import PrefillPool, PrefillSlot
 from turnout.runtime.context import DEADLINE_METADATA, RequestContext
 
 PREFILL_EP = EndpointId(namespace="t", component="prefill", name="generate")
@@ -434,3 +429,35 @@ async def test_deactivation_sends_requests_back_to_decode() -> None:
     await collect(router.generate(request(), RequestContext()))
     assert len(workers.prefill_requests) == 1 and len(workers.decode_requests) == 2
     assert workers.decode_requests[1].disagg is None
+
+
+async def test_a_rerun_prefill_that_ends_in_an_error_releases_its_handle() -> None:
+    """The decode worker could not get the KV; the re-run prefill answers an error that
+    still announced a handle: the error goes to the client, the handle back to its worker."""
+    workers = Workers()
+    failed = LLMEngineOutput(
+        finish_reason=FinishReason.ERROR,
+        error="unknown or expired KV handle",
+        error_kind=ErrorKind.KV_TRANSFER_FAILED.value,
+    )
+    workers.decode_scripts = [[failed]]
+    error = LLMEngineOutput(
+        finish_reason=FinishReason.ERROR, error="out of blocks", kv_handle=handle(200, hid="h2")
+    )
+    workers.prefill_scripts = [None, [error]]  # type: ignore[list-item]
+    router, _, pool, _ = make(workers)
+    outputs = await collect(router.generate(request(200, max_tokens=3), RequestContext()))
+    assert outputs[-1] == error
+    await eventually(lambda: pool.client.released == ["h2"], what="h2 released")
+
+
+def test_the_bypass_policy_answers_with_its_reason() -> None:
+    policy = BypassPolicy(model="m", checksum="c", block_size=16, min_tokens=64)
+    assert policy.before_routing(request(200), "c") is None
+    assert policy.before_routing(request(200, max_tokens=1), "c") is LocalReason.ONE_TOKEN
+    assert policy.before_routing(request(200, lora_name="a"), "c") is LocalReason.LORA
+    assert policy.before_routing(request(200, backend_instance_id=1), "c") is LocalReason.PINNED
+    assert policy.before_routing(request(200), "other") is LocalReason.CARD_MISMATCH
+    assert policy.after_routing(request(63), 0) is LocalReason.SHORT
+    assert policy.after_routing(request(200), 9) is LocalReason.CACHED  # 200 - 144 < 64
+    assert policy.after_routing(request(200), 8) is None  # 200 - 128 >= 64

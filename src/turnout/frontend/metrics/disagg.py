@@ -21,7 +21,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from turnout.frontend.metrics.frontend import LATENCY_BUCKETS, LoopHistogram
-from turnout.router.prefill_router import LocalReason, Stage
+from turnout.router.prefill_policy import LocalReason
+from turnout.router.prefill_router import Stage
 
 
 class DisaggMetrics:

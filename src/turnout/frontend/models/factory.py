@@ -46,7 +46,8 @@ from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.router import KvRouter
 from turnout.router.lora import LoraRegistry, LoraSelector
 from turnout.router.mode import RouterMode
-from turnout.router.prefill_router import EngineFn, PrefillPool, PrefillRouter, PrefillSlots
+from turnout.router.prefill_router import PrefillRouter
+from turnout.router.prefill_slots import EngineFn, PrefillPool, PrefillSlots
 from turnout.router.push_router import PushRouter
 from turnout.router.selectors import InstanceSelector, make_selector
 from turnout.router.session_affinity import MAX_TTL_S, SessionAffinityRouter, SessionTable
@@ -434,6 +435,7 @@ class PipelineFactory:
             ttft_timeout=self.ttft_timeout,
             stall_timeout=self.stall_timeout,
             report_down=client.report_instance_down,
+            report_busy=router.load.mark_busy if isinstance(router, PushRouter) else None,
         )
         return TokensPipeline(
             name=card.display_name,
@@ -539,5 +541,6 @@ class PipelineFactory:
             retries=self.migration_limit,
             request_timeout=self.request_timeout,
             report_down=client.report_instance_down,
+            report_busy=router.load.mark_busy,
             on_retry=retries.inc if retries is not None else None,
         )

@@ -17,7 +17,7 @@ from turnout.protocols.model import ModelDeploymentCard, ModelInput, ModelType
 
 if TYPE_CHECKING:
     from turnout.frontend.metrics.frontend import FrontendMetrics
-    from turnout.router.prefill_router import PrefillPool, PrefillSlots
+    from turnout.router.prefill_slots import PrefillPool, PrefillSlots
 
 __all__ = [
     "PAIRS",

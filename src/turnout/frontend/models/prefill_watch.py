@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from turnout.frontend.models.accepted_instances import AcceptedInstances, ModelClient
 from turnout.protocols.model import ModelDeploymentCard, ModelType
-from turnout.router.prefill_router import PrefillPool, PrefillSlots
+from turnout.router.prefill_slots import PrefillPool, PrefillSlots
 
 if TYPE_CHECKING:
     from turnout.runtime.component import DistributedRuntime
