@@ -35,10 +35,11 @@ from turnout.llm.artifacts import CHUNK_SIZE, ArtifactError
 from turnout.llm.model_card import load_model_card
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.protocols.model import ARTIFACT_HANDLER, ArtifactRef, mdc_key
-from turnout.runtime.component import DistributedRuntime, ServingInstance
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery import FileStore
 from turnout.runtime.discovery.memory import MemoryStore
+from turnout.runtime.serving import ServingInstance
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -44,9 +44,11 @@ from turnout.protocols.model import (
     ModelDeploymentCard,
     mdc_key,
 )
-from turnout.runtime.component import DistributedRuntime, EndpointClient, ServingInstance
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.memory import MemoryStore
+from turnout.runtime.endpoint_client import EndpointClient
+from turnout.runtime.serving import ServingInstance
 
 WATCHER_LOG = "turnout.frontend.models.watcher"
 TEMPLATE = (

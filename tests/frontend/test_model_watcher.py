@@ -41,10 +41,11 @@ from turnout.protocols.model import (
     mdc_key,
 )
 from turnout.router.prefill_slots import PrefillPool, PrefillSlots
-from turnout.runtime.component import DistributedRuntime, ServingInstance
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import KeyValue, WatchEvent, WatchEventKind
 from turnout.runtime.discovery.memory import MemoryStore
+from turnout.runtime.serving import ServingInstance
 
 LOGGER = "turnout.frontend.models.watcher"
 CHAT_COMPL = ModelType.Chat | ModelType.Completions

@@ -26,9 +26,10 @@ from turnout.protocols.model import (
     mdc_key,
 )
 from turnout.router.prefill_slots import PrefillPool, PrefillSlots
-from turnout.runtime.component import DistributedRuntime, ServingInstance
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.memory import MemoryStore
+from turnout.runtime.serving import ServingInstance
 
 TIMEOUT = 2.0
 DECODE = EndpointId(namespace="ns", component="backend", name="generate")
