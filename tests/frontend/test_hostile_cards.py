@@ -57,12 +57,16 @@ async def put_card(stack: Stack, card: ModelDeploymentCard, *, suffix: str | Non
 
 async def barrier(stack: Stack, card: ModelDeploymentCard, n: int) -> None:
     """A valid card of a fresh model (the real worker's, renamed), written after the events
-    under test: once it is served, the watcher has handled everything before it."""
+    under test: once it is served, the watcher has read everything before it; once it has
+    settled, it has handled all of it (models' events are handled concurrently)."""
     name = f"barrier-{n}"
     await put_card(stack, msgspec.structs.replace(card, display_name=name), suffix=name)
+    watcher = stack.frontend.watcher
+    assert watcher is not None
     async with asyncio.timeout(TIMEOUT):
         while not stack.frontend.manager.has_model_any(name):
             await asyncio.sleep(0.01)
+        await watcher.settled()
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -137,7 +141,7 @@ async def test_a_hostile_card_is_refused_once_with_one_line(
     assert len(refusals(caplog)) == 1
     assert not stack.frontend.manager.has_model_any("evil")
 
-    # Everything else is served as before.
+    # Every other model is still served.
     reply = await chat(stack, "echo", "hello")
     assert reply.status_code == 200, reply.text
     async with httpx.AsyncClient(base_url=stack.url, timeout=TIMEOUT) as http:
@@ -184,7 +188,7 @@ async def test_a_template_that_spins_on_some_input_fails_that_request_alone(
     gguf_path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The request that sets the trap off gets a 500 that says what happened, within a
-    fraction of the ~20 s the template would take; the next request is served as before."""
+    fraction of the ~20 s the template would take; the next request is served normally."""
     before = set(asyncio.all_tasks())
     stack = await make_stack()
     try:

@@ -2,8 +2,9 @@
 
 Workers are real served instances (``endpoint.serve`` with their card as a leased record) or,
 for malformed entries, raw puts into the store. Pipelines come from a recording factory.
-The watcher handles events in store order, so a later event's effect is a barrier for the
-earlier ones.
+The watcher handles each model's events in store order, different models' concurrently:
+``Harness.barrier`` waits for a fresh model to be served (every earlier event has been read),
+then for the watcher to settle (every event read has been handled).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ PAIRS: dict[tuple[ModelInput, ModelType], tuple[Build, ModelKind]] = {
         ModelKind.TENSOR,
     ),
 }
-#: The request kind of each model type (to say which kinds a model no longer serves).
+#: The request kind of each model type (to say which kinds are left without a model).
 TYPE_KINDS = {
     ModelType.Chat: ModelKind.CHAT,
     ModelType.Completions: ModelKind.COMPLETIONS,
