@@ -79,6 +79,8 @@ class _ClientConnection(_Connection):
         super().__init__(client.max_frame_bytes, client.heartbeat_interval, client.idle_timeout)
         self.client = client
         self.address = address
+        #: How its streams' errors name the peer.
+        self.peer_name = f"tcp peer {address}"
         self.inboxes: dict[int, Inbox] = {}
         self._ids = itertools.count(1)
         #: Set on the first frame of the plane heard from the peer; until then, the first
@@ -131,7 +133,7 @@ class _ClientConnection(_Connection):
         sid = next(self._ids)
         if not self.inboxes:
             self.restart_silence()  # idle until now: the silence counts from this request
-        inbox = Inbox(f"tcp peer {self.address}")
+        inbox = Inbox(self.peer_name)
         self.inboxes[sid] = inbox
         self.send(Frame(Kind.REQUEST, sid, payload, path, 0, request_id))
         return sid, inbox
