@@ -1,6 +1,6 @@
-"""Busy instances: one that answered ``overloaded`` is left out of the push router's
-candidates for a while (round-robin and random included), on an injected clock; and
-migration reports the refusal and sends the request to another instance."""
+"""Busy instances: one that answered ``overloaded``, or whose load reports say it is busy, is
+left out of the push router's candidates for a while (round-robin and random included), on
+an injected clock; and migration reports the refusal and sends the request elsewhere."""
 
 from __future__ import annotations
 
@@ -8,14 +8,19 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 import pytest
+from tests.polling import eventually
 
 from turnout.errors import EngineOverloaded, NoInstanceAvailable
 from turnout.llm.migration import Migration
+from turnout.protocols.kv import LOAD_TOPIC, LoadReport
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.model import EndpointId
 from turnout.router.instance_load import InstanceLoad
+from turnout.router.load_reports import BusyReports
 from turnout.router.push_router import PushRouter
 from turnout.router.selectors import InstanceSelector, RandomSelector, RoundRobinSelector
 from turnout.runtime.context import AVOID_METADATA, RequestContext
+from turnout.runtime.event_plane.local import LocalEventPlane
 
 HOLD = 5.0
 _encode = msgspec.msgpack.Encoder().encode
@@ -166,3 +171,53 @@ async def test_every_instance_overloaded_is_engine_overloaded() -> None:
     with pytest.raises(EngineOverloaded, match="queue full"):
         await collect(migration_over(router, limit=3))
     assert sorted(instances.opened) == [1, 2, 3]  # each tried once
+
+
+# -- the workers' own reports ---------------------------------------------------------------
+
+
+async def test_an_instance_that_reports_busy_is_skipped_until_it_reports_free() -> None:
+    router, instances, clock = make([1, 2], RoundRobinSelector())
+    router.load.on_load_report(2, 0, busy=True)
+    for _ in range(4):
+        await serve(router)
+    assert instances.opened == [1, 1, 1, 1]
+    router.load.on_load_report(2, 0, busy=False)
+    await serve(router)
+    await serve(router)
+    assert 2 in instances.opened
+    # A busy report goes stale: the instance is tried again after the report TTL.
+    router.load.on_load_report(2, 0, busy=True)
+    assert router.load.is_busy(2)
+    clock.time += router.load.report_ttl_s + 1
+    assert not router.load.is_busy(2)
+
+
+def test_an_instance_is_busy_only_when_every_rank_it_reported_is() -> None:
+    load = InstanceLoad(clock=Clock())
+    load.on_load_report(5, 0, busy=True)
+    assert load.is_busy(5)
+    load.on_load_report(5, 1, busy=False)  # rank 1 can take work
+    assert not load.is_busy(5)
+    load.on_load_report(5, 1, busy=True)
+    assert load.is_busy(5)
+    load.retain({6})
+    assert not load.is_busy(5)
+
+
+async def test_busy_reports_reach_the_load_view_over_the_event_plane() -> None:
+    endpoint = EndpointId(namespace="ns", component="backend", name="generate")
+    plane = LocalEventPlane()
+    load = InstanceLoad()
+    reports = BusyReports(plane, endpoint, load)
+    await reports.start()
+    publisher = await plane.publisher("ns", "backend")
+    try:
+        await publisher.publish_msg(LOAD_TOPIC, LoadReport(worker_id=7, busy=True))
+        await eventually(lambda: load.is_busy(7), what="instance 7 busy")
+        await publisher.publish_msg(LOAD_TOPIC, LoadReport(worker_id=7, busy=False))
+        await eventually(lambda: not load.is_busy(7), what="instance 7 free")
+    finally:
+        await publisher.close()
+        await reports.close()
+        await plane.close()

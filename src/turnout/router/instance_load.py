@@ -5,10 +5,16 @@ for whatever reason (finished, failed, cancelled, re-routed): ``on_stream_starte
 ``LoadTicket`` and ``on_stream_ended`` takes it back. The load-based selectors
 (``power-of-two``, ``least-loaded``, ``device-aware-weighted``) read ``in_flight``.
 
-It also keeps which instances are *busy*: one that answered a request with ``overloaded``
-(its engine's queue is full) is busy for ``busy_hold_s`` seconds (``mark_busy``), and the push
-router leaves busy instances out of its candidates while any other is free, whatever the
-mode. The KV router has its own busy view, from the workers' load reports.
+It also keeps which instances are *busy*, and the push router leaves busy instances out of
+its candidates while any other is free, whatever the mode:
+
+* one that answered a request with ``overloaded`` (its engine's queue is full) is busy for
+  ``busy_hold_s`` seconds (``mark_busy``);
+* one whose own load reports say ``busy`` (``LoadReport.busy``: it refuses new requests now),
+  every data-parallel rank of it, is busy until a report says otherwise or the reports are
+  older than ``report_ttl_s`` (``on_load_report``, fed by ``router.load_reports``).
+
+The KV router has its own busy view, from the same reports and its busy thresholds.
 
 Bounded by the live instances: an entry exists only while its instance has a stream in flight
 (it is dropped when the count returns to 0), and ``retain`` forgets instances that left
@@ -26,6 +32,10 @@ __all__ = ["DEFAULT_BUSY_HOLD_S", "InstanceLoad", "LoadTicket"]
 
 #: How long an instance that answered ``overloaded`` is left out of the candidates.
 DEFAULT_BUSY_HOLD_S = 1.0
+#: A load report older than this no longer marks its instance busy (as the KV router's).
+DEFAULT_REPORT_TTL_S = 10.0
+#: Ranks remembered per instance (reports of more are ignored).
+MAX_RANKS = 256
 
 
 class LoadTicket:
@@ -42,23 +52,30 @@ class InstanceLoad:
     """Instance id -> requests in flight, and the busy instances; one per model, shared by
     its pipelines. ``clock``: seconds, monotonic (injected by tests)."""
 
-    __slots__ = ("_busy_until", "_clock", "_entries", "busy_hold_s")
+    __slots__ = ("_busy_until", "_clock", "_entries", "_reported", "busy_hold_s", "report_ttl_s")
 
     def __init__(
         self,
         *,
         busy_hold_s: float = DEFAULT_BUSY_HOLD_S,
+        report_ttl_s: float = DEFAULT_REPORT_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not busy_hold_s >= 0:
             raise ValueError(f"busy_hold_s must be >= 0, got {busy_hold_s}")
+        if not report_ttl_s > 0:
+            raise ValueError(f"report_ttl_s must be > 0, got {report_ttl_s}")
         self.busy_hold_s = busy_hold_s
+        self.report_ttl_s = report_ttl_s
         self._clock = clock
         # Only instances with at least one stream in flight (invariant: count > 0).
         self._entries: dict[int, LoadTicket] = {}
         # Instance id -> when it stops being busy (bounded like ``_entries``: marked only for
         # instances a request was routed to, forgotten by ``retain`` and on expiry).
         self._busy_until: dict[int, float] = {}
+        # Instance id -> rank -> when a report said the rank is busy (None: free). Only
+        # instances with a busy rank have an entry.
+        self._reported: dict[int, dict[int, float | None]] = {}
 
     def in_flight(self, instance_id: int) -> int:
         entry = self._entries.get(instance_id)
@@ -89,19 +106,35 @@ class InstanceLoad:
         """``instance_id`` refused a request as ``overloaded``: busy for ``busy_hold_s``."""
         self._busy_until[instance_id] = self._clock() + self.busy_hold_s
 
+    def on_load_report(self, instance_id: int, dp_rank: int, busy: bool) -> None:
+        """A load report of one rank of ``instance_id`` (``LoadReport.busy``)."""
+        ranks = self._reported.get(instance_id)
+        if ranks is None:
+            if not busy:
+                return  # free is what an instance without an entry is
+            ranks = self._reported[instance_id] = {}
+        if dp_rank not in ranks and len(ranks) >= MAX_RANKS:
+            return
+        ranks[dp_rank] = self._clock() if busy else None
+        if not busy and all(at is None for at in ranks.values()):
+            del self._reported[instance_id]
+
     def is_busy(self, instance_id: int) -> bool:
         until = self._busy_until.get(instance_id)
-        if until is None:
+        if until is not None:
+            if self._clock() < until:
+                return True
+            del self._busy_until[instance_id]
+        ranks = self._reported.get(instance_id)
+        if ranks is None:
             return False
-        if self._clock() < until:
-            return True
-        del self._busy_until[instance_id]
-        return False
+        horizon = self._clock() - self.report_ttl_s
+        return all(at is not None and at >= horizon for at in ranks.values())
 
     def not_busy(self, candidates: Sequence[int]) -> Sequence[int]:
         """``candidates`` less the busy ones; all of them when every one is busy (a busy
         instance may have room again: trying one beats refusing the request here)."""
-        if not self._busy_until:
+        if not self._busy_until and not self._reported:
             return candidates
         free = [c for c in candidates if not self.is_busy(c)]
         return free if free else candidates
@@ -112,3 +145,5 @@ class InstanceLoad:
             del self._entries[instance_id]
         for instance_id in [i for i in self._busy_until if i not in live_ids]:
             del self._busy_until[instance_id]
+        for instance_id in [i for i in self._reported if i not in live_ids]:
+            del self._reported[instance_id]
