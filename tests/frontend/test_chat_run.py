@@ -31,18 +31,10 @@ from turnout.runtime.context import RequestContext
 
 HI = [{"role": "user", "content": "hi"}]
 TTFT = "turnout_time_to_first_token_seconds_count"
-CHAT_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
-RESPONSES_TOOL = {"type": "function", **CHAT_TOOL["function"]}  # type: ignore[dict-item]
-ANTHROPIC_TOOL = {
-    "name": "get_weather",
-    "input_schema": CHAT_TOOL["function"]["parameters"],  # type: ignore[index]
-}
+PARAMETERS: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "string"}}}
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": PARAMETERS}
+ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": PARAMETERS}
 
 
 def surfaces(model: str, *, tools: bool = False) -> list[tuple[str, dict[str, Any]]]:
