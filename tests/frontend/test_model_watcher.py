@@ -19,7 +19,7 @@ import msgspec
 import pytest
 from tests.frontend.fake_clock import FakeClock
 
-from turnout.errors import DiscoveryError, ModelNotFound
+from turnout.errors import DiscoveryError, ModelNotFound, NoInstanceAvailable
 from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.frontend.models import watcher as model_watcher
 from turnout.frontend.models.accepted_instances import AcceptedInstances, ModelClient
@@ -902,6 +902,11 @@ async def test_each_card_routes_to_its_own_instances_only(h: Harness) -> None:
     assert [i.instance_id for i in a_view.instances()] == [old.instance_id]
     assert a_view.get_instance(new.instance_id) is None
     assert b_view.instance_ids() == [new.instance_id]
+    # Even a request that names the other card's instance is not sent to it.
+    with pytest.raises(NoInstanceAvailable, match="serves another card"):
+        await anext(a_view.stream(new.instance_id, b"x", RequestContext()).__aiter__())
+    reply = [r async for r in b_view.stream(new.instance_id, b"x", RequestContext())]
+    assert reply == [b"x"]
 
     await old.stop()
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)

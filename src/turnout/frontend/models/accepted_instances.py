@@ -10,9 +10,10 @@ instance of another, neither at first nor when it migrates.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol
 
+from turnout.errors import NoInstanceAvailable
 from turnout.protocols.model import EndpointId, Instance
 from turnout.runtime.context import RequestContext
 
@@ -58,9 +59,11 @@ class ModelClient(Protocol):
 class AcceptedInstances:
     """One card's view of its endpoint's client: ``instance_ids()``, ``instances()`` and
     ``get_instance()`` keep only the instances in ``accepted`` (those that publish the card,
-    set by the model watcher); streams, side-handler calls, set-asides and listeners go to the
-    client. ``announced_ids`` is the client's: state kept per instance (KV indexes, load
-    counts) follows membership of the endpoint, whatever the card.
+    set by the model watcher); side-handler calls (content-addressed artifacts, KV handle
+    releases), set-asides and listeners go to the client. ``stream`` sends a request only to
+    an instance of the card (a request pinned to another card's instance fails with
+    ``NoInstanceAvailable``, 503). ``announced_ids`` is the client's: state kept per instance
+    (KV indexes, load counts) follows membership of the endpoint, whatever the card.
 
     ``close`` closes the client: the view is handed to the model manager, which closes what it
     holds at shutdown. The model watcher, which shares one client among the views of one
@@ -95,6 +98,8 @@ class AcceptedInstances:
         return self.client.get_instance(instance_id)
 
     def stream(self, instance_id: int, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        if instance_id not in self.accepted:
+            return _not_of_this_card(instance_id, self.client.endpoint)
         return self.client.stream(instance_id, payload, ctx)
 
     def call(
@@ -113,3 +118,11 @@ class AcceptedInstances:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+async def _not_of_this_card(instance_id: int, endpoint: EndpointId) -> AsyncGenerator[bytes, None]:
+    raise NoInstanceAvailable(
+        f"instance {instance_id:x} of {endpoint.path()} serves another card of this model "
+        "(its tokenizer, template or limits differ); it takes none of this card's requests"
+    )
+    yield b""  # an async generator, like the client's streams
