@@ -129,6 +129,8 @@ class RequestPlaneClient(abc.ABC):
 
     def __init__(self) -> None:
         self._peer_listeners: list[PeerListener] = []
+        #: The peers this client judged silent (planes that judge silence feed it).
+        self.silent_peers = SilentPeers(self)
 
     def add_peer_listener(self, listener: PeerListener) -> None:
         """Call ``listener(address, state)`` whenever this client learns a peer went silent,
@@ -184,3 +186,52 @@ def as_bytes(item: object) -> bytes:
     if isinstance(item, bytearray | memoryview):
         return bytes(item)
     raise TypeError(f"handlers must yield bytes, got {type(item).__name__}")
+
+
+class SilentPeers:
+    """The peers of one client reported ``SILENT`` and not heard since, and the reports that
+    follow, shared by the planes that judge silence (``tcp`` per connection, ``nats`` per
+    server): a transport says how long a peer has been silent (``observe``), that it heard
+    from it (``heard``) and that nothing more can be heard of it (``gone``). At most one entry
+    per peer the client has streams to."""
+
+    __slots__ = ("_client", "_silent", "deadline")
+
+    def __init__(self, client: RequestPlaneClient, deadline: float = 0.0) -> None:
+        self._client = client
+        #: Seconds of silence, with streams open, that make a peer ``SILENT`` (0: never).
+        self.deadline = deadline
+        self._silent: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._silent)
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._silent
+
+    def peers(self) -> list[str]:
+        return list(self._silent)
+
+    def observe(self, peer: str, silent_for: float) -> None:
+        """``peer`` has been silent for ``silent_for`` seconds with streams open."""
+        if self.deadline > 0 and silent_for >= self.deadline and peer not in self._silent:
+            self._silent.add(peer)
+            logger.warning("%s peer %s: silent for %gs with streams open; reporting it",
+                           self._client.kind, peer, silent_for)  # fmt: skip
+            self._report(peer, PeerState.SILENT)
+
+    def heard(self, peer: str) -> None:
+        """Something arrived from ``peer``."""
+        if peer in self._silent:
+            self._silent.discard(peer)
+            logger.info("%s peer %s answers again", self._client.kind, peer)
+            self._report(peer, PeerState.ANSWERING)
+
+    def gone(self, peer: str) -> None:
+        """Nothing more can be heard of ``peer`` (its connection, or its last stream, ended)."""
+        if peer in self._silent:
+            self._silent.discard(peer)
+            self._report(peer, PeerState.GONE)
+
+    def _report(self, peer: str, state: PeerState) -> None:
+        self._client.report_peer(TransportAddress(kind=self._client.kind, address=peer), state)

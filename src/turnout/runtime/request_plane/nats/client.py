@@ -30,7 +30,7 @@ from turnout.errors import PeerUnavailable, RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.nats import NatsConnection, NatsUnavailable, subscribe_confirmed
-from turnout.runtime.request_plane.base import PeerState, RequestPlaneClient
+from turnout.runtime.request_plane.base import RequestPlaneClient
 from turnout.runtime.request_plane.credited_stream import OVERRUN, CreditedStream, Inbox
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, Frame, Kind
 from turnout.runtime.request_plane.nats.wire import (
@@ -120,9 +120,7 @@ class NatsClient(RequestPlaneClient):
         self.idle_timeout = idle_timeout
         #: Seconds every stream to a server may hear nothing before the server is reported
         #: ``SILENT`` to the peer listeners (0: never).
-        self.silence_deadline = silence_deadline
-        #: Servers reported ``SILENT`` and not heard since (each has an open stream).
-        self._silent: set[str] = set()
+        self.silent_peers.deadline = silence_deadline
         #: The largest request sent, and the largest item reassembled from PARTs.
         self.max_frame_bytes = max_frame_bytes
         self.prefix = CLIENT_PREFIX + uuid.uuid4().hex + "."
@@ -247,11 +245,9 @@ class NatsClient(RequestPlaneClient):
             self._forget(sid)
             inbox.finish(inbox.lost("no responder (server gone)"))
             return
-        if self._silent and inbox.server in self._silent:
-            self._silent.discard(inbox.server)
-            logger.info("nats peer %s answers again", inbox.server)
-            self.report_peer(TransportAddress(kind=self.kind, address=inbox.server),
-                             PeerState.ANSWERING)  # fmt: skip
+        silent_peers = self.silent_peers
+        if silent_peers and inbox.server in silent_peers:
+            silent_peers.heard(inbox.server)
         try:
             frame = decode_frame(msg.data)
         except msgspec.DecodeError as exc:
@@ -329,8 +325,8 @@ class NatsClient(RequestPlaneClient):
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             now = time.monotonic()
-            #: Per server with open streams: whether all of them are past the deadline.
-            quiet: dict[str, bool] = {}
+            #: Per server with open streams: the shortest silence among them.
+            quiet: dict[str, float] = {}
             for sid, inbox in list(self._inboxes.items()):
                 silent = now - inbox.last_heard
                 if silent > self.idle_timeout:
@@ -339,21 +335,13 @@ class NatsClient(RequestPlaneClient):
                     continue
                 if inbox.acked:
                     self._credit(inbox, sid, self._consumed.get(sid, 0))
-                past = self.silence_deadline > 0 and silent >= self.silence_deadline
-                quiet[inbox.server] = quiet.get(inbox.server, True) and past
-            self._report_silences(quiet)
-
-    def _report_silences(self, quiet: dict[str, bool]) -> None:
-        for server, silent in quiet.items():
-            if silent and server not in self._silent:
-                self._silent.add(server)
-                logger.warning("nats peer %s: silent on every stream for %gs; reporting it",
-                               server, self.silence_deadline)  # fmt: skip
-                self.report_peer(TransportAddress(kind=self.kind, address=server),
-                                 PeerState.SILENT)  # fmt: skip
-        for server in [s for s in self._silent if s not in quiet]:
-            self._silent.discard(server)  # no stream left to hear it on
-            self.report_peer(TransportAddress(kind=self.kind, address=server), PeerState.GONE)
+                quiet[inbox.server] = min(quiet.get(inbox.server, silent), silent)
+            peers = self.silent_peers
+            for server, silent in quiet.items():
+                peers.observe(server, silent)
+            for server in peers.peers():
+                if server not in quiet:
+                    peers.gone(server)  # no stream left to hear it on
 
     async def close(self) -> None:
         if self._closed:

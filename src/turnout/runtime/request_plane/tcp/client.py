@@ -34,7 +34,7 @@ from collections.abc import Callable
 from turnout.errors import PeerUnavailable, RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
-from turnout.runtime.request_plane.base import PeerState, RequestPlaneClient
+from turnout.runtime.request_plane.base import RequestPlaneClient
 from turnout.runtime.request_plane.credited_stream import OVERRUN, CreditedStream, Inbox
 from turnout.runtime.request_plane.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -48,7 +48,6 @@ from turnout.runtime.request_plane.tcp.connection import (
     HEARTBEAT_INTERVAL,
     IDLE_TIMEOUT,
     _Connection,
-    logger,
 )
 
 _CONNECT_TIMEOUT = 5.0
@@ -87,33 +86,21 @@ class _ClientConnection(_Connection):
         #: request's ``HANDSHAKE_TIMEOUT`` runs (``_handshake_timer``).
         self._verified = False
         self._handshake_timer: asyncio.TimerHandle | None = None
-        #: Whether the peer was reported ``SILENT`` and not heard since.
-        self.suspect = False
 
     def has_streams(self) -> bool:
         return bool(self.inboxes)
 
     def on_silence(self, silent_for: float, heard: bool) -> None:
-        """Past the silence deadline, report the peer ``SILENT`` (callers stop choosing it);
-        heard again, ``ANSWERING``. A silent peer left with no open stream is dropped: with
-        nothing to hear from it, only a new connection can tell whether it is back."""
-        deadline = self.client.silence_deadline
-        if not self.suspect:
-            if deadline > 0 and silent_for >= deadline:
-                self.suspect = True
-                logger.warning("tcp peer %s: silent for %gs with streams open; reporting it",
-                               self.address, silent_for)  # fmt: skip
-                self.client.report_peer(self.transport_address, PeerState.SILENT)
+        """Past the silence deadline the peer is reported ``SILENT`` (callers stop choosing
+        it); heard again, ``ANSWERING``. A silent peer left with no open stream is dropped:
+        with nothing to hear from it, only a new connection can tell whether it is back."""
+        peers = self.client.silent_peers
+        if self.address not in peers:
+            peers.observe(self.address, silent_for)
         elif heard:
-            self.suspect = False
-            logger.info("tcp peer %s answers again", self.address)
-            self.client.report_peer(self.transport_address, PeerState.ANSWERING)
+            peers.heard(self.address)
         elif not self.inboxes:
-            self._lose(f"silent for over {deadline:g}s, and no stream is left on it")
-
-    @property
-    def transport_address(self) -> TransportAddress:
-        return TransportAddress(kind=self.client.kind, address=self.address)
+            self._lose(f"silent for over {peers.deadline:g}s, and no stream is left on it")
 
     def _check_handshake(self) -> None:
         """``HANDSHAKE_TIMEOUT`` after the first request: drop a peer that said nothing."""
@@ -168,9 +155,7 @@ class _ClientConnection(_Connection):
 
     def on_lost(self, exc: Exception | None) -> None:
         self.client._forget(self)
-        if self.suspect:
-            self.suspect = False
-            self.client.report_peer(self.transport_address, PeerState.GONE)
+        self.client.silent_peers.gone(self.address)
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         inboxes = list(self.inboxes.values())
@@ -237,7 +222,7 @@ class TcpClient(RequestPlaneClient):
         self.heartbeat_interval = heartbeat_interval
         #: Seconds heard nothing, with streams open, before the peer is reported ``SILENT``
         #: to the peer listeners (0: never).
-        self.silence_deadline = silence_deadline
+        self.silent_peers.deadline = silence_deadline
         #: Seconds a new connection may take to answer its first request (0: no bound).
         self.handshake_timeout = handshake_timeout
         #: The bound on a frame, sent (requests) or read (replies).
