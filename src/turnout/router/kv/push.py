@@ -107,15 +107,18 @@ class KvPushRouter:
             if request.backend_instance_id is not None and selection is None:
                 target, pinned, pins = request.backend_instance_id, request, True
                 rank = (request.extra_args or {}).get("dp_rank")
-                router.book(
-                    request_id,
-                    request.token_ids,
-                    target,
-                    dp_rank=rank if isinstance(rank, int) else 0,
-                    lora_name=request.lora_name,
-                    cache_salt=request.cache_salt,
-                    session_id=request.session_id,
-                )
+                # Never book an id the client made up (it would only be refused below).
+                booked = target in client.instance_ids()
+                if booked:
+                    router.book(
+                        request_id,
+                        request.token_ids,
+                        target,
+                        dp_rank=rank if isinstance(rank, int) else 0,
+                        lora_name=request.lora_name,
+                        cache_salt=request.cache_salt,
+                        session_id=request.session_id,
+                    )
             else:
                 if selection is None:
                     selection = self.select(request, ctx, excluded)
@@ -128,7 +131,7 @@ class KvPushRouter:
                 pinned = msgspec.structs.replace(
                     request, backend_instance_id=target, extra_args=extra
                 )
-                pins = False
+                pins, booked = False, True
             ctx.metadata["worker_instance_id"] = target
             stream = client.stream(target, _encode(pinned), ctx)
             first = True
@@ -144,7 +147,8 @@ class KvPushRouter:
                         ) from exc
                     if first and output.token_ids:
                         first = False
-                        router.on_first_token(request_id)
+                        if booked:
+                            router.on_first_token(request_id)
                     if output.usage is not None and output.usage.cached_tokens is not None:
                         cached = output.usage.cached_tokens
                     yield output
@@ -162,9 +166,10 @@ class KvPushRouter:
                 try:
                     await stream.aclose()  # type: ignore[attr-defined]
                 finally:
-                    router.on_finished(
-                        request_id, prompt_tokens=len(request.token_ids), cached_tokens=cached
-                    )
+                    if booked:
+                        router.on_finished(
+                            request_id, prompt_tokens=len(request.token_ids), cached_tokens=cached
+                        )
 
 
 def _why(selection: Selection, endpoint: str) -> str:
