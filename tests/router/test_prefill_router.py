@@ -30,7 +30,7 @@ from turnout.protocols.model import EndpointId, WorkerRole
 from turnout.router.prefill_policy import BypassPolicy, LocalReason
 from turnout.router.prefill_router import MAX_KV_RETRIES, PrefillRouter, Stage
 from turnout.router.prefill_slots import PrefillPool, PrefillSlot
-from turnout.runtime.context import DEADLINE_METADATA, RequestContext
+from turnout.runtime.context import AVOID_METADATA, DEADLINE_METADATA, RequestContext
 
 PREFILL_EP = EndpointId(namespace="t", component="prefill", name="generate")
 DECODE_EP = EndpointId(namespace="t", component="backend", name="generate")
@@ -89,6 +89,8 @@ class Workers:
     def __init__(self) -> None:
         self.prefill_requests: list[PreprocessedRequest] = []
         self.decode_requests: list[PreprocessedRequest] = []
+        #: The instances each prefill call was told to avoid.
+        self.prefill_avoided: list[set[int]] = []
         #: One script per prefill call: the outputs, or an exception to raise after them.
         self.prefill_scripts: list[list[LLMEngineOutput | Exception]] = []
         self.decode_scripts: list[list[LLMEngineOutput]] = []
@@ -98,6 +100,7 @@ class Workers:
         self, request: PreprocessedRequest, ctx: RequestContext
     ) -> AsyncIterator[LLMEngineOutput]:
         self.prefill_requests.append(request)
+        self.prefill_avoided.append(set(ctx.metadata.get(AVOID_METADATA, ())))
         n = len(self.prefill_requests)
         ctx.metadata["worker_instance_id"] = 0xA0 + n
         ctx.metadata["routing"] = {"prefill_call": n}
@@ -461,3 +464,33 @@ def test_the_bypass_policy_answers_with_its_reason() -> None:
     assert policy.after_routing(request(63), 0) is LocalReason.SHORT
     assert policy.after_routing(request(200), 9) is LocalReason.CACHED  # 200 - 144 < 64
     assert policy.after_routing(request(200), 8) is None  # 200 - 128 >= 64
+
+
+OVERLOADED = LLMEngineOutput(
+    finish_reason=FinishReason.ERROR,
+    error="waiting queue full",
+    error_kind=ErrorKind.OVERLOADED.value,
+)
+
+
+async def test_an_overloaded_prefill_worker_is_left_out_and_another_prefills() -> None:
+    workers = Workers()
+    workers.prefill_scripts.append([OVERLOADED])
+    router, _, pool, observer = make(workers)
+    ctx = RequestContext()
+    ctx.metadata[AVOID_METADATA] = {0xD9}  # migration's list, of decode instances
+    outputs = await collect(router.generate(request(), ctx))
+    assert tokens(outputs)[0] == 7
+    assert len(workers.prefill_requests) == 2
+    assert workers.prefill_avoided == [set(), {0xA1}]  # what the prefill pool's router saw
+    assert pool.client.down == []  # refused, not dead
+    assert observer.retries == ["prefill_overloaded"]
+    assert ctx.metadata[AVOID_METADATA] == {0xD9}  # put back for the decode side
+
+
+async def test_every_prefill_worker_overloaded_is_the_clients_refusal() -> None:
+    workers = Workers()
+    workers.prefill_scripts += [[OVERLOADED], [NoInstanceAvailable("none left")]]
+    router, *_ = make(workers)
+    outputs = await collect(router.generate(request(), RequestContext()))
+    assert outputs == [OVERLOADED] and workers.decode_requests == []

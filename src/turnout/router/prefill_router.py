@@ -26,7 +26,9 @@ While active, per request:
 3. Prefill stage: the prompt goes to a prefill worker (KV overlap and load among prefill
    workers) with ``max_tokens`` 1. Its first token goes to the client at once; its answer
    carries a ``KvHandle``. A prefill worker that dies mid-prefill is set aside and the
-   prefill re-run on another (at most ``MAX_PREFILL_ATTEMPTS`` tries).
+   prefill re-run on another (at most ``MAX_PREFILL_ATTEMPTS`` tries). One that refuses it as
+   ``overloaded`` is left out for this request and the prefill sent to another; when every
+   prefill worker refused, the refusal goes to the client (a 503).
 4. Decode stage: prompt + first token, with the handle, to the chosen decode worker. A decode
    worker that cannot get the KV (prefill worker gone mid-transfer, handle expired) answers
    ``KV_TRANSFER_FAILED`` before any token; the prefill is re-run (at most
@@ -34,10 +36,10 @@ While active, per request:
    worker that dies later is migration's business, as for any request: the continuation
    comes back through here and may be prefilled again.
 
-Each stage's result is a typed outcome (``Prefilled``/``PrefillFailed`` for one prefill
-attempt, ``DecodeStarted``/``KvTransferFailed`` for the start of a decode attempt); only what
-the layers above act on is raised (``StreamBroken`` when every prefill attempt failed,
-``NoInstanceAvailable`` when a decode-only model has no prefill worker).
+Each stage's result is a typed outcome (``Prefilled``/``PrefillFailed``/``PrefillRefused``
+for one prefill attempt, ``DecodeStarted``/``KvTransferFailed`` for the start of a decode
+attempt); only what the layers above act on is raised (``StreamBroken`` when every prefill
+attempt failed, ``NoInstanceAvailable`` when a decode-only model has no prefill worker).
 
 A handle the decode side never took (client gone, first token ended the request, decode
 worker died before the pull) is released on the prefill worker at once rather than left to
@@ -73,7 +75,7 @@ from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.selector import Selection
 from turnout.router.prefill_policy import BypassPolicy, LocalReason
 from turnout.router.prefill_slots import EngineFn, PrefillPool, PrefillSlot
-from turnout.runtime.context import DEADLINE_METADATA, RequestContext
+from turnout.runtime.context import AVOID_METADATA, DEADLINE_METADATA, RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ PREFILL_WAIT_S = 30.0
 MAX_KV_RETRIES = 2
 #: Prefill attempts before a request whose prefill workers keep dying fails.
 MAX_PREFILL_ATTEMPTS = 3
+#: Prefill workers one request is sent away from after ``overloaded`` answers.
+MAX_PREFILL_REFUSALS = 64
 #: Releases of unclaimed handles in flight at once (more are left to the handles' TTL).
 MAX_PENDING_RELEASES = 256
 RELEASE_TIMEOUT_S = 5.0
@@ -92,6 +96,7 @@ RELEASE_TIMEOUT_S = 5.0
 _ERROR = FinishReason.ERROR
 _KV_FAILED = ErrorKind.KV_TRANSFER_FAILED.value
 _ENGINE_FAILED = ErrorKind.ENGINE_FAILED.value
+_OVERLOADED = ErrorKind.OVERLOADED.value
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -140,6 +145,15 @@ class PrefillFailed:
     reason: str
     worker: int | None
     #: A handle it announced before failing (released at once).
+    handle: KvHandle | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRefused:
+    """A prefill attempt whose worker refused the request as ``overloaded``."""
+
+    output: LLMEngineOutput
+    worker: int | None
     handle: KvHandle | None
 
 
@@ -377,17 +391,61 @@ class PrefillRouter:
                 )
             ),
         )
+        # The prefill workers that refused this request: the prefill pool's router leaves
+        # them out (the request's own list, of decode instances, is put back after).
+        refused: set[int] = set()
+        avoided = ctx.metadata.get(AVOID_METADATA)
+        ctx.metadata[AVOID_METADATA] = refused
+        try:
+            return await self._prefill_attempts(prefill_request, ctx, pool, refused)
+        finally:
+            if avoided is None:
+                ctx.metadata.pop(AVOID_METADATA, None)
+            else:
+                ctx.metadata[AVOID_METADATA] = avoided
+
+    async def _prefill_attempts(
+        self,
+        prefill_request: PreprocessedRequest,
+        ctx: RequestContext,
+        pool: PrefillPool,
+        refused: set[int],
+    ) -> Prefilled:
         attempts = 0
+        refusal: PrefillRefused | None = None
         while True:
-            attempts += 1
-            outcome = await self._prefill_once(prefill_request, ctx, pool)
+            try:
+                outcome = await self._prefill_once(prefill_request, ctx, pool)
+            except NoInstanceAvailable:
+                if refusal is None:
+                    raise
+                return _ending(refusal.output)  # every prefill worker left refused it
             if isinstance(outcome, Prefilled):
                 return outcome
+            if outcome.handle is not None:
+                self._release(pool, outcome.handle)
+            if isinstance(outcome, PrefillRefused):
+                worker = outcome.worker
+                if (
+                    worker is None
+                    or worker in refused
+                    or len(refused) >= MAX_PREFILL_REFUSALS
+                    or ctx.is_cancelled
+                ):
+                    return _ending(outcome.output)
+                refused.add(worker)
+                refusal = outcome
+                self._count_retry("prefill_overloaded")
+                log.warning(
+                    "request %s: prefill worker %x answered overloaded; prefilling elsewhere",
+                    ctx.request_id,
+                    worker,
+                )
+                continue
+            attempts += 1
             if outcome.worker is not None:
                 pool.client.report_instance_down(outcome.worker)
             self._count_retry("prefill_worker_failed")
-            if outcome.handle is not None:
-                self._release(pool, outcome.handle)
             if attempts >= MAX_PREFILL_ATTEMPTS or ctx.is_cancelled:
                 raise StreamBroken(f"prefill failed {attempts} times; last: {outcome.reason}")
             log.warning(
@@ -399,7 +457,7 @@ class PrefillRouter:
 
     async def _prefill_once(
         self, prefill_request: PreprocessedRequest, ctx: RequestContext, pool: PrefillPool
-    ) -> Prefilled | PrefillFailed:
+    ) -> Prefilled | PrefillFailed | PrefillRefused:
         start = self._clock()
         tokens: list[int] = []
         log_probs: list[float] = []
@@ -439,6 +497,8 @@ class PrefillRouter:
             broken = final.error or "engine failed"
         if broken is not None:
             return PrefillFailed(broken, worker, handle)
+        if final is not None and final.finish_reason is _ERROR and final.error_kind == _OVERLOADED:
+            return PrefillRefused(final, worker, handle)
         seconds = self._clock() - start
         self._observe(Stage.PREFILL, seconds)
         ending: LLMEngineOutput | None
@@ -564,6 +624,19 @@ class PrefillRouter:
             self._observer.retry(reason)
 
 
+def _ending(output: LLMEngineOutput) -> Prefilled:
+    """A prefill stage that ends the request with ``output`` (no token, no handle)."""
+    return Prefilled(
+        tokens=[],
+        log_probs=[],
+        top_logprobs=[],
+        handle=None,
+        ending=output,
+        cached_tokens=None,
+        record={},
+    )
+
+
 async def _release(pool: PrefillPool, handle: KvHandle) -> None:
     payload = _encode(KvTransferRequest(op=KvTransferOp.RELEASE, handle_id=handle.handle_id))
     ctx = RequestContext()
@@ -581,6 +654,7 @@ __all__ = [
     "DisaggObserver",
     "KvTransferFailed",
     "PrefillFailed",
+    "PrefillRefused",
     "PrefillRouter",
     "Prefilled",
     "Stage",
