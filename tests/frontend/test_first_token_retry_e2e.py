@@ -103,12 +103,30 @@ async def add(stack: Stack, engine: EchoEngine) -> int:
     return serving.instance_id
 
 
-async def chat(client: httpx.AsyncClient) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+async def chat(client: httpx.AsyncClient, n: int = 0) -> httpx.Response:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"hello {n}"}],
+        "max_tokens": 3,
+        "nvext": {"extra_fields": ["worker_id", "migrations"]},
+    }
     return await client.post("/v1/chat/completions", json=body)
 
 
 MODES = [RouterMode.ROUND_ROBIN, RouterMode.RANDOM, RouterMode.KV]
+
+
+async def until_tried(
+    client: httpx.AsyncClient, engine: RecordingEcho, limit: int = 40
+) -> list[httpx.Response]:
+    """Requests (different prompts, so no instance holds one's prefix) until ``engine``'s
+    instance got one, and one more."""
+    responses: list[httpx.Response] = []
+    while not engine.received:
+        assert len(responses) < limit, f"{limit} requests and none reached the instance"
+        responses.append(await chat(client, len(responses)))
+    responses.append(await chat(client, len(responses)))
+    return responses
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -121,9 +139,9 @@ async def test_an_overloaded_instance_costs_only_a_try(
     await add(stack, steady)
     await stack.wait_for_model(MODEL, instances=2)
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
-        responses = [await chat(client) for _ in range(6)]
-    assert [r.status_code for r in responses] == [200] * 6
-    assert len(steady.received) == 6  # every request, refused or not, ended there
+        responses = await until_tried(client, full)
+    assert [r.status_code for r in responses] == [200] * len(responses)
+    assert len(steady.received) == len(responses)  # every request, refused or not, ended there
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -152,10 +170,10 @@ async def test_a_failure_before_the_first_token_spends_no_migration(
     await add(stack, steady)
     await stack.wait_for_model(MODEL, instances=2)
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
-        responses = [await chat(client) for _ in range(4)]
-    assert [r.status_code for r in responses] == [200] * 4
-    assert len(steady.received) == 4
-    assert all("x-turnout-migrations" not in r.headers for r in responses)
+        responses = await until_tried(client, failing)
+    assert [r.status_code for r in responses] == [200] * len(responses)
+    assert len(steady.received) == len(responses)
+    assert all(r.json()["nvext"].get("migrations", 0) == 0 for r in responses)
 
 
 async def test_a_failure_mid_stream_without_budget_still_fails(
