@@ -1,4 +1,5 @@
-"""A request that gets no token from its instance goes to another one, over real sockets.
+"""A request that gets no token from its instance goes to another one, over real sockets;
+and an instance whose load reports say it is busy is skipped.
 
 Echo workers behind the real frontend: an instance that answers ``overloaded`` or whose
 engine fails before the first token costs the request nothing but the try, whatever the
@@ -12,11 +13,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from tests.frontend.stack import ENDPOINT, Stack, make_stack
+from tests.polling import eventually
 
 from turnout.engines.echo import EchoEngine
 from turnout.engines.worker import Worker
+from turnout.protocols.kv import LOAD_TOPIC, LoadReport
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
 from turnout.router.mode import RouterMode
 from turnout.runtime.context import RequestContext
@@ -189,3 +193,37 @@ async def test_a_failure_mid_stream_without_budget_still_fails(
         responses = [await chat(client) for _ in range(2)]
     assert len(failing.received) == 1 and len(steady.received) == 1
     assert sorted(r.status_code == 200 for r in responses) == [False, True]
+
+
+@pytest.mark.parametrize("mode", [RouterMode.ROUND_ROBIN, RouterMode.RANDOM])
+async def test_an_instance_that_reports_busy_is_skipped(
+    gguf_path: str, run_stack: Callable[..., Awaitable[Stack]], mode: RouterMode
+) -> None:
+    stack = await run_stack(router_mode=mode)
+    busy, free = RecordingEcho(gguf_path), RecordingEcho(gguf_path)
+    busy_id = await add(stack, busy)
+    await add(stack, free)
+    await stack.wait_for_model(MODEL, instances=2)
+    publisher = await stack.runtime.event_plane.publisher(ENDPOINT.namespace, ENDPOINT.component)
+    try:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            assert (await chat(client)).status_code == 200  # the pipeline exists
+            load = stack.frontend.factory.served[MODEL].load
+            assert load is not None
+
+            def reported(busy_now: bool) -> bool:
+                # Published on every look: the frontend's feed is subscribed asynchronously.
+                report = LoadReport(worker_id=busy_id, busy=busy_now)
+                publisher.publish_nowait(LOAD_TOPIC, msgspec.msgpack.encode(report))
+                return load.is_busy(busy_id) is busy_now
+
+            await eventually(lambda: reported(True), what="the busy report applied")
+            before = len(busy.received)
+            responses = [await chat(client, n) for n in range(8)]
+            assert [r.status_code for r in responses] == [200] * 8
+            assert len(busy.received) == before  # none went to the busy instance
+            await eventually(lambda: reported(False), what="the free report applied")
+            responses = [await chat(client, n) for n in range(8, 24)]
+            assert len(busy.received) > before
+    finally:
+        await publisher.close()

@@ -210,14 +210,19 @@ async def test_busy_reports_reach_the_load_view_over_the_event_plane() -> None:
     plane = LocalEventPlane()
     load = InstanceLoad()
     reports = BusyReports(plane, endpoint, load)
-    await reports.start()
+    reports.start()
     publisher = await plane.publisher("ns", "backend")
     try:
-        await publisher.publish_msg(LOAD_TOPIC, LoadReport(worker_id=7, busy=True))
-        await eventually(lambda: load.is_busy(7), what="instance 7 busy")
-        await publisher.publish_msg(LOAD_TOPIC, LoadReport(worker_id=7, busy=False))
-        await eventually(lambda: not load.is_busy(7), what="instance 7 free")
+        busy, free = (_encode(LoadReport(worker_id=7, busy=b)) for b in (True, False))
+
+        def reported(payload: bytes, want: bool) -> bool:
+            # Published again on every look: the feed subscribes in its own task.
+            publisher.publish_nowait(LOAD_TOPIC, payload)
+            return load.is_busy(7) is want
+
+        await eventually(lambda: reported(busy, True), what="instance 7 busy")
+        await eventually(lambda: reported(free, False), what="instance 7 free")
     finally:
         await publisher.close()
-        await reports.close()
+        await reports.aclose()
         await plane.close()

@@ -11,47 +11,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from typing import Any
 
 from turnout.protocols.kv import LOAD_TOPIC, LoadReport
 from turnout.protocols.model import EndpointId
 from turnout.router.instance_load import InstanceLoad
-from turnout.runtime.event_plane import EventPlane, EventSubscription
+from turnout.runtime.event_plane import EventPlane
 
 __all__ = ["BusyReports"]
 
-log = logging.getLogger("turnout.router")
-
 
 class BusyReports:
-    """Feeds ``endpoint``'s load reports into ``load`` from ``start`` until ``close``."""
+    """Feeds ``endpoint``'s load reports into ``load`` from ``start`` until ``close`` (both
+    synchronous: the subscription lives in the feed's own task, which closes it)."""
 
     def __init__(self, plane: EventPlane[Any, Any], endpoint: EndpointId, load: InstanceLoad):
         self._plane = plane
         self._endpoint = endpoint
         self.load = load
-        self._sub: EventSubscription[Any] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        endpoint = self._endpoint
-        self._sub = await self._plane.subscribe(endpoint.namespace, endpoint.component, LOAD_TOPIC)
-        self._task = asyncio.create_task(
-            self._consume(self._sub), name=f"busy-reports-{endpoint.path()}"
+    def start(self) -> None:
+        """Subscribe and feed, in a task of the running loop."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"busy-reports-{self._endpoint.path()}"
         )
 
-    async def _consume(self, sub: EventSubscription[Any]) -> None:
-        on_report = self.load.on_load_report
-        async for report in sub.messages(LoadReport):
-            on_report(report.worker_id, report.dp_rank, report.busy)
+    async def _run(self) -> None:
+        endpoint = self._endpoint
+        sub = await self._plane.subscribe(endpoint.namespace, endpoint.component, LOAD_TOPIC)
+        try:
+            on_report = self.load.on_load_report
+            async for report in sub.messages(LoadReport):
+                on_report(report.worker_id, report.dp_rank, report.busy)
+        finally:
+            await sub.close()
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Stop feeding (the task ends, closing its subscription)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
             self._task = None
-        if self._sub is not None:
-            await self._sub.close()
-            self._sub = None
+
+    async def aclose(self) -> None:
+        """``close``, and wait until the subscription is closed."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -44,6 +44,7 @@ from turnout.router.instance_load import InstanceLoad
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.router import KvRouter
+from turnout.router.load_reports import BusyReports
 from turnout.router.lora import LoraRegistry, LoraSelector
 from turnout.router.mode import RouterMode
 from turnout.router.prefill_router import PrefillRouter
@@ -78,11 +79,13 @@ class CardRouting:
     client: ModelClient
     kv_router: KvRouter | None = None
     session_table: SessionTable | None = None
-    #: Load-based modes: the in-flight counts the card's push routers keep, the selector
-    #: reading them, and the listener that forgets instances leaving the endpoint.
+    #: The load view the card's push routers share (in-flight counts, busy instances), the
+    #: listener that forgets instances leaving the endpoint, the feed of the workers' load
+    #: reports into it, and (load-based modes) the selector reading it.
     load: InstanceLoad | None = None
     selector: InstanceSelector | None = None
     prune: Callable[[], None] | None = None
+    busy_reports: BusyReports | None = None
 
 
 class PipelineFactory:
@@ -212,15 +215,34 @@ class PipelineFactory:
             client,
             self._lora_selector(make_selector(mode, seed=self.router_seed)),
             endpoint_name=card.endpoint.path(),
+            load=self._card_load(self._routing(card, client)),
             **codec,
         )
+
+    def _card_load(self, routing: CardRouting) -> InstanceLoad:
+        """The card's load view: busy instances (refusals, and the workers' own load
+        reports) are skipped in every mode; instances leaving the endpoint are forgotten."""
+        if routing.load is not None:
+            return routing.load
+        load = routing.load = InstanceLoad()
+        client = routing.client
+
+        def prune() -> None:
+            load.retain(client.announced_ids())
+
+        client.add_listener(prune)
+        routing.prune = prune
+        if self.event_plane is not None:
+            routing.busy_reports = BusyReports(self.event_plane, routing.card.endpoint, load)
+            routing.busy_reports.start()
+        return load
 
     def _load_selector(self, routing: CardRouting) -> tuple[InstanceLoad, InstanceSelector]:
         """The card's in-flight counts and load-based selector, forgetting instances that
         leave the endpoint."""
-        if routing.load is not None and routing.selector is not None:
-            return routing.load, routing.selector
-        load = InstanceLoad()
+        load = self._card_load(routing)
+        if routing.selector is not None:
+            return load, routing.selector
         accessor = self.device_types
         name = routing.card.display_name
         selector = make_selector(
@@ -230,17 +252,12 @@ class PipelineFactory:
             device_types=(lambda: accessor(name)) if accessor is not None else None,
             cpu_gpu_ratio=self.cpu_gpu_ratio,
         )
-        client = routing.client
-
-        def prune() -> None:
-            load.retain(client.announced_ids())
-
-        client.add_listener(prune)
-        routing.load, routing.selector, routing.prune = load, selector, prune
+        routing.selector = selector
         return load, selector
 
-    def _drop(self, routing: CardRouting) -> KvRouter | None:
-        """Forget ``routing``: returns its KV router, for the caller to close."""
+    async def _drop(self, routing: CardRouting) -> None:
+        """Forget ``routing`` and close what it holds (its KV router, its load-report
+        feed)."""
         if self.cards.get(routing.client) is routing:
             del self.cards[routing.client]
         name = routing.card.display_name
@@ -252,7 +269,11 @@ class PipelineFactory:
             routing.client.remove_listener(routing.prune)
             routing.prune = None
         router, routing.kv_router = routing.kv_router, None
-        return router
+        reports, routing.busy_reports = routing.busy_reports, None
+        if reports is not None:
+            await reports.aclose()
+        if router is not None:
+            await router.close()
 
     def _lora_selector(self, selector: InstanceSelector) -> InstanceSelector:
         return selector if self.lora is None else LoraSelector(selector, self.lora)
@@ -353,17 +374,13 @@ class PipelineFactory:
         routing = self.cards.get(client)
         if routing is None:
             return
-        router = self._drop(routing)
-        if router is not None:
-            await router.close()
+        await self._drop(routing)
 
     async def close(self) -> None:
         for pool in self.prefill_slots.deactivate_all():
             await pool.close()
         for routing in list(self.cards.values()):
-            router = self._drop(routing)
-            if router is not None:
-                await router.close()
+            await self._drop(routing)
 
     async def _tokenizer(self, card: ModelDeploymentCard, client: ModelClient) -> Tokenizer:
         """The card's tokenizer, by content from the workers (or the caches), never from a
