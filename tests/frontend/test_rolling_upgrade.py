@@ -150,17 +150,10 @@ async def test_rolling_upgrade_under_load_fails_no_request(
             await w.stop(drain_timeout=1.0)
         await frontend.stop()
 
+    # A polled store sees the last old worker leave after it stopped taking requests: the
+    # requests tokenized with card A that find no instance of A left run again on card B.
     failed = [r for r in load.results if r[0] != 200]
-    if isinstance(runtime.store, MemoryStore):
-        assert failed == [], f"{len(failed)} of {len(load.results)} requests failed: {failed[:3]}"
-    else:
-        # A polled store: the last old worker stops taking requests before this frontend
-        # sees it leave. Requests already tokenized with card A and sent to it find no other
-        # instance of A, and are not handed to B's instances (B's tokenizer, template or
-        # limits may differ): at most one per client fails, as a retryable 503; the one that
-        # set the worker aside switched the model for every later request.
-        assert len(failed) <= CLIENTS, f"{len(failed)} of {len(load.results)} failed"
-        assert all(status == 503 and "no live instance" in body for status, body in failed)
+    assert failed == [], f"{len(failed)} of {len(load.results)} requests failed: {failed[:3]}"
     switches = frontend.metrics.card_switches.labels(MODEL)._value.get()
     assert switches == 1
 

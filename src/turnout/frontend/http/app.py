@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from turnout.errors import FrontendOverloaded
+from turnout.errors import FrontendOverloaded, NoInstanceAvailable, TurnoutError
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController
 from turnout.frontend.anthropic.api import count_tokens_surface, messages_surface
@@ -48,6 +48,7 @@ from turnout.frontend.http.errors import HttpError, to_http_error
 from turnout.frontend.http.openapi import build_openapi
 from turnout.frontend.http.surface import (
     MAX_SESSION_ID_CHARS,
+    Pipeline,
     Surface,
     SurfaceRequest,
     body_session_key,
@@ -360,6 +361,46 @@ class HttpService:
             endpoint, ModelKind.CHAT if is_chat else ModelKind.COMPLETIONS, decode, serve
         )
 
+    async def _serve_on_served_card(
+        self,
+        surface: Surface,
+        proto: Exchange,
+        pipeline: Pipeline,
+        request: SurfaceRequest,
+        body: bytes,
+        ctx: RequestContext,
+        session_id: str | None,
+    ) -> None:
+        """``surface.serve``, started again on the model's pipeline of the moment when the
+        request found no instance of its own card before anything was sent.
+
+        During a rolling upgrade a request is preprocessed with the card the model served when
+        it arrived; if that card's last instances leave while it is being routed, the model
+        has switched to the new card, whose instances the request may not reach (its tokens
+        and limits are the old card's). It is not lost: it runs again from the start with the
+        new card's pipeline (templating and tokenization included). Bounded: a switch per try.
+        """
+        for attempt in range(1 + _CARD_SWITCH_RETRIES):
+            try:
+                await surface.serve(proto, pipeline, request, body, ctx, session_id)
+                return
+            except NoInstanceAvailable:
+                if attempt == _CARD_SWITCH_RETRIES or ctx.is_cancelled:
+                    raise
+                try:
+                    current = self.manager.get_engine(surface.serves, request.model)
+                except TurnoutError:  # the model itself is gone: the first answer stands
+                    current = pipeline
+                if current is pipeline:
+                    raise
+                log.info(
+                    "request %s: its card has no instance left and %s switched cards; "
+                    "running it on the served card",
+                    ctx.request_id,
+                    request.model,
+                )
+                pipeline = current
+
     async def _generate(self, scope: Scope, proto: Exchange, surface: Surface) -> None:
         endpoint = surface.endpoint
         # The metrics label: a served model's name once resolved, never a client's string.
@@ -397,7 +438,9 @@ class HttpService:
             inflight.inc()
             try:
                 session_id = session_id_from(scope.headers) or request.session_key
-                await surface.serve(proto, pipeline, request, body, ctx, session_id)
+                await self._serve_on_served_card(
+                    surface, proto, pipeline, request, body, ctx, session_id
+                )
             finally:
                 inflight.dec()
                 if ticket is not None:
@@ -431,3 +474,6 @@ class HttpService:
 #: server that closes with the client's bytes unread makes the kernel reset the connection,
 #: and the client sees a reset instead of the 413. Past this, the reset is the lesser cost.
 _DRAIN_BYTES = 4 << 20
+
+#: How many times one request may follow its model to another card (``_serve_on_served_card``).
+_CARD_SWITCH_RETRIES = 2
