@@ -74,7 +74,7 @@ def check_pinned(client: InstanceSource, instance_id: int, endpoint_name: str = 
 
 
 class LiveInstances(Protocol):
-    """The live instances of an endpoint (``runtime.component.EndpointClient``)."""
+    """The live instances of an endpoint (``runtime.endpoint_client.EndpointClient``)."""
 
     def instance_ids(self) -> list[int]:
         """Instances that may take a request now (announced, not set aside)."""
@@ -82,7 +82,7 @@ class LiveInstances(Protocol):
 
 
 class InstanceSource(LiveInstances, Protocol):
-    """What the router needs of an endpoint client (``runtime.component.EndpointClient``)."""
+    """What the router needs of an endpoint client (``runtime.endpoint_client.EndpointClient``)."""
 
     def announced_ids(self) -> Collection[int]:
         """Every instance discovery announces, set aside or not."""

@@ -74,7 +74,7 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class ArtifactSource(Protocol):
-    """What fetching needs of an endpoint client (``runtime.component.EndpointClient``)."""
+    """What fetching needs of an endpoint client (``runtime.endpoint_client.EndpointClient``)."""
 
     @property
     def endpoint(self) -> EndpointId: ...
