@@ -241,18 +241,27 @@ class ModelMetrics:
 
 
 class StreamTimer:
-    """Per-request latency bookkeeping: TTFT at the first token, ITL between later ones."""
+    """Per-request latency bookkeeping: TTFT at the request's first token, ITL between the
+    later tokens of one choice (``n`` > 1: each choice's gaps are its own, not the interleaving
+    of several choices' tokens)."""
 
-    __slots__ = ("_itl", "_last", "_ttft", "start", "ttft_s")
+    __slots__ = ("_itl", "_last", "_lasts", "_ttft", "start", "ttft_s")
 
     def __init__(self, metrics: ModelMetrics) -> None:
         self.start = time.perf_counter()
         self._ttft = metrics.ttft
         self._itl = metrics.itl
         self._last = 0.0
+        #: ``n`` > 1: each choice's last token time (0.0: none yet).
+        self._lasts: list[float] = []
         self.ttft_s: float | None = None
 
+    def per_choice(self, n: int) -> None:
+        """Time ``n`` choices, each through ``on_choice_tokens``."""
+        self._lasts = [0.0] * n
+
     def on_tokens(self) -> None:
+        """One choice's tokens arrived (the request has one choice)."""
         now = time.perf_counter()
         if self.ttft_s is None:
             self.ttft_s = now - self.start
@@ -260,6 +269,17 @@ class StreamTimer:
         else:
             self._itl.observe(now - self._last)
         self._last = now
+
+    def on_choice_tokens(self, index: int) -> None:
+        """Tokens of choice ``index`` arrived (after ``per_choice``)."""
+        now = time.perf_counter()
+        lasts = self._lasts
+        if self.ttft_s is None:
+            self.ttft_s = now - self.start
+            self._ttft.observe(self.ttft_s)
+        elif lasts[index]:
+            self._itl.observe(now - lasts[index])
+        lasts[index] = now
 
 
 class _HttpCollector(Collector):

@@ -216,6 +216,7 @@ class ChatRun:
             output = choice_output(pipeline, self.request, sub, keep=keep)
             self.choices.append(Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, output))
         self._queue = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * n)
+        self._timer.per_choice(n)
 
     # ---------------------------------------------------------------- output
 
@@ -289,7 +290,10 @@ class ChatRun:
 
     def _take(self, choice: Choice, delta: DecodedDelta, writer: RunWriter) -> bytes:
         """What a delta that brings tokens adds to ``choice``, as the writer writes it."""
-        self._timer.on_tokens()
+        if self._queue is None:
+            self._timer.on_tokens()
+        else:
+            self._timer.on_choice_tokens(choice.index)
         if choice.plain_text is not None:
             return choice.plain_text(delta.text) if delta.text else b""
         piece = choice.output.take(delta)
