@@ -71,6 +71,8 @@ class RecordingFactory:
         #: The cards ``serving`` named, and those released, in order.
         self.serving_cards: list[ModelDeploymentCard] = []
         self.released: list[ModelDeploymentCard] = []
+        #: What ``release`` raises, once it has recorded the card (None: nothing).
+        self.release_error: Exception | None = None
         #: The routing view each card's pipelines were last built with, by checksum.
         self.views: dict[str, AcceptedInstances] = {}
         #: (kind, model) pairs whose build raises.
@@ -125,6 +127,8 @@ class RecordingFactory:
 
     async def release(self, card: ModelDeploymentCard, client: ModelClient) -> None:
         self.released.append(card)
+        if self.release_error is not None:
+            raise self.release_error
 
     def kinds(self) -> list[tuple[str, str]]:
         return [(kind, model) for kind, model, _ in self.calls]
@@ -547,6 +551,31 @@ async def test_last_served_instance_leaving_switches_to_the_largest_standby_card
     # Every card's routing state is released with the model.
     released = [c for c in h.factory.released if c.display_name == "llama"]
     assert sorted(c.context_length for c in released) == [2048, 4096, 8192]
+
+
+async def test_a_failed_release_is_logged_not_lost(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Releasing a card's routing state runs beside the event that dropped it: a failure
+    there is logged as an error (it would otherwise vanish with its task)."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    h.factory.release_error = RuntimeError("the KV router would not close")
+    worker = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    await worker.stop()
+    # The model is removed all the same: both its kinds are reported gone.
+    assert {await h.next_update(), await h.next_update()} == {
+        ModelUpdate.Removed(ModelType.Chat),
+        ModelUpdate.Removed(ModelType.Completions),
+    }
+
+    def logged() -> bool:
+        return any(
+            r.levelno == logging.ERROR and "would not close" in r.getMessage()
+            for r in caplog.records
+        )
+
+    await until(logged)
 
 
 async def test_served_card_unreachable_switches_to_a_reachable_standby(

@@ -963,9 +963,16 @@ class ModelWatcher:
         self._background(self._factory.release(card, view))
 
     def _background(self, work: Coroutine[object, object, None]) -> None:
+        """Run ``work`` beside the event it came from (closing is awaited at ``stop``); its
+        failure is logged, never lost with the task."""
         task = asyncio.get_running_loop().create_task(work)
         self._pending_sends.add(task)
-        task.add_done_callback(self._pending_sends.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._pending_sends.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("model watcher: background work failed: %r", exc, exc_info=exc)
 
     # -- DELETE ---------------------------------------------------------------------------------
 
@@ -1027,7 +1034,13 @@ class ModelWatcher:
             endpoint.client.remove_listener(endpoint.listener)
             await _close_client(endpoint.client)
         for group in model.groups():
-            await self._factory.release(group.card, group.view)
+            try:
+                await self._factory.release(group.card, group.view)
+            except Exception as exc:  # the model is gone all the same: say so, go on
+                log.error(
+                    "model %s: releasing the routing state of card %s failed: %r",
+                    name, group.card.checksum(), exc, exc_info=exc,
+                )  # fmt: skip
         log.info("removed model model=%s", name)
         for model_type in emptied:
             await self._send(ModelUpdate.Removed(model_type))
