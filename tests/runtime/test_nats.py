@@ -445,6 +445,40 @@ async def test_first_use_while_nats_is_frozen_fails_fast_and_starts_over(
         await c.close()
 
 
+class _ClosedAsStartEnds(NatsClient):
+    """Closes itself the moment its start-up ends, before the stream that started it resumes:
+    the close task's first step is queued ahead of the start task's completion callbacks."""
+
+    closing: asyncio.Task[None] | None = None
+
+    async def _start(self) -> None:
+        await super()._start()
+        self.closing = asyncio.get_running_loop().create_task(self.close())
+
+
+async def test_close_while_the_first_stream_starts_the_client_fails_that_stream(
+    conn: NatsConnection,
+) -> None:
+    """A client closed between its start-up finishing and the first stream resuming: the
+    stream is PeerUnavailable at once (its inbox would otherwise be registered after the
+    idle monitor was cancelled, and nothing would ever end it), and no outbox is left."""
+    server = NatsServer(conn, heartbeat_interval=0.05)
+    server.register("p", ticks)
+    client = _ClosedAsStartEnds(conn, heartbeat_interval=0.05, idle_timeout=0.5)
+    try:
+        address = await server.start()
+        with pytest.raises(PeerUnavailable, match="closed"):
+            async with asyncio.timeout(3):
+                await collect(client.stream(address, "p", b"3", RequestContext()))
+        assert client.closing is not None
+        async with asyncio.timeout(3):
+            await client.closing
+        assert not client._inboxes and client._outbox is None
+    finally:
+        await client.close()
+        await server.stop(drain_timeout=0)
+
+
 async def test_server_start_while_nats_is_frozen_is_a_clear_error(
     own_nats: NatsServerProcess,
 ) -> None:

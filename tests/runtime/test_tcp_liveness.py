@@ -17,7 +17,7 @@ from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane import TcpClient, TcpServer
 from turnout.runtime.request_plane.base import PeerState
 from turnout.runtime.request_plane.framing import Frame, FrameReader, FrameWriter, Kind
-from turnout.runtime.request_plane.tcp.client import split_address
+from turnout.runtime.request_plane.tcp.client import _ClientConnection, split_address
 
 
 async def slow(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
@@ -259,3 +259,60 @@ async def test_a_silent_peer_is_reported_then_gone() -> None:
     finally:
         await client.close()
         await server.stop()
+
+
+class _LostAsConnectEnds(TcpClient):
+    """Its connections are lost the moment they are made: ``connection_lost`` is queued ahead
+    of the callers resuming from the connect, as when the peer resets a fresh connection."""
+
+    async def _connect(self, address: str) -> _ClientConnection:
+        conn = await super()._connect(address)
+        assert conn.transport is not None
+        conn.transport.abort()
+        return conn
+
+
+async def test_a_connection_lost_before_the_request_is_sent_is_peer_unavailable() -> None:
+    """The caller resumes from the connect on a connection already lost: its stream is
+    PeerUnavailable at once, not a request dropped unsent and a stream nothing ever ends."""
+    server = TcpServer()
+    client = _LostAsConnectEnds(idle_timeout=0.2)
+    try:
+        address = await serve(server)
+        with pytest.raises(PeerUnavailable, match="connection lost"):
+            async with asyncio.timeout(3):
+                await collect(client, address, "slow", b"0")
+    finally:
+        await client.close()
+        await server.stop()
+
+
+class _HeldConnect(TcpClient):
+    """Its connects never finish: they wait until ``close()`` cancels them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connecting = asyncio.Event()
+
+    async def _connect(self, address: str) -> _ClientConnection:
+        self.connecting.set()
+        await asyncio.get_running_loop().create_future()
+        raise AssertionError("unreachable: the future is never resolved")
+
+
+async def test_close_during_a_connect_is_peer_unavailable_for_its_callers() -> None:
+    """``close()`` cancels the connects in flight: their callers get PeerUnavailable (the
+    client is closed), not a bare CancelledError that reads as their own cancellation."""
+    client = _HeldConnect()
+    address = TransportAddress(kind="tcp", address="127.0.0.1:9")
+    caller = asyncio.ensure_future(collect(client, address, "slow", b"0"))
+    try:
+        async with asyncio.timeout(3):
+            await client.connecting.wait()
+        await client.close()
+        with pytest.raises(PeerUnavailable, match="closed"):
+            async with asyncio.timeout(3):
+                await caller
+    finally:
+        caller.cancel()
+        await client.close()

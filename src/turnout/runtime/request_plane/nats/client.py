@@ -202,6 +202,8 @@ class NatsClient(RequestPlaneClient):
             )
         if self._outbox is None:
             await self._ensure_started(server)
+            if self._closed:  # closed while starting: the monitor is gone, nothing would end it
+                raise PeerUnavailable("nats request plane client is closed")
         if not self.conn.is_connected:
             raise PeerUnavailable(f"nats peer {server}: not connected to NATS")
         assert self._outbox is not None
@@ -361,4 +363,5 @@ class NatsClient(RequestPlaneClient):
             with contextlib.suppress(Exception):  # the connection may be closed already
                 await sub.unsubscribe()
         if self._outbox is not None:
-            await self._outbox.close()
+            outbox, self._outbox = self._outbox, None
+            await outbox.close()

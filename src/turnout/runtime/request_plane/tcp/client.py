@@ -113,7 +113,12 @@ class _ClientConnection(_Connection):
         )
 
     def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, Inbox]:
-        if not self._verified and self._handshake_timer is None and not self._closing:
+        """Send a request on a new stream; ``PeerUnavailable`` on a connection already closing
+        or lost (its request would be dropped, and nothing would ever end the stream)."""
+        if not self.is_open:
+            reason = f": {self._lost_reason}" if self._lost_reason else ""
+            raise PeerUnavailable(f"tcp peer {self.address}: connection lost{reason}")
+        if not self._verified and self._handshake_timer is None:
             timeout = self.client.handshake_timeout
             if timeout > 0:
                 self._handshake_timer = self._loop.call_later(timeout, self._check_handshake)
@@ -262,7 +267,19 @@ class TcpClient(RequestPlaneClient):
             self._connecting[address] = task
             task.add_done_callback(self._connected)
         # shield: one caller giving up must not abort the connect the others wait for.
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # close() cancelled the connect, not this caller: a closed client, not a cancel.
+            current = asyncio.current_task()
+            if (
+                task.cancelled()
+                and self._closed
+                and current is not None
+                and not current.cancelling()
+            ):
+                raise PeerUnavailable("tcp request plane client is closed") from None
+            raise
 
     def _connected(self, task: asyncio.Task[_ClientConnection]) -> None:
         for address, pending in list(self._connecting.items()):
