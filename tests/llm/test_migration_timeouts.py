@@ -19,7 +19,7 @@ from turnout.errors import (
     RequestTimedOut,
     StreamBroken,
 )
-from turnout.llm.migration import Migration
+from turnout.llm.migration import FIRST_TOKEN_RETRIES, Migration
 from turnout.protocols.llm import (
     ErrorKind,
     FinishReason,
@@ -289,3 +289,85 @@ async def test_tokens_merged_into_an_error_output_reach_the_client_before_migrat
     script = Script([broken], [tok(3, finish=FinishReason.LENGTH)])
     assert await collect(Migration(script, migration_limit=1), request()) == [1, 2, 3]
     assert script.requests[1].token_ids == [7, 8, 1, 2]
+
+
+async def test_an_engine_that_fails_every_prompt_costs_a_bounded_number_of_instances() -> None:
+    """A prompt that crashes engines goes to 1 + FIRST_TOKEN_RETRIES instances without
+    spending the budget, then spends it, never to every instance the routers have."""
+    script = Script(*([err(ErrorKind.ENGINE_FAILED, "crash")] for _ in range(10)))
+    down: list[int] = []
+    with pytest.raises(StreamBroken, match="crash"):
+        await collect(Migration(script, migration_limit=0, report_down=down.append), request())
+    assert len(script.requests) == 1 + FIRST_TOKEN_RETRIES
+    assert down == [100 + i for i in range(1 + FIRST_TOKEN_RETRIES)]
+
+    script = Script(*([err(ErrorKind.ENGINE_FAILED, "crash")] for _ in range(10)))
+    ctx = RequestContext("r")
+    stream = Migration(script, migration_limit=2).generate(request(), ctx)
+    with pytest.raises(StreamBroken, match="crash"):
+        async for _ in stream:
+            pass
+    assert len(script.requests) == 1 + FIRST_TOKEN_RETRIES + 2
+    assert ctx.metadata["migrations"] == 2
+    # Each instance it was sent away from is avoided, the budgeted ones included.
+    assert ctx.metadata[AVOID_METADATA] == {100 + i for i in range(FIRST_TOKEN_RETRIES + 2)}
+
+
+async def test_a_prompt_slower_than_the_ttft_limit_everywhere_is_bounded() -> None:
+    script = Script(*([HANG] for _ in range(10)))
+    down: list[int] = []
+    migration = Migration(script, migration_limit=0, ttft_timeout=0.01, report_down=down.append)
+    with pytest.raises(StreamBroken, match="time to first token"):
+        await collect(migration, request())
+    assert len(script.requests) == 1 + FIRST_TOKEN_RETRIES
+    assert down == [100 + i for i in range(1 + FIRST_TOKEN_RETRIES)]
+
+
+async def test_refusals_before_the_first_token_spend_no_budget() -> None:
+    refusals = [[err(ErrorKind.OVERLOADED, "full")] for _ in range(5)]
+    script = Script(*refusals, [tok(1, finish=FinishReason.LENGTH)])
+    busy: list[int] = []
+    migration = Migration(script, migration_limit=0, report_busy=busy.append)
+    assert await collect(migration, request()) == [1]
+    assert busy == [100, 101, 102, 103, 104]
+
+
+class Instances:
+    """Routes like the routers below: the first instance not in the request's avoid list
+    that has an attempt scripted (each attempt a list as in ``Script``)."""
+
+    def __init__(self, scripts: dict[int, list[list[object]]]) -> None:
+        self.scripts = scripts
+        self.picked: list[int] = []
+
+    async def __call__(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        avoid = ctx.metadata.get(AVOID_METADATA, ())
+        free = [i for i, attempts in self.scripts.items() if attempts and i not in avoid]
+        if not free:
+            raise NoInstanceAvailable(f"no instance left (avoided: {sorted(avoid)})")
+        instance = free[0]
+        self.picked.append(instance)
+        ctx.metadata["worker_instance_id"] = instance
+        for item in self.scripts[instance].pop(0):
+            assert isinstance(item, LLMEngineOutput)
+            yield item
+
+
+@pytest.mark.parametrize("timed", [False, True])
+async def test_a_migration_after_the_first_token_may_go_where_it_was_refused(timed: bool) -> None:
+    """A refused the request, B streamed then died: the migration goes to A, which has
+    room now, rather than failing for want of an instance."""
+    instances = Instances(
+        {
+            1: [[err(ErrorKind.OVERLOADED, "full")], [tok(2), tok(3, finish=FinishReason.LENGTH)]],
+            2: [[tok(1), err(ErrorKind.ENGINE_FAILED, "died")]],
+        }
+    )
+    migration = Migration(instances, migration_limit=1, stall_timeout=60 if timed else 0)
+    ctx = RequestContext("r")
+    stream = migration.generate(request(), ctx)
+    assert [t async for o in stream for t in o.token_ids] == [1, 2, 3]
+    assert instances.picked == [1, 2, 1]
+    assert AVOID_METADATA not in ctx.metadata

@@ -15,15 +15,25 @@ has tokens; before its first token see below):
   ``stall_timeout`` seconds after its last output. The stalled attempt is cancelled (the
   worker is told) and its instance is set aside (``report_down``).
 
-Before the first token: a request whose attempt broke (any of the above) or was refused as
-``overloaded`` before the request received any token is sent to another instance without
-spending the migration budget (there is nothing to continue: it simply starts elsewhere).
-The instances it failed on are listed under ``AVOID_METADATA`` in its context, which the
-routers below leave out; an ``overloaded`` instance is also reported busy (``report_busy``)
-so that other requests skip it for a while. This goes on while the request's deadline
-allows and an untried instance remains (at most ``MAX_AVOIDED``): when the routers find none
-left, or the deadline has passed, the last failure is raised (``EngineOverloaded``, 503,
-when every instance tried was overloaded). A pinned request is never sent elsewhere.
+Before the first token there is nothing to continue: the request simply starts again on
+another instance, and the instances it failed on are listed under ``AVOID_METADATA`` in its
+context, which the routers below leave out. How often depends on what happened there:
+
+* a refusal, where nothing ran (``overloaded``): the instance is also reported busy
+  (``report_busy``) so that other requests skip it for a while, and the request goes on to
+  another without spending the migration budget, while an untried instance remains (at most
+  ``MAX_AVOIDED``); when none is left the refusal is raised (``EngineOverloaded``, 503).
+  An unreachable instance (``PeerUnavailable``, nothing was delivered) is the push router's
+  business and never reaches here;
+* a failure where the engine ran (a broken stream, ``engine_failed``, a TTFT stall): the
+  first ``FIRST_TOKEN_RETRIES`` go elsewhere without spending the budget, the rest spend it
+  as mid-stream failures do. A prompt that crashes engines or is slower than the TTFT limit
+  everywhere so costs a bounded number of instances, never every one.
+
+Either way the request's deadline must allow it, and when the routers find no instance left
+the last failure is raised. A pinned request is never sent elsewhere. The avoided instances
+matter only for starting the request: a migration after its first token may go to any
+instance (one that refused it moments ago may well have room now).
 
 Deadlines: ``request_timeout`` (or the request's own ``request_timeout``) bounds the whole
 request, migrations included; past it the attempt is cancelled and ``RequestTimedOut`` is
@@ -58,7 +68,13 @@ from turnout.errors import (
     StreamBroken,
 )
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
-from turnout.runtime.context import AVOID_METADATA, DEADLINE_METADATA, RequestContext
+from turnout.runtime.context import (
+    AVOID_METADATA,
+    DEADLINE_METADATA,
+    MAX_AVOIDED,
+    STALLED_METADATA,
+    RequestContext,
+)
 
 log = logging.getLogger("turnout.migration")
 
@@ -70,8 +86,9 @@ _ENGINE_FAILED = ErrorKind.ENGINE_FAILED.value
 _BAD_REQUEST = ErrorKind.BAD_REQUEST.value
 _OVERLOADED = ErrorKind.OVERLOADED.value
 
-#: Most instances one request is sent away from before its first token.
-MAX_AVOIDED = 64
+#: Failures where the engine ran (not refusals) before the first token that send the request
+#: elsewhere without spending the migration budget.
+FIRST_TOKEN_RETRIES = 2
 
 #: Why a watchdog fired.
 _DEADLINE = "deadline"
@@ -84,14 +101,31 @@ class _Watchdog:
     Written by the stream loop: ``since`` (when the current wait for the upstream began),
     ``limit`` (the allowed silence: TTFT before an attempt's first output, then the stall
     timeout; ``inf`` for none), ``waiting`` (awaiting the upstream now). Written by the
-    timer: ``fired`` (why it cancelled the task), read and cleared by the loop.
+    timer: ``fired`` (why it cancelled the task), read and cleared by the loop. A stall is
+    also marked in ``ctx`` (``STALLED_METADATA``) before the cancellation, for the stages below.
     """
 
-    __slots__ = ("_handle", "_loop", "_task", "deadline", "fired", "limit", "since", "waiting")
+    __slots__ = (
+        "_ctx",
+        "_handle",
+        "_loop",
+        "_task",
+        "deadline",
+        "fired",
+        "limit",
+        "since",
+        "waiting",
+    )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[object]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        task: asyncio.Task[object],
+        ctx: RequestContext | None = None,
+    ) -> None:
         self._loop = loop
         self._task = task
+        self._ctx = ctx
         self._handle: asyncio.TimerHandle | None = None
         self.deadline = math.inf
         self.limit = math.inf
@@ -121,6 +155,8 @@ class _Watchdog:
                 self.fired = _DEADLINE
             elif now >= self.since + self.limit:
                 self.fired = _STALL
+                if self._ctx is not None:
+                    self._ctx.metadata[STALLED_METADATA] = True
             if self.fired is not None:
                 self._task.cancel()
                 return
@@ -140,13 +176,15 @@ class _Watchdog:
 
 class _Progress:
     """One request's state across its attempts: the tokens it received, the migrations it
-    spent, and (before its first token) the instances it failed on and the last failure."""
+    spent, and (before its first token) the instances it failed on, the failures where the
+    engine ran that it was sent elsewhere for unbudgeted, and the last failure."""
 
-    __slots__ = ("avoid", "failure", "generated", "migrations")
+    __slots__ = ("avoid", "failure", "first_token_retries", "generated", "migrations")
 
     def __init__(self) -> None:
         self.generated: list[int] = []
         self.migrations = 0
+        self.first_token_retries = 0
         self.avoid: set[int] = set()
         self.failure: StreamBroken | EngineOverloaded | None = None
 
@@ -233,7 +271,7 @@ class Migration:
         task = asyncio.current_task()
         assert task is not None
         time = loop.time
-        watch = _Watchdog(loop, task)
+        watch = _Watchdog(loop, task, ctx)
         if timeout:
             watch.deadline = ctx.metadata[DEADLINE_METADATA] = time() + timeout
         ttft, stall = self._ttft, self._stall
@@ -264,6 +302,7 @@ class Migration:
                             return
                         except asyncio.CancelledError:
                             fired, watch.fired = watch.fired, None
+                            ctx.metadata.pop(STALLED_METADATA, None)
                             if fired is None or task.uncancel() > 0:
                                 raise
                             if fired == _DEADLINE:
@@ -333,15 +372,28 @@ class Migration:
         deadline: float,
     ) -> PreprocessedRequest:
         """The request to send after ``exc`` ended an attempt, or ``exc`` raised: the same
-        request elsewhere before the first token, else a migration (counted)."""
-        if not progress.generated and self._send_elsewhere(exc, request, ctx, progress, deadline):
-            return request
+        request elsewhere before the first token (unbudgeted for a refusal and the first
+        ``FIRST_TOKEN_RETRIES`` failures, then counted), else a migration (counted)."""
+        generated = progress.generated
         if isinstance(exc, EngineOverloaded):
+            if not generated and self._send_elsewhere(exc, request, ctx, progress, deadline):
+                return request
             raise exc
-        progress.migrations = self._migrate(
-            exc, request, ctx, progress.migrations, progress.generated
-        )
-        return request.continued(progress.generated)
+        if generated:
+            # Instances avoided for starting the request are candidates again.
+            progress.avoid.clear()
+            ctx.metadata.pop(AVOID_METADATA, None)
+            progress.migrations = self._migrate(exc, request, ctx, progress.migrations, generated)
+            return request.continued(generated)
+        if progress.first_token_retries < FIRST_TOKEN_RETRIES and self._send_elsewhere(
+            exc, request, ctx, progress, deadline
+        ):
+            progress.first_token_retries += 1
+            return request
+        progress.migrations = self._migrate(exc, request, ctx, progress.migrations, generated)
+        self._avoid(ctx, progress)
+        progress.failure = exc
+        return request
 
     def _send_elsewhere(
         self,
@@ -351,28 +403,41 @@ class Migration:
         progress: _Progress,
         deadline: float,
     ) -> bool:
-        """Whether a request without tokens yet may start again on another instance (its
-        failed instance added to the ones the routers avoid)."""
+        """Whether a request without tokens yet may start again on another instance without
+        spending the migration budget (its failed instance added to the ones the routers
+        avoid). A refusal needs to know which instance refused; a failure need not (a
+        prefill worker that stalled is set aside by the prefill router)."""
         if ctx.is_cancelled or request.backend_instance_id is not None:
             return False
         instance = ctx.metadata.get("worker_instance_id")
-        avoid = progress.avoid
-        if not isinstance(instance, int) or instance in avoid or len(avoid) >= MAX_AVOIDED:
+        if isinstance(instance, int):
+            if instance in progress.avoid or len(progress.avoid) >= MAX_AVOIDED:
+                return False
+        elif isinstance(exc, EngineOverloaded):
             return False
         if deadline != math.inf and asyncio.get_running_loop().time() >= deadline:
             return False
-        avoid.add(instance)
-        ctx.metadata[AVOID_METADATA] = avoid
-        del ctx.metadata["worker_instance_id"]
+        self._avoid(ctx, progress)
         progress.failure = exc
         log.warning(
-            "request %s: instance %x failed before the first token (%s); trying another (%d tried)",
+            "request %s: instance %s failed before the first token (%s); trying another "
+            "(%d avoided)",
             ctx.request_id,
-            instance,
+            f"{instance:x}" if isinstance(instance, int) else "?",
             exc,
-            len(avoid),
+            len(progress.avoid),
         )
         return True
+
+    @staticmethod
+    def _avoid(ctx: RequestContext, progress: _Progress) -> None:
+        """List the attempt's instance (if known, under ``MAX_AVOIDED``) among the ones the
+        routers leave out for this request."""
+        instance = ctx.metadata.pop("worker_instance_id", None)
+        avoid = progress.avoid
+        if isinstance(instance, int) and len(avoid) < MAX_AVOIDED:
+            avoid.add(instance)
+            ctx.metadata[AVOID_METADATA] = avoid
 
     def _migrate(
         self,

@@ -34,15 +34,12 @@ from turnout.errors import (
 from turnout.protocols.llm import ErrorKind
 from turnout.protocols.unary import UnaryReply
 from turnout.router.push_router import PIN_METADATA
-from turnout.runtime.context import AVOID_METADATA, RequestContext
+from turnout.runtime.context import AVOID_METADATA, MAX_AVOIDED, RequestContext
 
 log = logging.getLogger("turnout.router")
 
 Req = TypeVar("Req")
 Reply = TypeVar("Reply", bound=UnaryReply)
-
-#: Most instances one request is sent away from after ``overloaded`` replies.
-MAX_AVOIDED = 64
 
 
 class UnaryCaller(Generic[Req, Reply]):

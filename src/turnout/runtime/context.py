@@ -14,6 +14,13 @@ DEADLINE_METADATA = "deadline"
 #: (a ``set[int]``, set by migration): they failed or answered ``overloaded`` before its first
 #: token, and it is being tried on another.
 AVOID_METADATA = "avoid_instances"
+#: Most instances one request's ``AVOID_METADATA`` lists (it is sent away from at most this
+#: many before it fails).
+MAX_AVOIDED = 64
+#: ``RequestContext.metadata`` key: set (``True``) by migration's watchdog just before it
+#: cancels an attempt that stalled, so that a stage below that catches the cancellation can
+#: tell a stalled worker (set it aside) from a client that went away or a deadline.
+STALLED_METADATA = "stalled"
 
 
 class RequestContext:
