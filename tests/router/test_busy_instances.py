@@ -5,6 +5,7 @@ an injected clock; and migration reports the refusal and sends the request elsew
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,6 +21,7 @@ from turnout.router.load_reports import BusyReports
 from turnout.router.push_router import PushRouter
 from turnout.router.selectors import InstanceSelector, RandomSelector, RoundRobinSelector
 from turnout.runtime.context import AVOID_METADATA, RequestContext
+from turnout.runtime.event_plane.base import DEFAULT_MAX_PENDING
 from turnout.runtime.event_plane.local import LocalEventPlane
 
 HOLD = 5.0
@@ -209,7 +211,7 @@ async def test_busy_reports_reach_the_load_view_over_the_event_plane() -> None:
     endpoint = EndpointId(namespace="ns", component="backend", name="generate")
     plane = LocalEventPlane()
     load = InstanceLoad()
-    reports = BusyReports(plane, endpoint, load)
+    reports = BusyReports(plane, endpoint, load, announced={7}.__contains__)
     reports.start()
     publisher = await plane.publisher("ns", "backend")
     try:
@@ -226,3 +228,83 @@ async def test_busy_reports_reach_the_load_view_over_the_event_plane() -> None:
         await publisher.close()
         await reports.aclose()
         await plane.close()
+
+
+async def test_busy_reports_of_instances_the_endpoint_does_not_announce_are_dropped() -> None:
+    """The load topic is the component's: reports of another endpoint's instances (or ids
+    never announced) must not grow the load view."""
+    endpoint = EndpointId(namespace="ns", component="backend", name="generate")
+    plane = LocalEventPlane()
+    load = InstanceLoad()
+    reports = BusyReports(plane, endpoint, load, announced={7}.__contains__)
+    reports.start()
+    publisher = await plane.publisher("ns", "backend")
+    try:
+        stranger = _encode(LoadReport(worker_id=8, busy=True))
+        ours = _encode(LoadReport(worker_id=7, busy=True))
+
+        def fed() -> bool:
+            publisher.publish_nowait(LOAD_TOPIC, stranger)
+            publisher.publish_nowait(LOAD_TOPIC, ours)
+            return load.is_busy(7)
+
+        await eventually(fed, what="instance 7 busy")
+        assert not load.is_busy(8)
+        assert load.not_busy([7, 8]) == [8]
+    finally:
+        await publisher.close()
+        await reports.aclose()
+        await plane.close()
+
+
+class FlakyPlane(LocalEventPlane):
+    """A local event plane whose first ``failures`` subscriptions fail."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def subscribe(
+        self, namespace: str, component: str, topic: str, *, max_pending: int = DEFAULT_MAX_PENDING
+    ) -> Any:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError("event plane unreachable")
+        return await super().subscribe(namespace, component, topic, max_pending=max_pending)
+
+
+async def test_a_failed_subscription_is_made_again() -> None:
+    endpoint = EndpointId(namespace="ns", component="backend", name="generate")
+    plane = FlakyPlane(failures=2)
+    load = InstanceLoad()
+    reports = BusyReports(
+        plane, endpoint, load, announced={7}.__contains__, retry_min_s=0.001, retry_max_s=0.01
+    )
+    reports.start()
+    publisher = await plane.publisher("ns", "backend")
+    try:
+        busy = _encode(LoadReport(worker_id=7, busy=True))
+
+        def reported() -> bool:
+            publisher.publish_nowait(LOAD_TOPIC, busy)
+            return load.is_busy(7)
+
+        await eventually(reported, what="instance 7 busy after two failed subscriptions")
+        assert reports.failures == 2
+    finally:
+        await publisher.close()
+        await reports.aclose()
+        await plane.close()
+
+
+async def test_closing_a_feed_never_raises() -> None:
+    """``aclose`` runs where a card's routing is torn down: it must not abort the rest."""
+    endpoint = EndpointId(namespace="ns", component="backend", name="generate")
+    plane = FlakyPlane(failures=1_000_000)
+    reports = BusyReports(
+        plane, endpoint, InstanceLoad(), announced={7}.__contains__, retry_min_s=0.001
+    )
+    reports.start()
+    await eventually(lambda: reports.failures >= 2, what="failed subscriptions")
+    await reports.aclose()
+    await plane.close()

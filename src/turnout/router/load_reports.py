@@ -5,12 +5,23 @@ them for its own decisions). ``BusyReports`` subscribes to them for one endpoint
 each report's ``busy`` flag (the worker refuses new requests now: its waiting queue is at its
 bound) into the push router's ``InstanceLoad``, so that round-robin, random and the load-based
 modes skip an instance that says it would refuse, as the KV router does.
+
+The topic is the component's, shared by its other endpoints (and other cards' instances):
+only reports of instances ``announced`` for this endpoint are fed, so the load view holds
+state for this endpoint's instances alone.
+
+A subscription that fails (the event plane is unreachable, its transport raised) is logged
+and made again after a backoff that doubles up to ``retry_max_s``: the busy view must not
+stop for good on one failure. The feed ends when its subscription ends (its plane closed it)
+or on ``aclose``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from turnout.protocols.kv import LOAD_TOPIC, LoadReport
@@ -20,16 +31,38 @@ from turnout.runtime.event_plane import EventPlane
 
 __all__ = ["BusyReports"]
 
+log = logging.getLogger("turnout.router")
+
+#: First wait before subscribing again after a failure, and the most it grows to.
+RETRY_MIN_S = 0.1
+RETRY_MAX_S = 5.0
+
 
 class BusyReports:
-    """Feeds ``endpoint``'s load reports into ``load`` from ``start`` until ``close`` (both
-    synchronous: the subscription lives in the feed's own task, which closes it)."""
+    """Feeds ``endpoint``'s load reports into ``load`` from ``start`` until ``aclose``
+    (the subscription lives in the feed's own task, which closes it). ``announced(id)``:
+    whether the instance belongs to the endpoint (reports of others are dropped)."""
 
-    def __init__(self, plane: EventPlane[Any, Any], endpoint: EndpointId, load: InstanceLoad):
+    def __init__(
+        self,
+        plane: EventPlane[Any, Any],
+        endpoint: EndpointId,
+        load: InstanceLoad,
+        announced: Callable[[int], bool],
+        *,
+        retry_min_s: float = RETRY_MIN_S,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
         self._plane = plane
         self._endpoint = endpoint
         self.load = load
+        self._announced = announced
+        self._retry_min_s = retry_min_s
+        self._retry_max_s = retry_max_s
         self._task: asyncio.Task[None] | None = None
+        self._backoff = retry_min_s
+        #: Subscriptions that failed (for logs and tests).
+        self.failures = 0
 
     def start(self) -> None:
         """Subscribe and feed, in a task of the running loop."""
@@ -38,25 +71,44 @@ class BusyReports:
         )
 
     async def _run(self) -> None:
+        while True:
+            try:
+                await self._feed()
+                return  # the plane closed the subscription
+            except Exception as exc:
+                self.failures += 1
+                backoff = self._backoff
+                log.warning(
+                    "load reports of %s: subscription failed (%s); subscribing again in %gs",
+                    self._endpoint.path(),
+                    exc,
+                    backoff,
+                )
+            await asyncio.sleep(backoff)
+            self._backoff = min(backoff * 2, self._retry_max_s)
+
+    async def _feed(self) -> None:
         endpoint = self._endpoint
         sub = await self._plane.subscribe(endpoint.namespace, endpoint.component, LOAD_TOPIC)
+        self._backoff = self._retry_min_s  # subscribed: a later failure starts over
         try:
             on_report = self.load.on_load_report
+            announced = self._announced
             async for report in sub.messages(LoadReport):
-                on_report(report.worker_id, report.dp_rank, report.busy)
+                if announced(report.worker_id):
+                    on_report(report.worker_id, report.dp_rank, report.busy)
         finally:
             await sub.close()
 
-    def close(self) -> None:
-        """Stop feeding (the task ends, closing its subscription)."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
     async def aclose(self) -> None:
-        """``close``, and wait until the subscription is closed."""
+        """Stop feeding and wait until the subscription is closed. Never raises (a feed
+        that failed closing is logged): closing a card's routing must go on past it."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except Exception:
+                log.exception("load reports of %s: closing the feed failed", self._endpoint.path())

@@ -233,7 +233,12 @@ class PipelineFactory:
         client.add_listener(prune)
         routing.prune = prune
         if self.event_plane is not None:
-            routing.busy_reports = BusyReports(self.event_plane, routing.card.endpoint, load)
+            routing.busy_reports = BusyReports(
+                self.event_plane,
+                routing.card.endpoint,
+                load,
+                announced=lambda instance_id: client.get_instance(instance_id) is not None,
+            )
             routing.busy_reports.start()
         return load
 
@@ -270,10 +275,12 @@ class PipelineFactory:
             routing.prune = None
         router, routing.kv_router = routing.kv_router, None
         reports, routing.busy_reports = routing.busy_reports, None
-        if reports is not None:
-            await reports.aclose()
-        if router is not None:
-            await router.close()
+        try:
+            if reports is not None:
+                await reports.aclose()
+        finally:
+            if router is not None:
+                await router.close()
 
     def _lora_selector(self, selector: InstanceSelector) -> InstanceSelector:
         return selector if self.lora is None else LoraSelector(selector, self.lora)
