@@ -26,6 +26,7 @@ from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery import MemoryStore
 from turnout.runtime.endpoint_client import EndpointClient
+from turnout.runtime.request_plane.base import PeerState
 from turnout.runtime.request_plane.tcp import TcpClient
 from turnout.runtime.request_plane.tcp.client import HANDSHAKE_TIMEOUT
 from turnout.runtime.serving import handler_path
@@ -104,6 +105,24 @@ async def test_an_answer_or_a_new_address_starts_afresh(runtime: DistributedRunt
     assert await set_aside_for(client) < BASE * 1.9
     await client.close()
     await served.stop()
+
+
+async def test_a_silent_peer_with_no_instance_here_is_not_recorded(
+    runtime: DistributedRuntime,
+) -> None:
+    """The request plane reports every peer it talks to; the client records as silent only
+    addresses of its own instances (so unrelated peers do not pile up), and an instance
+    announced later at an address reported silent before is set aside for the base time."""
+    client = await runtime.endpoint(EID).client()
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    for port in range(1000, 1100):
+        other = TransportAddress(kind="tcp", address=f"127.0.0.2:{port}")
+        client.peer_state(other, PeerState.SILENT)
+    client.peer_state(TransportAddress(kind="tcp", address=address), PeerState.SILENT)
+    assert not client._silent
+    await announce(runtime, address)
+    assert await set_aside_for(client) < BASE * 1.9
+    await client.close()
 
 
 Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -278,7 +278,8 @@ class EndpointClient:
         back at once, ``GONE`` (its connection dropped) leaves them to the usual retry."""
         here = [iid for iid, inst in self._instances.items() if inst.transport == address]
         if state is PeerState.SILENT:
-            self._silent.add(address)
+            if here:  # only this endpoint's peers: the plane reports every peer it talks to
+                self._silent.add(address)
             for instance_id in here:
                 logger.warning(
                     "instance %x of %s is silent on the request plane (frozen or cut off)",
