@@ -16,6 +16,7 @@ import pytest
 from tests.polling import eventually
 
 from turnout.errors import NoInstanceAvailable, StreamBroken
+from turnout.llm.migration import Migration
 from turnout.protocols.disagg import KvHandle, KvTransferOp, KvTransferRequest
 from turnout.protocols.llm import (
     CompletionUsage,
@@ -30,7 +31,12 @@ from turnout.protocols.model import EndpointId, WorkerRole
 from turnout.router.prefill_policy import BypassPolicy, LocalReason
 from turnout.router.prefill_router import MAX_KV_RETRIES, PrefillRouter, Stage
 from turnout.router.prefill_slots import PrefillPool, PrefillSlot
-from turnout.runtime.context import AVOID_METADATA, DEADLINE_METADATA, RequestContext
+from turnout.runtime.context import (
+    AVOID_METADATA,
+    DEADLINE_METADATA,
+    STALLED_METADATA,
+    RequestContext,
+)
 
 PREFILL_EP = EndpointId(namespace="t", component="prefill", name="generate")
 DECODE_EP = EndpointId(namespace="t", component="backend", name="generate")
@@ -91,8 +97,9 @@ class Workers:
         self.decode_requests: list[PreprocessedRequest] = []
         #: The instances each prefill call was told to avoid.
         self.prefill_avoided: list[set[int]] = []
-        #: One script per prefill call: the outputs, or an exception to raise after them.
-        self.prefill_scripts: list[list[LLMEngineOutput | Exception]] = []
+        #: One script per prefill call: the outputs, an exception to raise after them, or
+        #: an event to wait for (a worker that stalls until it is set).
+        self.prefill_scripts: list[list[LLMEngineOutput | Exception | asyncio.Event]] = []
         self.decode_scripts: list[list[LLMEngineOutput]] = []
         self.decode_gate: asyncio.Event | None = None
 
@@ -117,6 +124,9 @@ class Workers:
         for item in script:
             if isinstance(item, Exception):
                 raise item
+            if isinstance(item, asyncio.Event):
+                await item.wait()
+                continue
             yield item
 
     async def decode(
@@ -494,3 +504,24 @@ async def test_every_prefill_worker_overloaded_is_the_clients_refusal() -> None:
     router, *_ = make(workers)
     outputs = await collect(router.generate(request(), RequestContext()))
     assert outputs == [OVERLOADED] and workers.decode_requests == []
+
+
+async def test_a_prefill_worker_that_stalls_is_set_aside_on_the_prefill_side() -> None:
+    """Migration's TTFT watchdog cancels a request stuck in its prefill stage: the prefill
+    worker is set aside on the prefill client, and neither reported down to nor avoided on
+    the decode side (its id means nothing there); the request starts again and completes."""
+    workers = Workers()
+    workers.prefill_scripts = [[asyncio.Event()]]  # the first prefill worker never answers
+    router, _, pool, _ = make(workers)
+    assert isinstance(pool.client, PrefillClient)
+    decode_down: list[int] = []
+    migration = Migration(
+        router.generate, migration_limit=0, ttft_timeout=0.05, report_down=decode_down.append
+    )
+    ctx = RequestContext("r")
+    outputs = await collect(migration.generate(request(), ctx))
+    assert tokens(outputs) == [7, 100, 101, 200]
+    assert pool.client.down == [0xA1]
+    assert decode_down == []
+    assert 0xA1 not in ctx.metadata.get(AVOID_METADATA, set())
+    assert STALLED_METADATA not in ctx.metadata

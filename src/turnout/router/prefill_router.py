@@ -26,7 +26,9 @@ While active, per request:
 3. Prefill stage: the prompt goes to a prefill worker (KV overlap and load among prefill
    workers) with ``max_tokens`` 1. Its first token goes to the client at once; its answer
    carries a ``KvHandle``. A prefill worker that dies mid-prefill is set aside and the
-   prefill re-run on another (at most ``MAX_PREFILL_ATTEMPTS`` tries). One that refuses it as
+   prefill re-run on another (at most ``MAX_PREFILL_ATTEMPTS`` tries); one that stalls past
+   migration's TTFT limit is set aside too (on the prefill client, never on the decode
+   side), and migration starts the request again. One that refuses it as
    ``overloaded`` is left out for this request and the prefill sent to another; when every
    prefill worker refused, the refusal goes to the client (a 503).
 4. Decode stage: prompt + first token, with the handle, to the chosen decode worker. A decode
@@ -75,7 +77,12 @@ from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.selector import Selection
 from turnout.router.prefill_policy import BypassPolicy, LocalReason
 from turnout.router.prefill_slots import EngineFn, PrefillPool, PrefillSlot
-from turnout.runtime.context import AVOID_METADATA, DEADLINE_METADATA, RequestContext
+from turnout.runtime.context import (
+    AVOID_METADATA,
+    DEADLINE_METADATA,
+    STALLED_METADATA,
+    RequestContext,
+)
 
 log = logging.getLogger(__name__)
 
@@ -483,11 +490,22 @@ class PrefillRouter:
                     break
         except StreamBroken as exc:
             broken = str(exc)
+        except asyncio.CancelledError:
+            # Migration's watchdog cancels a stalled attempt: here the prefill worker is the
+            # one that stalled, set aside on its own client (the decode side never saw it).
+            stalled = ctx.metadata.get("worker_instance_id")
+            if ctx.metadata.get(STALLED_METADATA) and isinstance(stalled, int):
+                pool.client.report_instance_down(stalled)
+            raise
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-        worker = ctx.metadata.pop("worker_instance_id", None)
+            try:
+                await stream.aclose()  # type: ignore[attr-defined]
+            finally:
+                # The prefill worker's id is never left for the layers above, which take
+                # ``worker_instance_id`` for the decode worker's.
+                worker = ctx.metadata.pop("worker_instance_id", None)
+                routing = ctx.metadata.pop("routing", None)
         worker = worker if isinstance(worker, int) else None
-        routing = ctx.metadata.pop("routing", None)
         if (
             broken is None
             and final is not None
