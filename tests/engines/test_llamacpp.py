@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 from collections.abc import Iterator
 
 import pytest
 from tests.helpers import smollm2_path
+from tests.polling import eventually
 
 from turnout.engines.llamacpp.engine import LlamaCppEngine
 from turnout.engines.llamacpp.vocab import VocabBytes
@@ -213,6 +215,33 @@ async def test_closing_the_generator_stops_the_native_generation(
     await asyncio.sleep(0.2)
     before, after = await _decode_count_is_stable(engine)
     assert before == after, "llama.cpp kept decoding after the consumer went away"
+
+
+def _cancel_watchers() -> list[asyncio.Task[object]]:
+    """The tasks still waiting on a request's cancellation."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if not t.done() and getattr(t.get_coro(), "__name__", "") == "wait_cancelled"
+    ]
+
+
+async def test_a_request_the_executor_refuses_leaks_nothing(
+    engine: LlamaCppEngine, tokenizer: Tokenizer
+) -> None:
+    """An executor already shut down refuses the native call: the error reaches the caller,
+    and the request's cancel watcher, live entry and load admission are all released."""
+    live, in_flight = len(engine._live), engine._load.in_flight
+    refusing = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    refusing.shutdown()
+    real, engine._executor = engine._executor, refusing
+    try:
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await collect(engine, make_request(chat_prompt(tokenizer, "Hi"), 2))
+    finally:
+        engine._executor = real
+    assert len(engine._live) == live and engine._load.in_flight == in_flight
+    await eventually(lambda: not _cancel_watchers(), timeout=5, what="cancel watcher ended")
 
 
 async def test_a_prompt_longer_than_the_context_is_an_error(engine: LlamaCppEngine) -> None:

@@ -61,7 +61,6 @@ import msgspec
 from turnout.engines.base import Engine
 from turnout.engines.echo import PLACEHOLDER_ENDPOINT
 from turnout.llm.model_card import default_gguf_path, load_model_card
-from turnout.protocols.kv import LoadReport
 from turnout.protocols.llm import (
     CompletionUsage,
     ErrorKind,
@@ -163,11 +162,6 @@ class LlamaCppEngine(Engine):
     def worker_id(self) -> int | None:
         """The id on load reports (None until bound: nothing is published)."""
         return self._load.worker_id
-
-    def load_report(self) -> LoadReport:
-        """The engine's load now; its ``steps`` are those pending for the next report
-        (left there)."""
-        return self._load.report()
 
     def _ensure_beat(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run the steady report task on ``loop`` (the engine may serve from a later loop
@@ -402,10 +396,12 @@ class LlamaCppEngine(Engine):
         self._ensure_beat(loop)
         watcher = loop.create_task(ctx.wait_cancelled())
         watcher.add_done_callback(on_cancel)
-        loop.run_in_executor(
-            executor, run_native, server, make_body(request), stream, self.report_failure
-        )
         try:
+            # Inside the try: an executor already shut down raises here, and the cleanup
+            # below still releases the watcher, the live entry and the load admission.
+            loop.run_in_executor(
+                executor, run_native, server, make_body(request), stream, self.report_failure
+            )
             while True:
                 item = await queue.get()
                 if isinstance(item, End):
