@@ -3,10 +3,14 @@
 ``PreprocessedRequest`` goes to a worker; a stream of ``LLMEngineOutput`` comes back. Every
 output carries the *new* token ids since the previous one (a delta, never cumulative).
 
-The request and every struct inside it forbid unknown fields: a worker older than its
-frontend refuses a field it does not know (naming it) instead of dropping it and serving a
-request that asked for something it will not do. Outputs tolerate unknown fields, so a
-newer worker's extra output fields do not break an older frontend.
+The request and the structs defined for it forbid unknown fields: a worker refuses a field
+it does not know (naming it) instead of dropping it and serving a request that asked for
+something it will not do. Two structs the request nests accept unknown fields, because they
+are also carried where extra fields must be tolerated: ``KvHandle`` (``disagg.handle``) is
+what a prefill worker answers with on its output, and ``EndpointId`` (inside ``KvHandle``
+and ``PrefillParams``) is part of every discovery record and model card. Outputs tolerate
+unknown fields, so a worker's extra output fields do not break a frontend that does not
+know them.
 """
 
 from __future__ import annotations

@@ -32,15 +32,6 @@ class ModelType(enum.IntFlag):
     def supports_chat(self) -> bool:
         return bool(self & ModelType.Chat)
 
-    def supports_completions(self) -> bool:
-        return bool(self & ModelType.Completions)
-
-    def supports_embedding(self) -> bool:
-        return bool(self & ModelType.Embedding)
-
-    def supports_tensor(self) -> bool:
-        return bool(self & ModelType.TensorBased)
-
     def names(self) -> str:
         """``"Chat|Completions"``: readable in logs and error messages."""
         return "|".join(m.name for m in ModelType if m in self and m.name) or "none"
@@ -152,11 +143,10 @@ class ArtifactRef(msgspec.Struct, frozen=True, kw_only=True):
     discovery store. ``sha256`` is of the exact bytes served, so instances of one model can be
     checked to agree, fetched bytes can be verified, and caches are content-addressed.
 
-    Compatibility: a card from a worker that predates artifacts carries
-    ``{"kind", "path", "sha256"}`` here (no ``name``, no ``size``): it does not decode
-    (msgspec: "Object missing required field `name` - at `$.tokenizer`"), and the frontend's
-    model watcher refuses it with that message and a hint to upgrade the worker. Unknown
-    fields are ignored, so newer cards with more fields still decode.
+    A card whose reference lacks ``name`` or ``size`` (one that names a file by ``path``)
+    does not decode (msgspec: "Object missing required field `name` - at `$.tokenizer`"), and
+    the frontend's model watcher refuses it with that message and a hint to upgrade the
+    worker. Unknown fields are ignored, so cards with more fields than this one still decode.
     """
 
     #: What the bytes are, for logs and cache file names (``"tokenizer.json"``).

@@ -329,7 +329,7 @@ class ModelWatcher:
         self._grace = card_grace_s
         self._clock: Clock = clock or LoopClock()
         # Set, then replaced, whenever a chat-capable model may have appeared: every task
-        # waiting on the old event wakes (Tokio's Notify::notify_waiters).
+        # waiting on the old event wakes together (a broadcast, not a hand-off to one).
         self._model_changed = asyncio.Event()
         # Keys whose PUT was refused: their DELETE is expected and logged at debug only.
         self._rejected_keys: set[str] = set()
@@ -533,8 +533,8 @@ class ModelWatcher:
         except msgspec.DecodeError as err:
             hint = ""
             if "$.tokenizer" in str(err):
-                # Workers that predate content-addressed artifacts named a path here.
-                hint = " (a worker older than this frontend? its tokenizer must be an artifact)"
+                # A card that names its tokenizer by path, not as a content-addressed artifact.
+                hint = " (its tokenizer must be a content-addressed artifact: upgrade the worker)"
             log.error("invalid model card key=%s error=%s%s value=%.200r", key, err, hint, value)
             return _Outcome.REJECTED
 

@@ -203,7 +203,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _discard(future: asyncio.Future[Any]) -> None:
-    """Forget the outcome of a finished helper ``future`` (a cancelled stream read): its
+    """Forget the outcome of a finished watch ``future`` (a cancelled stream read): its
     exception's traceback holds the frames of the read, hence the call, and a live call
     keeps its connection open after the channel closed, until a garbage collection."""
     if not future.done():

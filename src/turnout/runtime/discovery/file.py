@@ -330,7 +330,7 @@ class FileStore(DiscoveryStore):
                     if statement.strip():
                         db.execute(statement)
                 columns = {row[1] for row in db.execute("PRAGMA table_info(tombstones)")}
-                if "deleted_at" not in columns:  # a file made before tombstones were pruned
+                if "deleted_at" not in columns:  # a file whose tombstones carry no deletion time
                     db.execute(
                         "ALTER TABLE tombstones ADD COLUMN deleted_at REAL NOT NULL DEFAULT 0"
                     )

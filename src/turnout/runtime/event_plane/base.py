@@ -63,7 +63,7 @@ class Event(NamedTuple):
     payload: bytes
 
 
-# --- msgpack helpers ---------------------------------------------------------------------------
+# --- msgpack codecs ----------------------------------------------------------------------------
 
 _encoder = msgspec.msgpack.Encoder()
 # One decoder per target type: building a decoder compiles the type, so it is done once.

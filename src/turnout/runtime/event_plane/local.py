@@ -74,9 +74,5 @@ class LocalEventPlane(EventPlane[LocalEventPublisher, LocalEventSubscription]):
             self._routes.pop(key, None)
 
     @property
-    def num_subscriptions(self) -> int:
-        return len(self._subscriptions)
-
-    @property
     def num_publishers(self) -> int:
         return len(self._publishers)

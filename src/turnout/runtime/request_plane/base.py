@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import enum
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -136,10 +135,6 @@ class RequestPlaneClient(abc.ABC):
         """Call ``listener(address, state)`` whenever this client learns a peer went silent,
         answers again, or is gone (see ``PeerState``)."""
         self._peer_listeners.append(listener)
-
-    def remove_peer_listener(self, listener: PeerListener) -> None:
-        with contextlib.suppress(ValueError):
-            self._peer_listeners.remove(listener)
 
     def report_peer(self, address: TransportAddress, state: PeerState) -> None:
         """Tell the peer listeners (a failing listener is logged, the others still hear)."""
