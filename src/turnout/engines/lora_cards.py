@@ -91,7 +91,7 @@ class LoraCardPublisher:
                 key = mdc_key(base.endpoint, base.instance_id, name)
                 try:
                     value = _json.encode(adapter_card(base, name))
-                    # An instance's id is its lease's id (``runtime.component``).
+                    # An instance's id is its lease's id (``runtime.serving``).
                     await self._store.put(key, value, lease_id=base.instance_id)
                     self._published.add(name)
                     log.info("worker %x: LoRA adapter %r loaded", base.instance_id, name)

@@ -90,7 +90,8 @@ class FrontendConfig:
     #: first request while it has requests in flight and this many idle seconds after
     #: (None: off; see ``router.session_affinity``).
     router_session_affinity_ttl_s: float | None = None
-    #: Serve LoRA adapters by name, routed to the instances that hold them (``frontend.lora``).
+    #: Serve LoRA adapters by name, routed to the instances that hold them
+    #: (``frontend.models.lora``).
     enable_lora: bool = False
     #: ``device-aware-weighted``: how many CPU instances one GPU instance is worth (Dynamo's
     #: ``non_cpu_to_cpu_ratio``, default 8; see ``router.load_selectors``).
@@ -102,7 +103,7 @@ class FrontendConfig:
     #: decode-role model wait (bounded) for a prefill worker, then fail with 503.
     decode_fallback: bool = True
     #: The Responses API's store (``--response-store``): ``sqlite:PATH`` (``sqlite:``: the
-    #: default file, ``response_store.default_sqlite_path``), ``postgres://...``,
+    #: default file, ``responses.store.sqlite.default_sqlite_path``), ``postgres://...``,
     #: ``redis://...`` (shared by several frontends), ``memory:`` or ``off``.
     response_store: str = DEFAULT_RESPONSE_STORE
     #: Seconds a stored response or conversation lives after its chain's (or its) last write.

@@ -6,7 +6,7 @@ A model card names each artifact (today: the tokenizer's ``tokenizer.json`` byte
 stay in the worker process, in the process-wide :data:`LOCAL_ARTIFACTS` registry that card
 building fills (:func:`publish_artifact`); the worker serves them in chunks of
 :data:`CHUNK_SIZE` through its ``artifact`` side handler (``engines.worker``), and the frontend
-fetches, verifies and caches them by checksum (``frontend.artifacts``).
+fetches, verifies and caches them by checksum (``frontend.models.artifacts``).
 
 Layering: protocols and errors only (the request-plane handler lives with the worker).
 """

@@ -2,7 +2,7 @@
 
 A tokenizer is always built from the bytes of an HF ``tokenizer.json``: on the worker, read from
 the model directory or built from a GGUF file's metadata (``gguf_tokenizer``); on the frontend,
-fetched by content from a worker (``ArtifactRef``, see ``frontend.artifacts``). The frontend
+fetched by content from a worker (``ArtifactRef``, see ``frontend.models.artifacts``). The frontend
 never opens a path: :func:`load_tokenizer` takes the bytes and the reference they must match.
 The result is a ``tokenizers.Tokenizer`` (Rust; encode/decode release the GIL for the heavy
 work) plus the few ids the pipeline needs (bos, eos, the special ids).

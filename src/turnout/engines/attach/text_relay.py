@@ -13,7 +13,7 @@ counted), and turnout's own ``nvext`` is removed. What it refuses, before sendin
 
 Failures: a refusal, or an HTTP 4xx from the server, is the stream's only item: an OpenAI
 error body with the status beside it (``{"error": {...}, "status": 400}``), which the
-frontend answers as that 4xx (``frontend.responder.text_refusal``). Anything else (no
+frontend answers as that 4xx (``frontend.openai.responder.text_refusal``). Anything else (no
 connection, an HTTP 5xx, a broken stream) raises ``TextRelayFailed``, naming the server: a
 500 before the first chunk, an SSE error event after.
 """

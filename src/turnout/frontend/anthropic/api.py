@@ -2,7 +2,7 @@
 chat pipelines, so the official ``anthropic`` client (and the tools built on it) work
 against turnout.
 
-A request becomes a chat request (``anthropic_request``) and runs as one (``ChatRun``); its
+A request becomes a chat request (``anthropic.request``) and runs as one (``ChatRun``); its
 pieces become content blocks, in order: ``thinking`` (reasoning; its ``signature`` is empty,
 turnout signs nothing), ``text``, ``tool_use`` (arguments parsed into ``input``). Streamed,
 Anthropic's events::

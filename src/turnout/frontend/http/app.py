@@ -5,9 +5,10 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (surfaces of their own),
 ``GET /v1/models``,
 ``GET /health``, ``GET /live``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``),
-``GET``/``POST /busy_threshold`` (``busy_threshold``), and the response store's routes under
-``/v1/responses/{id}`` and ``/v1/conversations`` (``store_routes``). This module decodes,
-resolves, admits and accounts for requests; ``responder`` writes a generation's response.
+``GET``/``POST /busy_threshold`` (``admission.busy_threshold``), and the response store's
+routes under ``/v1/responses/{id}`` and ``/v1/conversations`` (``responses.store_routes``).
+This module decodes, resolves, admits and accounts for requests; ``openai.responder`` writes a
+generation's response.
 
 Routing is one dict lookup by (method, path). Paths that carry ids (the store's) cannot be
 keys, so they are served by prefix, looked for only when the lookup misses: the generation

@@ -33,7 +33,7 @@ from turnout.protocols.openai import (
 )
 
 _REF = "#/components/schemas/{name}"
-#: Statuses every generation route may answer besides 200 (see ``http_errors``).
+#: Statuses every generation route may answer besides 200 (see ``http.errors``).
 _GENERATION_ERRORS = {
     "400": "invalid request (the message and ``param`` say which field)",
     "404": "unknown model, or pinned instance",
@@ -199,7 +199,7 @@ _STORE_ERRORS = {
 
 
 def _store_paths() -> dict[str, Any]:
-    """The response store's routes (``store_routes``)."""
+    """The response store's routes (``responses.store_routes``)."""
     response = {"name": "response_id", "in": "path", "required": True,
                 "schema": {"type": "string"}}  # fmt: skip
     conversation = {**response, "name": "conversation_id"}

@@ -180,7 +180,7 @@ class PipelineFactory:
         self.device_types = device_types
         self.cpu_gpu_ratio = cpu_gpu_ratio
         #: Disaggregated serving: each model's prefill side, activated by the model watcher
-        #: (``frontend.prefill_watch``) while it has prefill instances.
+        #: (``frontend.models.prefill_watch``) while it has prefill instances.
         if prefill_min_tokens < 0:
             raise ConfigError(f"--prefill-min-tokens must be >= 0, got {prefill_min_tokens}")
         self.prefill_slots = PrefillSlots()

@@ -112,7 +112,7 @@ class ModelManager:
         self._entries_by_model: dict[str, dict[str, ModelDeploymentCard]] = {}
         self._clients: dict[str, list[ModelClient]] = {}
         #: ``--enable-lora``: resolves an adapter's name to its base model's pipeline
-        #: (``frontend.lora.LoraModels``) when no model of that name is registered.
+        #: (``frontend.models.lora.LoraModels``) when no model of that name is registered.
         self.lora: LoraModels | None = None
 
     # -- engines ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Per-model generation pipelines (built by ``pipeline_factory`` for the model watcher).
+"""Per-model generation pipelines (built by ``models.factory`` for the model watcher).
 
 Tokens-input models get the full pipeline::
 
@@ -150,6 +150,6 @@ class TextPipeline:
             self.gate.check()
         if self.request_timeout > 0:
             # ``RequestTimedOut`` past it: 504 before the first chunk, an SSE error event
-            # after (``http_errors.to_http_error``).
+            # after (``http.errors.to_http_error``).
             return deadline_stream(self.router.generate(body, ctx), self.request_timeout, ctx)
         return self.router.generate(body, ctx)

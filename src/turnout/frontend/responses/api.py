@@ -1,6 +1,6 @@
 """``POST /v1/responses``: OpenAI's Responses API over the chat pipelines.
 
-The request becomes a chat request (``responses_request``) and runs as one (``ChatRun``:
+The request becomes a chat request (``responses.request``) and runs as one (``ChatRun``:
 the same template, routing, migration and output parsing); its pieces become the Responses
 API's output items, in order: a ``reasoning`` item for reasoning text, a ``message`` item for
 answer text, a ``function_call`` item per tool call. Streamed, the semantic events the
@@ -14,7 +14,7 @@ answer text, a ``function_call`` item per tool call. Streamed, the semantic even
     response.completed (or response.incomplete: the token limit; response.failed: an error,
     after an ``error`` event), each carrying the whole response.
 
-Stored responses (``store``, ``previous_response_id``, ``conversation``: ``response_history``):
+Stored responses (``store``, ``previous_response_id``, ``conversation``: ``history``):
 the chain's or conversation's items are read before the request runs, and its turn carries the
 chain's session; the finished response is stored before its last event (or its body) is sent,
 so a client that continues the chain at once finds it.

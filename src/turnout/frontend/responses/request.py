@@ -2,7 +2,7 @@
 request that runs it.
 
 ``store`` (OpenAI's default: true), ``previous_response_id`` and ``conversation`` are the
-response store's (``response_history``): a chained request runs as if its input held the
+response store's (``frontend.responses.history``): a chained request runs as if its input held the
 chain's (or the conversation's) items before its own. Every field is honoured or refused with
 a 400 naming it; unknown fields are refused by the struct.
 """
@@ -45,7 +45,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     #: None: OpenAI's default, true (stored when the frontend has a store).
     store: bool | None = None
     previous_response_id: str | None = None
-    #: A conversation id, or ``{"id": ...}`` (``response_history.conversation_of``).
+    #: A conversation id, or ``{"id": ...}`` (``responses.history.conversation_of``).
     conversation: str | dict[str, Any] | None = None
     user: str | None = None
     text: dict[str, Any] | None = None

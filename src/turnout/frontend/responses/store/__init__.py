@@ -6,7 +6,7 @@ conversations, in one of four backends named by ``--response-store``:
 * ``memory:``: this process only (tests);
 * ``off``: nothing is stored, and what needs the store is refused.
 
-``base`` states the interface; ``frontend.response_history`` is its one caller.
+``base`` states the interface; ``frontend.responses.history`` is its one caller.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The store is three collections of opaque, already-encoded records, each scoped b
 * **conversation items**: per conversation, an ordered list of ``(item_id, record)``; they
   live and die with their conversation.
 
-Backends know nothing of the records' contents: ``frontend.response_history`` encodes and
+Backends know nothing of the records' contents: ``frontend.responses.history`` encodes and
 decodes them, bounds their size and decides expiries. That keeps four backends (memory,
 SQLite, PostgreSQL, Redis) small and alike, and the policy in one place.
 
