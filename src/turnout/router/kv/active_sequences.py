@@ -62,6 +62,13 @@ class ActiveSequenceEvent(msgspec.Struct, kw_only=True, frozen=True, omit_defaul
     num_blocks: int = 0
 
 
+class ActiveSequenceBatch(msgspec.Struct, array_like=True, frozen=True):
+    """One replica's changes since its last flush, in the order it made them: replica sync
+    sends one message per event-loop iteration rather than one per change."""
+
+    events: list[ActiveSequenceEvent]
+
+
 class ActiveLoad(NamedTuple):
     """A worker's predicted load (a snapshot)."""
 

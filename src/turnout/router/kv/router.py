@@ -8,8 +8,10 @@ What this adds to the core:
   router that joined late), the worker's resident cache is fetched through its
   ``kv_snapshot`` side handler and replaces what the index holds for it;
 * membership: a worker that leaves discovery is forgotten (its blocks, requests, load);
-* replicas: with ``share_active`` on, every local change to the in-flight requests is
-  published on the ``kv_router_active`` topic and the other replicas' changes are applied,
+* replicas: with ``share_active`` on, the local changes to the in-flight requests are
+  collected and published on the ``kv_router_active`` topic as one batch per event-loop
+  iteration (at most ``ACTIVE_BATCH_MAX`` changes each); the other replicas' batches are
+  applied in order,
   so several frontends (or ``turnout router`` services) see the same load;
 * a watchdog for silent workers: a worker in exact mode that keeps getting requests but sends
   no KV event for ``silence_warn_s`` is logged once and counted (a misconfigured engine
@@ -38,7 +40,7 @@ from turnout.protocols.kv import (
     LoadReport,
 )
 from turnout.protocols.model import EndpointId
-from turnout.router.kv.active_sequences import ActiveSequenceEvent
+from turnout.router.kv.active_sequences import ActiveSequenceBatch, ActiveSequenceEvent
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
@@ -49,6 +51,9 @@ from turnout.runtime.event_plane import EventPlane, EventPublisher, EventSubscri
 log = logging.getLogger("turnout.router.kv")
 
 ACTIVE_TOPIC = "kv_router_active"
+#: The most active-sequence changes one replica-sync message carries (a burst beyond it is
+#: sent in several).
+ACTIVE_BATCH_MAX = 256
 _encode = msgspec.msgpack.Encoder().encode
 _snapshot_decoder = msgspec.msgpack.Decoder(KvSnapshot)
 
@@ -94,6 +99,7 @@ class KvRouter:
         self._plane = event_plane
         self._share_active = share_active
         self._publisher: EventPublisher | None = None
+        self._pending_active: list[ActiveSequenceEvent] = []
         self._subscriptions: list[EventSubscription] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._resyncing: set[WorkerKey] = set()
@@ -151,6 +157,7 @@ class KvRouter:
             await sub.close()
         self._subscriptions.clear()
         if self._publisher is not None:
+            self._flush_active()
             await self._publisher.close()
             self._publisher = None
 
@@ -257,13 +264,32 @@ class KvRouter:
 
     async def _consume_active(self, sub: EventSubscription) -> None:
         own = self.router_id
-        async for event in sub.messages(ActiveSequenceEvent):
-            if event.router_id != own:
-                self.core.on_active_event(event)
+        async for batch in sub.messages(ActiveSequenceBatch):
+            for event in batch.events:  # in the order the replica made them
+                if event.router_id != own:
+                    self.core.on_active_event(event)
 
     def _publish_active(self, event: ActiveSequenceEvent) -> None:
         if self._publisher is not None:
-            self._publisher.publish_nowait(ACTIVE_TOPIC, _encode(event))
+            pending = self._pending_active
+            pending.append(event)
+            if len(pending) >= ACTIVE_BATCH_MAX:
+                self._flush_active()
+            elif len(pending) == 1:
+                try:
+                    asyncio.get_running_loop().call_soon(self._flush_active)
+                except RuntimeError:  # no loop to flush on later: send at once
+                    self._flush_active()
+
+    def _flush_active(self) -> None:
+        """Publish the changes collected since the last flush as one ``ActiveSequenceBatch``:
+        one send per loop iteration instead of one per add / first token / free."""
+        pending = self._pending_active
+        if not pending:
+            return
+        self._pending_active = []
+        if self._publisher is not None:
+            self._publisher.publish_nowait(ACTIVE_TOPIC, _encode(ActiveSequenceBatch(pending)))
 
     # --- membership and resync ---------------------------------------------------------------
 
