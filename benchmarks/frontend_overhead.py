@@ -29,6 +29,7 @@ Usage::
     python benchmarks/frontend_overhead.py                    # defaults, JSON to results/
     python benchmarks/frontend_overhead.py --profile py-spy   # sampled CPU profile (py-spy)
     python benchmarks/frontend_overhead.py --profile cprofile # cProfile in thread CPU time
+    python benchmarks/frontend_overhead.py --router-mode kv   # KV-aware routing's cost
 
 For scale (issue #2): Dynamo 1.6.1's Rust frontend spends ~0.6 ms CPU/request on ``short``
 and 1.4-2.1 ms on ``long_stream`` on this kind of machine.
@@ -273,7 +274,7 @@ def run_stack(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     py = sys.executable
-    front_args = ["frontend", "--port", str(port), *common]
+    front_args = ["frontend", "--port", str(port), "--router-mode", args.router_mode, *common]
     front_cmd = [py, "-m", "turnout", *front_args]
     if args.profile == "cprofile":
         front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
@@ -284,7 +285,8 @@ def run_stack(
             raise SystemExit("in-process: the paced and parsed scenarios need more models")
         front_cmd = [py, "-m", "turnout", "serve", "--in-process", "--engine", "echo",
                      "--model-name", "echo", "--num-workers", str(args.workers),
-                     "--port", str(port), *common]  # fmt: skip
+                     "--port", str(port), "--router-mode", args.router_mode,
+                     *common]  # fmt: skip
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
     for _ in range(args.workers if planes != IN_PROCESS else 0):
         procs.append(subprocess.Popen(
@@ -343,8 +345,8 @@ def run_stack(
                         for _ in range(args.repeat)]  # fmt: skip
                 key = "frontend_cpu_ms_per_request"
                 med = statistics.median_low([r[key] for r in runs])
-                row = {"planes": planes, "scenario": name, "concurrency": conc,
-                       **next(r for r in runs if r[key] == med)}  # fmt: skip
+                row = {"planes": planes, "router_mode": args.router_mode, "scenario": name,
+                       "concurrency": conc, **next(r for r in runs if r[key] == med)}  # fmt: skip
                 if args.repeat > 1:
                     row["cpu_ms_per_request_runs"] = [r[key] for r in runs]
                 rows.append(row)
@@ -380,6 +382,9 @@ def main() -> None:
     ap.add_argument("--planes", nargs="+", default=["file+tcp+zmq"], choices=PLANES,
                     help="store+request plane+event plane stacks to measure, one after the "
                          "other in this run (etcd and NATS are started here)")  # fmt: skip
+    ap.add_argument("--router-mode", default="round-robin", choices=["round-robin", "kv"],
+                    help="the frontend's --router-mode (kv: KV-aware routing over the echo "
+                         "workers' KV events)")  # fmt: skip
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/frontend_overhead.json"))
     args = ap.parse_args()
@@ -392,6 +397,7 @@ def main() -> None:
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
         },
         "workers": args.workers,
+        "router_mode": args.router_mode,
         "client": "bench_http (raw asyncio HTTP/1.1 keep-alive)",
         "scenarios": [],
     }
