@@ -175,3 +175,24 @@ def test_a_pinned_request_is_booked_and_weighs_on_the_next_decision() -> None:
     assert core.route("r2", other, [A, B]).worker_key == B
     assert core.on_finished("pinned")
     assert core.active.get_load(A) == ActiveLoad(0, 0, 0)
+
+
+def test_explain_and_precomputed_hashes_leave_the_decision_alone() -> None:
+    """``explain`` only adds the per-candidate rows; hashes from ``seq_hashes`` (computed
+    once by the caller) give the decision and the books that hashing in ``route`` gives."""
+    tokens = [*prompt(1, 160), *prompt(2, 40)]
+    outcomes = []
+    for explain, precomputed in ((False, False), (True, False), (False, True)):
+        core = KvRouterCore(KvRouterConfig(block_size=BS), rng=random.Random(7), clock=FakeClock())
+        core.on_kv_event(stored_event(A, 0, prompt(1, 160)))
+        hashes = core.seq_hashes(tokens) if precomputed else None
+        sel = core.route("r1", tokens, [A, B], explain=explain, seq_hashes=hashes)
+        booked = core.book("r2", tokens, B, seq_hashes=hashes)
+        assert bool(sel.candidates) is explain
+        outcomes.append((sel.worker_key, sel.overlap_blocks, sel.predicted_ttft_s, booked,
+                         core.active.get_load(A), core.active.get_load(B)))  # fmt: skip
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    assert outcomes[0][:2] == (A, 10)
+    assert KvRouterCore(KvRouterConfig(block_size=BS)).seq_hashes(
+        tokens, lora_name="sql", cache_salt="tenant"
+    ) == compute_seq_hashes(tokens, BS, lora_name="sql", cache_salt="tenant")

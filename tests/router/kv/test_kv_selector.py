@@ -37,7 +37,7 @@ def test_cost_terms_and_lowest_cost_wins() -> None:
     active.mark_prefill_done("x")
     overlaps = OverlapScores({A: 8, B: 2}, num_blocks=8)
     config = KvRouterConfig(overlap_score_weight=2.0)
-    sel = select_worker([A, B, C], overlaps, active, 10, config, random.Random(0))
+    sel = select_worker([A, B, C], overlaps, active, 10, config, random.Random(0), explain=True)
     rows = {row.worker_key: row for row in sel.candidates}
     # A: prefill = max(3 + 10 - 8, 0) = 5; decode = 13 + 10 = 23; cost = 2*5 + 23 = 33
     assert (rows[A].active_prefill_blocks, rows[A].active_decode_blocks) == (3, 13)
@@ -52,7 +52,9 @@ def test_cost_terms_and_lowest_cost_wins() -> None:
 
 def test_prefill_term_never_negative() -> None:
     overlaps = OverlapScores({A: 10}, num_blocks=10)
-    sel = select_worker([A], overlaps, make_active(), 4, KvRouterConfig(), random.Random(0))
+    sel = select_worker(
+        [A], overlaps, make_active(), 4, KvRouterConfig(), random.Random(0), explain=True
+    )
     assert sel.candidates[0].prefill_blocks == 0
     assert sel.candidates[0].cost == 4.0
 
@@ -79,7 +81,7 @@ def test_temperature_follows_softmax() -> None:
     picks: Counter[WorkerKey | None] = Counter()
     first: Selection | None = None
     for _ in range(n):
-        sel = select_worker([A, B, C], overlaps, active, 4, config, rng)
+        sel = select_worker([A, B, C], overlaps, active, 4, config, rng, explain=True)
         first = first or sel
         picks[sel.worker_key] += 1
     assert first is not None
@@ -145,6 +147,7 @@ def test_selection_round_trips_through_json() -> None:
         config,
         random.Random(0),
         request_id="req-1",
+        explain=True,
     )
     wire = msgspec.json.encode(sel)
     back = msgspec.json.decode(wire, type=Selection)

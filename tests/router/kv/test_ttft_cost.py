@@ -47,7 +47,7 @@ def test_ttft_cost_by_hand() -> None:
     config = KvRouterConfig(block_size=BS, router_cost=RouterCost.TTFT)
     sel = select_worker(
         [A, B], overlaps({A: 30}), active, 40, config, random.Random(0),
-        num_tokens=640, step_models=models,
+        num_tokens=640, step_models=models, explain=True,
     )  # fmt: skip
     rows = {row.worker_key: row for row in sel.candidates}
     # A: one step of 3,000 queued + 160 new tokens; B: one step of 640 tokens.
@@ -73,7 +73,7 @@ def test_ttft_cost_counts_decodes_riding_along() -> None:
     config = KvRouterConfig(block_size=BS)
     sel = select_worker(
         [A, B], overlaps({}), active, 4, config, random.Random(0),
-        num_tokens=64, step_models=models,
+        num_tokens=64, step_models=models, explain=True,
     )  # fmt: skip
     rows = {row.worker_key: row for row in sel.candidates}
     model = models.get(A)
@@ -126,7 +126,7 @@ def test_blocks_cost_keeps_the_old_decisions_exactly(weight: float) -> None:
         )
         sel = select_worker(
             keys, overlaps(scores), active, new_blocks, config, random.Random(seed),
-            step_models=models, num_tokens=new_blocks * BS,
+            step_models=models, num_tokens=new_blocks * BS, explain=True,
         )  # fmt: skip
         assert sel.worker_key == expected
         assert [row.cost for row in sel.candidates] == costs
@@ -159,7 +159,7 @@ def test_session_preference_breaks_near_ties_and_yields_under_load() -> None:
     busy.add_request("x", B, num_prompt_tokens=2000, overlap_blocks=0, now=0.0)
     sel = select_worker(
         [A, B, C], overlaps({}), busy, 8, config, random.Random(0),
-        num_tokens=128, step_models=models, preferred=B,
+        num_tokens=128, step_models=models, preferred=B, explain=True,
     )  # fmt: skip
     assert sel.worker_key != B and sel.preferred_worker_id == B.worker_id
     rows = {row.worker_key: row for row in sel.candidates}
@@ -230,9 +230,9 @@ def test_cache_salts_partition_the_index(cost: RouterCost) -> None:
     core.on_kv_event(_stored(A, 0, tokens, "tenant-a"))
     own = core.route("a", tokens, [A, B], cache_salt="tenant-a", book=False)
     assert (own.worker_key, own.overlap_blocks) == (A, 20)
-    other = core.route("b", tokens, [A, B], cache_salt="tenant-b", book=False)
+    other = core.route("b", tokens, [A, B], cache_salt="tenant-b", book=False, explain=True)
     assert all(row.overlap_blocks == 0 for row in other.candidates)
-    unsalted = core.route("c", tokens, [A, B], book=False)
+    unsalted = core.route("c", tokens, [A, B], book=False, explain=True)
     assert all(row.overlap_blocks == 0 for row in unsalted.candidates)
 
 
@@ -248,7 +248,7 @@ def test_itl_weight_counts_the_delay_inflicted_on_decoding_requests() -> None:
         config = KvRouterConfig(block_size=BS, itl_weight=weight)
         sel = select_worker(
             [A, B], overlaps({}), active, 64, config, random.Random(0),
-            num_tokens=1024, step_models=models,
+            num_tokens=1024, step_models=models, explain=True,
         )  # fmt: skip
         return sel.worker_key, {row.worker_key: row for row in sel.candidates}
 

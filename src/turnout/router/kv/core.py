@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from turnout.protocols.block_hashing import compute_seq_hashes
-from turnout.protocols.kv import KvCacheEvent, LoadReport
+from turnout.protocols.kv import KvCacheEvent, LoadReport, SequenceHash
 from turnout.router.kv.active_sequences import (
     ActiveSequenceEvent,
     ActiveSequences,
@@ -113,6 +113,25 @@ class KvRouterCore:
 
     # --- the decision --------------------------------------------------------------------------
 
+    def seq_hashes(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        block_extra: Sequence[bytes | None] | None = None,
+    ) -> list[SequenceHash]:
+        """The sequence hashes of a prompt under this router's block size: what ``route`` and
+        ``book`` take as ``seq_hashes``, so a caller that routes (or books, or re-routes) one
+        prompt several times hashes it once."""
+        return compute_seq_hashes(
+            token_ids,
+            self.config.block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            block_extra=block_extra,
+        )
+
     def route(
         self,
         request_id: str,
@@ -125,26 +144,31 @@ class KvRouterCore:
         block_extra: Sequence[bytes | None] | None = None,
         now: float | None = None,
         book: bool = True,
+        explain: bool = False,
+        seq_hashes: Sequence[int] | None = None,
     ) -> Selection:
         """Choose a worker for the request and book it there (when one is chosen).
 
         ``candidates`` are the live workers allowed for this request (e.g. those holding
         ``lora_name``). A request id already in flight is re-booked (migration). With
         ``book=False`` the question is only answered: no state changes (``turnout router``'s
-        query, or a dry run).
+        query, or a dry run). With ``explain`` the selection lists every candidate's cost
+        terms (``Selection.candidates``); without it, only the decision.
+
+        ``seq_hashes``, when given, are the prompt's sequence hashes as ``self.seq_hashes``
+        computes them from the same ``token_ids``, ``lora_name``, ``cache_salt`` and
+        ``block_extra``: they are used as they are, not checked (``token_ids`` still give the
+        prompt's length).
         """
         if now is None:
             now = self._clock()
         config = self.config
         self._index.expire(now)
         self.active.expire(now)
-        seq_hashes = compute_seq_hashes(
-            token_ids,
-            config.block_size,
-            lora_name=lora_name,
-            cache_salt=cache_salt,
-            block_extra=block_extra,
-        )
+        if seq_hashes is None:
+            seq_hashes = self.seq_hashes(
+                token_ids, lora_name=lora_name, cache_salt=cache_salt, block_extra=block_extra
+            )
         overlaps = self._index.find_matches(seq_hashes)
         num_tokens = len(token_ids)
         new_blocks = -(-num_tokens // config.block_size)
@@ -162,6 +186,7 @@ class KvRouterCore:
             num_tokens=num_tokens,
             step_models=self.step_models,
             preferred=preferred,
+            explain=explain,
         )
         status = selection.status
         if not book:
@@ -204,21 +229,18 @@ class KvRouterCore:
         cache_salt: str | None = None,
         session_id: str | None = None,
         now: float | None = None,
+        seq_hashes: Sequence[int] | None = None,
     ) -> int:
         """Count a request that was sent to ``worker_key`` without a decision here (it was
         pinned: a session's binding, a client's ``backend_instance_id``) as ``route`` books
         a chosen one, so its load weighs on the next decisions until ``on_finished``.
-        Returns the blocks of its prompt the worker is predicted to hold."""
+        Returns the blocks of its prompt the worker is predicted to hold. ``seq_hashes``: as
+        in ``route`` (computed by ``self.seq_hashes`` from the same prompt and partition)."""
         if now is None:
             now = self._clock()
-        config = self.config
         self.active.expire(now)
-        seq_hashes = compute_seq_hashes(
-            token_ids,
-            config.block_size,
-            lora_name=lora_name,
-            cache_salt=cache_salt,
-        )
+        if seq_hashes is None:
+            seq_hashes = self.seq_hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         overlap = self._index.find_matches(seq_hashes).scores.get(worker_key, 0)
         self.active.add_request(
             request_id,

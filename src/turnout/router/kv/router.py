@@ -200,6 +200,7 @@ class KvRouter:
             cache_salt=cache_salt,
             session_id=session_id,
             book=book,
+            explain=True,
         )
         if book and selection.ok and selection.worker_id is not None:
             worker = selection.worker_id

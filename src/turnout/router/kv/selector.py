@@ -25,8 +25,8 @@ workers share the load rather than the first one in the list taking it all. Temp
 ``n_i = (cost_i - min) / (max - min)`` is the cost normalised to [0, 1] (uniform when all
 costs are equal): the scale of costs does not change how much ``T`` spreads.
 
-The result, ``Selection``, explains itself (every candidate's cost terms and probability)
-and is a msgspec struct, so it can be logged or returned to a user as is.
+The result, ``Selection``, is a msgspec struct, so it can be logged or returned to a user as
+is; asked to ``explain``, it also lists every candidate's cost terms and probability.
 """
 
 from __future__ import annotations
@@ -131,13 +131,16 @@ def select_worker(
     num_tokens: int | None = None,
     step_models: StepTimeModels | None = None,
     preferred: WorkerKey | None = None,
+    explain: bool = False,
 ) -> Selection:
     """Pick a worker for a request of ``new_blocks`` blocks (``num_tokens`` tokens) among
     ``candidates``.
 
     Busy workers (per ``loads`` at time ``now``) are left out and listed in ``busy``. The TTFT
     cost needs ``step_models`` (without them, the block cost is used); ``preferred`` (the
-    worker of the session's last turn) gets the session bonus.
+    worker of the session's last turn) gets the session bonus. With ``explain`` the
+    selection lists every candidate's cost terms (and probability, temperature > 0); without
+    it ``candidates`` is empty and only the decision is returned (the production path).
     """
     temperature = config.router_temperature
     weight = config.overlap_score_weight
@@ -229,10 +232,11 @@ def select_worker(
     else:
         probabilities = softmax_probabilities(costs, temperature)
         chosen = _sample(probabilities, rng)
-        rows = [
-            msgspec.structs.replace(row, probability=p)
-            for row, p in zip(rows, probabilities, strict=True)
-        ]
+        if explain:
+            rows = [
+                msgspec.structs.replace(row, probability=p)
+                for row, p in zip(rows, probabilities, strict=True)
+            ]
     best = rows[chosen]
     return Selection(
         status=SelectionStatus.SELECTED,
@@ -245,7 +249,7 @@ def select_worker(
         cost=cost_name,
         predicted_ttft_s=best.predicted_ttft_s,
         preferred_worker_id=None if preferred is None else preferred.worker_id,
-        candidates=rows,
+        candidates=rows if explain else [],
         busy=busy,
         request_id=request_id,
     )
