@@ -3,8 +3,10 @@
 Every worker publishes ``LoadReport`` s on its component's ``load`` topic (the KV router reads
 them for its own decisions). ``BusyReports`` subscribes to them for one endpoint and feeds
 each report's ``busy`` flag (the worker refuses new requests now: its waiting queue is at its
-bound) into the push router's ``InstanceLoad``, so that round-robin, random and the load-based
-modes skip an instance that says it would refuse, as the KV router does.
+bound) into the push router's ``InstanceLoad``, so that round-robin, random and the
+load-based modes skip an instance that says it would refuse, as the KV router does. Reports
+are taken a batch at a time (those that arrived since the feed last ran, ``take_ready``),
+and only each worker's latest of a batch is fed.
 
 The topic is the component's, shared by its other endpoints (and other cards' instances):
 only reports of instances ``announced`` for this endpoint are fed, so the load view holds
@@ -24,8 +26,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from turnout.protocols.kv import LOAD_TOPIC, LoadReport
+import msgspec
+
+from turnout.protocols.kv import LOAD_TOPIC
 from turnout.protocols.model import EndpointId
+from turnout.router.event_batches import BatchDecoder, take_ready
 from turnout.router.instance_load import InstanceLoad
 from turnout.runtime.event_plane import EventPlane
 
@@ -36,6 +41,15 @@ log = logging.getLogger("turnout.router")
 #: First wait before subscribing again after a failure, and the most it grows to.
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 5.0
+
+
+class BusyFlag(msgspec.Struct, frozen=True):
+    """The fields of a ``LoadReport`` the busy view reads: decoding skips the rest (the step
+    samples are most of a report)."""
+
+    worker_id: int
+    dp_rank: int = 0
+    busy: bool = False
 
 
 class BusyReports:
@@ -61,6 +75,7 @@ class BusyReports:
         self._retry_max_s = retry_max_s
         self._task: asyncio.Task[None] | None = None
         self._backoff = retry_min_s
+        self._decoder = BatchDecoder(BusyFlag, LOAD_TOPIC)
         #: Subscriptions that failed (for logs and tests).
         self.failures = 0
 
@@ -94,9 +109,14 @@ class BusyReports:
         try:
             on_report = self.load.on_load_report
             announced = self._announced
-            async for report in sub.messages(LoadReport):
-                if announced(report.worker_id):
-                    on_report(report.worker_id, report.dp_rank, report.busy)
+            decoder = self._decoder
+            while (batch := await take_ready(sub)) is not None:
+                latest: dict[tuple[int, int], bool] = {}
+                for report in decoder.decode(batch):
+                    latest[(report.worker_id, report.dp_rank)] = report.busy
+                for (worker_id, dp_rank), busy in latest.items():
+                    if announced(worker_id):
+                        on_report(worker_id, dp_rank, busy)
         finally:
             await sub.close()
 

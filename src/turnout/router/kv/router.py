@@ -3,7 +3,8 @@
 What this adds to the core:
 
 * subscriptions on the event plane to the workers' ``kv_events`` and ``load`` topics
-  (namespace/component of the model's endpoint), applied to the core as they arrive;
+  (namespace/component of the model's endpoint): KV events applied to the core as they
+  arrive, load reports a batch at a time, folded (``load_feed``);
 * resynchronisation: when the indexer sees a gap in a worker's event ids (lost events, or a
   router that joined late), the worker's resident cache is fetched through its
   ``kv_snapshot`` side handler and replaces what the index holds for it;
@@ -40,10 +41,12 @@ from turnout.protocols.kv import (
     LoadReport,
 )
 from turnout.protocols.model import EndpointId
+from turnout.router.event_batches import BatchDecoder, take_ready
 from turnout.router.kv.active_sequences import ActiveSequenceBatch, ActiveSequenceEvent
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
+from turnout.router.kv.load_feed import StepBacklog, latest_per_worker
 from turnout.router.kv.selector import Selection
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane, EventPublisher, EventSubscription
@@ -91,7 +94,10 @@ class KvRouter:
         share_active: bool = True,
         silence_warn_s: float = 30.0,
         router_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: monotonic seconds, for the core, the load feed and replica presence
+        (injected by tests)."""
         self.router_id = router_id or uuid.uuid4().hex[:12]
         self.client = client
         self.endpoint = endpoint
@@ -109,6 +115,9 @@ class KvRouter:
         self._last_event: dict[int, float] = {}
         self._routed_since_event: dict[int, int] = {}
         self._silent_warned: set[int] = set()
+        self._clock = clock
+        self._step_backlog = StepBacklog()
+        self._load_decoder = BatchDecoder(LoadReport, LOAD_TOPIC)
         #: Counters for metrics (read by the frontend's collector).
         self.num_silent_warnings = 0
         self.num_resyncs = 0
@@ -118,6 +127,7 @@ class KvRouter:
         self.reported_prompt_tokens = 0
         self.core = KvRouterCore(
             config,
+            clock=clock,
             router_id=self.router_id,
             publish_active=self._publish_active if share_active else None,
             on_gap=self._on_gap,
@@ -251,7 +261,7 @@ class KvRouter:
         last_event = self._last_event
         routed = self._routed_since_event
         async for batch in sub.messages(KvEventBatch):
-            now = time.monotonic()
+            now = self._clock()
             for event in batch.events:
                 core.on_kv_event(event)
                 worker = event.worker_id
@@ -260,8 +270,19 @@ class KvRouter:
                 self._silent_warned.discard(worker)
 
     async def _consume_load(self, sub: EventSubscription) -> None:
-        async for report in sub.messages(LoadReport):
-            self.core.on_load(report)
+        """Apply load reports a batch at a time (see ``load_feed``): the busy view from each
+        worker's latest, the step-time fits from the backlog's due workers."""
+        loads, step_models = self.core.loads, self.core.step_models
+        backlog, decoder, clock = self._step_backlog, self._load_decoder, self._clock
+        while (batch := await take_ready(sub)) is not None:
+            reports = decoder.decode(batch)
+            now = clock()
+            for report in reports:
+                backlog.add(report)
+            for report in latest_per_worker(reports):
+                loads.on_load(report, now)
+            for report in backlog.take_due(now):
+                step_models.on_load(report)
 
     async def _consume_active(self, sub: EventSubscription) -> None:
         own = self.router_id
@@ -300,6 +321,7 @@ class KvRouter:
         live = self.client.announced_ids()
         for gone in self._known_workers - live:
             self.core.on_worker_removed(gone)
+            self._step_backlog.remove_worker(gone)
             self._last_event.pop(gone, None)
             self._routed_since_event.pop(gone, None)
             log.info("kv router %s: worker %x left; its cache is forgotten", self.router_id, gone)
@@ -346,7 +368,7 @@ class KvRouter:
         if worker in self._silent_warned or self._routed_since_event.get(worker, 0) < 3:
             return
         last = self._last_event.get(worker)
-        now = time.monotonic()
+        now = self._clock()
         if last is None:
             self._last_event[worker] = last = now  # silence is counted from first sight
         if now - last >= self._silence_warn_s:
