@@ -345,7 +345,7 @@ def main() -> None:
     p.add_argument("--stream", action="store_true", help="streamed requests (SSE)")
     p.add_argument("--prefixes", type=int, default=16, help="shared prompt prefixes")
     p.add_argument("--prefix-words", type=int, default=300)
-    p.add_argument("--tail-words", type=int, default=40)
+    p.add_argument("--tail-words", type=int, default=160, help="unique words: new blocks")
     p.add_argument("--no-tap", dest="tap", action="store_false", help="no event tap")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="N to profile (py-spy)")
     p.add_argument("--profile-top", type=int, default=25)
@@ -355,6 +355,9 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.workers = [8, 64]
+    # SIGTERM (and SIGINT, ignored in background jobs) stop the run through the same cleanup.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     bodies = make_bodies(256, args.prefixes, args.prefix_words, args.tail_words)
