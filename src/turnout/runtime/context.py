@@ -21,6 +21,14 @@ MAX_AVOIDED = 64
 #: cancels an attempt that stalled, so that a stage below that catches the cancellation can
 #: tell a stalled worker (set it aside) from a client that went away or a deadline.
 STALLED_METADATA = "stalled"
+#: ``RequestContext.metadata`` key: ``True`` when the client asked for the routing decision
+#: (``nvext.extra_fields: ["routing"]``, set by the frontend). Routers build their
+#: explanation (``metadata["routing"]``) only then: it costs more than the decision.
+EXPLAIN_ROUTING_METADATA = "explain_routing"
+#: ``RequestContext.metadata`` key: the KV routers' hashes of the request's prompt, kept so
+#: that the stages which route one prompt (the prefill pool, the decode workers, a re-route)
+#: hash it once (``router.kv.push``).
+SEQ_HASHES_METADATA = "kv_seq_hashes"
 
 
 class RequestContext:

@@ -78,7 +78,7 @@ from turnout.protocols.openai import (
     ModelList,
     ModelObject,
 )
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import EXPLAIN_ROUTING_METADATA, RequestContext
 from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
 
 log = logging.getLogger("turnout.frontend")
@@ -355,6 +355,9 @@ class HttpService:
             if isinstance(pipeline, TextPipeline):
                 await self._responder.relay_text(proto, pipeline, body, req.request, ctx)
             else:
+                nvext = req.request.nvext
+                if nvext is not None and nvext.extra_fields and "routing" in nvext.extra_fields:
+                    ctx.metadata[EXPLAIN_ROUTING_METADATA] = True
                 await self._responder.serve_tokens(proto, pipeline, req.request, ctx, session_id)
 
         endpoint = "chat_completions" if is_chat else "completions"

@@ -385,6 +385,11 @@ class _KvRouterCollector(Collector):
             "turnout_kv_worker_step_samples", "Step timings received from the worker",
             labels=["model", "worker", "kind"],
         )  # fmt: skip
+        decisions = HistogramMetricFamily(
+            "turnout_kv_router_decision_seconds",
+            "Time of the KV router's routing decisions (candidates, prefix match, cost)",
+            labels=["model"],
+        )
         for model, router in list(self._routers.items()):
             core = router.core
             for key, acc in list(core.ttft_accuracy.items()):
@@ -403,6 +408,8 @@ class _KvRouterCollector(Collector):
                     step_model.add_metric([model, worker, term], value)
                 step_samples.add_metric([model, worker, "prefill"], fit.prefill.num_samples)
                 step_samples.add_metric([model, worker, "decode"], fit.decode.num_samples)
+            timing = router.decision_seconds
+            decisions.add_metric([model], _buckets(timing.bounds, timing.counts), timing.sum)
             stats = router.core.get_stats()
             p = stats.predicted_hit_rate
             r = (
@@ -424,8 +431,19 @@ class _KvRouterCollector(Collector):
         yield from (
             predicted, reported, gap, predicted_tokens, reported_tokens, silent, resyncs,
             events, gaps, ttft_count, ttft_predicted, ttft_realised, ttft_gap, ttft_error,
-            step_model, step_samples,
+            step_model, step_samples, decisions,
         )  # fmt: skip
+
+
+def _buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (the last past every bound) as Prometheus' cumulative ``le``
+    buckets."""
+    out = []
+    cumulative = 0
+    for le, n in zip([*map(floatToGoString, bounds), "+Inf"], counts, strict=True):
+        cumulative += n
+        out.append((le, float(cumulative)))
+    return out
 
 
 def _worker_label(key: Any) -> str:

@@ -52,7 +52,7 @@ from turnout.llm.backend import DecodedDelta
 from turnout.protocols.llm import FinishReason, PreprocessedRequest
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest, Usage
 from turnout.router.push_router import check_pinned
-from turnout.runtime.context import RequestContext
+from turnout.runtime.context import EXPLAIN_ROUTING_METADATA, RequestContext
 from turnout.runtime.http import ClientDisconnected, Exchange
 
 #: Deltas buffered per choice (``n`` > 1) before the slowest reader holds the choices back.
@@ -213,6 +213,8 @@ class ChatRun:
             sampling = msgspec.structs.replace(pre.sampling_options, seed=base + i)
             sub = msgspec.structs.replace(pre, sampling_options=sampling)
             sub_ctx = RequestContext(f"{ctx.request_id}-{i}")
+            if EXPLAIN_ROUTING_METADATA in ctx.metadata:
+                sub_ctx.metadata[EXPLAIN_ROUTING_METADATA] = ctx.metadata[EXPLAIN_ROUTING_METADATA]
             output = choice_output(pipeline, self.request, sub, keep=keep)
             self.choices.append(Choice(i, pipeline.generate(sub, sub_ctx), sub_ctx, output))
         self._queue = asyncio.Queue(maxsize=_QUEUE_PER_CHOICE * n)

@@ -9,6 +9,11 @@ A pinned request (a session's binding, a client's ``backend_instance_id``) skips
 but is booked on its worker all the same, so the router's view of the load counts it.
 Instances a request must avoid (``AVOID_METADATA``: it failed or was refused there before its
 first token) are never chosen for it.
+
+The per-request work is the decision alone: the prompt is hashed once per request (shared
+through the context with the other stages that route it, ``seq_hashes_of``), and the routing
+explanation (every candidate's cost terms) is built only for a client that asked for it
+(``EXPLAIN_ROUTING_METADATA``).
 """
 
 from __future__ import annotations
@@ -19,10 +24,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import msgspec
 
 from turnout.errors import NoInstanceAvailable, PeerUnavailable, WorkerProtocolError
+from turnout.protocols.kv import SequenceHash
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.router.kv.router import KvRouter
 from turnout.router.kv.selector import Selection, SelectionStatus
-from turnout.runtime.context import AVOID_METADATA, RequestContext
+from turnout.runtime.context import (
+    AVOID_METADATA,
+    EXPLAIN_ROUTING_METADATA,
+    SEQ_HASHES_METADATA,
+    RequestContext,
+)
 
 log = logging.getLogger("turnout.router.kv")
 
@@ -43,6 +54,50 @@ def explain(selection: Selection, block_size: int) -> dict[str, object]:
         candidate["worker_id"] = f"{candidate['worker_id']:x}"
     out["busy"] = [f"{w[0]:x}" for w in out.get("busy", [])]
     return out
+
+
+class HashedPrompt:
+    """A prompt's sequence hashes and what they were computed from: the very token list (by
+    identity: the stages pass one request's ``token_ids`` along unchanged; a continued or
+    migrated prompt is another list) and the partition (block size, adapter, salt)."""
+
+    __slots__ = ("block_size", "cache_salt", "lora_name", "seq_hashes", "token_ids")
+
+    def __init__(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora_name: str | None,
+        cache_salt: str | None,
+        seq_hashes: list[SequenceHash],
+    ) -> None:
+        self.token_ids = token_ids
+        self.block_size = block_size
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self.seq_hashes = seq_hashes
+
+
+def seq_hashes_of(
+    router: KvRouter, request: PreprocessedRequest, ctx: RequestContext
+) -> list[SequenceHash]:
+    """The request's sequence hashes under ``router``'s block size, computed once per
+    request: kept in ``ctx.metadata[SEQ_HASHES_METADATA]`` for the next stage that routes the
+    same prompt (the decode side after the prefill pool's router, a re-route)."""
+    tokens, block_size = request.token_ids, router.config.block_size
+    lora, salt = request.lora_name, request.cache_salt
+    kept = ctx.metadata.get(SEQ_HASHES_METADATA)
+    if (
+        isinstance(kept, HashedPrompt)
+        and kept.token_ids is tokens
+        and kept.block_size == block_size
+        and kept.lora_name == lora
+        and kept.cache_salt == salt
+    ):
+        return kept.seq_hashes
+    hashes = router.core.seq_hashes(tokens, lora_name=lora, cache_salt=salt)
+    ctx.metadata[SEQ_HASHES_METADATA] = HashedPrompt(tokens, block_size, lora, salt, hashes)
+    return hashes
 
 
 class KvPushRouter:
@@ -87,6 +142,8 @@ class KvPushRouter:
             session_id=request.session_id,
             excluded=excluded,
             allowed=allowed,
+            explain=bool(ctx.metadata.get(EXPLAIN_ROUTING_METADATA)),
+            seq_hashes=seq_hashes_of(router, request, ctx),
         )
         if not selection.ok or selection.worker_id is None:
             raise NoInstanceAvailable(_why(selection, router.endpoint.path()))
@@ -118,13 +175,15 @@ class KvPushRouter:
                         lora_name=request.lora_name,
                         cache_salt=request.cache_salt,
                         session_id=request.session_id,
+                        seq_hashes=seq_hashes_of(router, request, ctx),
                     )
             else:
                 if selection is None:
                     selection = self.select(request, ctx, excluded)
                 assert selection.worker_id is not None
                 target, dp_rank = selection.worker_id, selection.dp_rank or 0
-                ctx.metadata["routing"] = explain(selection, router.config.block_size)
+                if ctx.metadata.get(EXPLAIN_ROUTING_METADATA):
+                    ctx.metadata["routing"] = explain(selection, router.config.block_size)
                 selection = None
                 extra = dict(request.extra_args or {})
                 extra["dp_rank"] = dp_rank

@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from time import perf_counter
 from typing import Any, Protocol
 
 import msgspec
@@ -39,6 +40,7 @@ from turnout.protocols.kv import (
     KvSnapshot,
     KvSnapshotRequest,
     LoadReport,
+    SequenceHash,
 )
 from turnout.protocols.model import EndpointId
 from turnout.router.event_batches import BatchDecoder, take_ready
@@ -48,6 +50,7 @@ from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
 from turnout.router.kv.load_feed import StepBacklog, latest_per_worker
 from turnout.router.kv.selector import Selection
+from turnout.router.kv.timing import DurationHistogram
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPlane, EventPublisher, EventSubscription
 
@@ -125,6 +128,8 @@ class KvRouter:
         self.predicted_cached_tokens = 0
         self.reported_cached_tokens = 0
         self.reported_prompt_tokens = 0
+        #: Time of each ``route`` decision (exported as ``turnout_kv_router_decision_seconds``).
+        self.decision_seconds = DurationHistogram()
         self.core = KvRouterCore(
             config,
             clock=clock,
@@ -197,10 +202,16 @@ class KvRouter:
         excluded: Sequence[int] = (),
         book: bool = True,
         allowed: Collection[int] | None = None,
+        explain: bool = True,
+        seq_hashes: Sequence[SequenceHash] | None = None,
     ) -> Selection:
         """Choose a worker; with ``book`` (the default) the request is counted on it until
         ``on_finished``. ``book=False`` only answers the question (``turnout router``).
-        ``allowed``: only these workers may be chosen (a LoRA adapter's holders)."""
+        ``allowed``: only these workers may be chosen (a LoRA adapter's holders).
+        ``explain``: list every candidate's cost terms in the selection (the frontend asks
+        only for a client that wants them); ``seq_hashes``: the prompt's, computed once by
+        the caller (``core.seq_hashes``). The decision's time goes to ``decision_seconds``."""
+        start = perf_counter()
         candidates = self.candidates(excluded, allowed)
         selection = self.core.route(
             request_id,
@@ -210,8 +221,10 @@ class KvRouter:
             cache_salt=cache_salt,
             session_id=session_id,
             book=book,
-            explain=True,
+            explain=explain,
+            seq_hashes=seq_hashes,
         )
+        self.decision_seconds.observe(perf_counter() - start)
         if book and selection.ok and selection.worker_id is not None:
             worker = selection.worker_id
             self.predicted_cached_tokens += selection.overlap_blocks * self.config.block_size
@@ -230,6 +243,7 @@ class KvRouter:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        seq_hashes: Sequence[SequenceHash] | None = None,
     ) -> None:
         """Count a pinned request on ``worker_id`` (see ``KvRouterCore.book``) until
         ``on_finished``."""
@@ -240,6 +254,7 @@ class KvRouter:
             lora_name=lora_name,
             cache_salt=cache_salt,
             session_id=session_id,
+            seq_hashes=seq_hashes,
         )
         self.predicted_cached_tokens += overlap * self.config.block_size
 
