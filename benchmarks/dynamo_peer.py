@@ -36,7 +36,14 @@ of 23 ms for a 128-token prompt at speedup 1; turnout's frontend shows no such s
 is wall time, so x speedup in simulated time. Use a fresh connection per request (httpx:
 ``Limits(max_keepalive_connections=0)``) or keep 60 ms between a connection's requests.
 
-Smoke test: ``.venv/bin/python benchmarks/dynamo_peer.py`` (2 workers, 3 requests).
+Mocker pacing (measured, 1.6.1): ``--speedup-ratio 0`` does not mean "no delays": a
+6-token, 1-token request takes ~19 ms and a 64-token stream ~380 ms. With a large ratio
+(1e3 to 1e9) every step still takes ~0.7 ms (a tokio sleep rounds up to the timer's 1 ms
+tick), so a 64-token stream lasts ~44 ms however large the ratio; turnout's mocker steps in
+tens of microseconds at the same ratio.
+
+Smoke test: ``.venv/bin/python benchmarks/dynamo_peer.py`` (2 workers, 3 requests). The
+side-by-side frontend CPU benchmark built on this module: ``frontend_vs_dynamo.py``.
 """
 
 from __future__ import annotations
