@@ -10,9 +10,9 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
-from nats.aio.msg import Msg
 from tests.polling import eventually
 from tests.servers.nats import NatsServerProcess, nats_binary
 from tests.servers.process import require
@@ -35,7 +35,7 @@ from turnout.runtime.event_plane.nats import (
 )
 from turnout.runtime.nats import NatsConnection, NatsOptions, NatsUnavailable, connect_nats
 from turnout.runtime.request_plane.base import PeerState
-from turnout.runtime.request_plane.framing import Kind
+from turnout.runtime.request_plane.framing import Frame, Kind
 from turnout.runtime.request_plane.nats import NatsClient, NatsServer
 from turnout.runtime.request_plane.nats import wire as rpn
 
@@ -526,18 +526,18 @@ async def test_a_lost_ack_is_not_peer_unavailable(conn: NatsConnection, lose: st
     server = NatsServer(conn, heartbeat_interval=0.05)
     server.register("p", handler)
     client = NatsClient(conn, heartbeat_interval=0.05, idle_timeout=2.0)
-    deliver = client._on_msg
+    deliver = client._on_frame
     dropped: list[int] = []
 
-    async def lossy(msg: Msg) -> None:
-        kind = rpn.decode_frame(msg.data).kind if msg.data else None
+    def lossy(sid: int, inbox: Any, frame: Frame) -> None:
+        kind = frame.kind
         targeted = kind == Kind.ACK or (lose == "ack and data" and kind == Kind.DATA)
         if targeted and kind not in dropped:
             dropped.append(kind)
             return
-        await deliver(msg)
+        deliver(sid, inbox, frame)
 
-    client._on_msg = lossy  # type: ignore[method-assign]  # before the subscription is made
+    client._on_frame = lossy  # type: ignore[method-assign]
     try:
         address = await server.start()
         stream = client.stream(address, "p", b"", RequestContext())

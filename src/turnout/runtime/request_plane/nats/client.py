@@ -10,6 +10,11 @@ As on tcp, a server whose every open stream heard nothing for ``silence_deadline
 ``SILENT`` to the peer listeners (a frozen worker keeps its lease for a while; callers set it
 aside at once), ``ANSWERING`` when one of its streams hears from it again, and ``GONE`` when
 no stream to it is left.
+
+Every REQUEST says the client takes batch messages (``TAKES_BATCHES``): a server that knows
+them sends the frames of several streams in one message on the client's batch subject (stream
+id ``BATCH_SID``), each frame naming its stream; one that does not sends one message per frame
+on the stream's own subject. Both are read here, frame by frame alike (``_on_frame``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from turnout.runtime.request_plane.base import RequestPlaneClient
 from turnout.runtime.request_plane.credited_stream import OVERRUN, CreditedStream, Inbox
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, Frame, Kind
 from turnout.runtime.request_plane.nats.wire import (
+    BATCH_SID,
     CLIENT_PREFIX,
     CREDIT,
     DATA,
@@ -45,7 +51,9 @@ from turnout.runtime.request_plane.nats.wire import (
     SERVER_PREFIX,
     SILENCE_DEADLINE,
     TAKEN,
+    TAKES_BATCHES,
     Outbox,
+    decode_batch,
     decode_frame,
     encode_frame,
     logger,
@@ -212,7 +220,7 @@ class NatsClient(RequestPlaneClient):
         inbox = _Inbox(server, subject, time.monotonic())
         self._inboxes[sid] = inbox
         self._consumed[sid] = 0
-        frame = Frame(Kind.REQUEST, 0, payload, path, 0, request_id)
+        frame = Frame(Kind.REQUEST, 0, payload, path, TAKES_BATCHES, request_id)
         self._outbox.put((server, encode_frame(frame), subject))
         return sid, inbox
 
@@ -238,6 +246,9 @@ class NatsClient(RequestPlaneClient):
             sid = int(msg.subject[len(self.prefix) :])
         except ValueError:
             return
+        if sid == BATCH_SID:
+            self._on_batch(msg.data)
+            return
         inbox = self._inboxes.get(sid)
         if inbox is None:
             return  # late frames of a stream that ended
@@ -256,6 +267,32 @@ class NatsClient(RequestPlaneClient):
             self._cancel_stream(sid)
             inbox.finish(inbox.lost(f"undecodable message: {exc}"))
             return
+        self._on_frame(sid, inbox, frame)
+
+    def _on_batch(self, data: bytes) -> None:
+        """A batch message: frames of several streams, in order within each stream."""
+        try:
+            frames = decode_batch(data)
+        except msgspec.DecodeError as exc:
+            # Whose frames were in it is unknown: each of those streams finds the gap in its
+            # sequence numbers at its next frame or heartbeat, or falls silent.
+            logger.warning("nats request plane: dropping an undecodable batch message: %s", exc)
+            return
+        inboxes = self._inboxes
+        silent_peers = self.silent_peers
+        now = time.monotonic()
+        for frame in frames:
+            sid = frame.stream_id
+            inbox = inboxes.get(sid)
+            if inbox is None:
+                continue  # late frames of a stream that ended
+            inbox.last_heard = now
+            if silent_peers and inbox.server in silent_peers:
+                silent_peers.heard(inbox.server)
+            self._on_frame(sid, inbox, frame)
+
+    def _on_frame(self, sid: int, inbox: _Inbox, frame: Frame) -> None:
+        """One server frame of stream ``sid``: sequence checks, then what its kind says."""
         kind = frame.kind
         if not inbox.acked and (kind in TAKEN or frame.num > 1):
             # The server took the request and its ACK (always ``num`` 1) was lost: the

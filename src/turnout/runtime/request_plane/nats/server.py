@@ -5,12 +5,18 @@ past what the client reported consumed (credit is cumulative, so a lost CREDIT i
 the next). Every stream gets a HEARTBEAT when the server wrote nothing to it for a heartbeat
 interval; a stream whose client said nothing (its repeated CREDIT is its heartbeat) for
 ``idle_timeout`` is cancelled.
+
+Frames for a client that takes batches (its REQUEST says so, ``TAKES_BATCHES``) are not
+published one by one: each joins its client's batch (``_batches``), which the outbox writer
+takes whole, so what a server's streams to one client produced since the writer last ran costs
+one NATS message (or several, each within ``max_payload``), not one per stream and token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 
@@ -30,6 +36,7 @@ from turnout.runtime.request_plane.base import (
 )
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, WINDOW, Frame, Kind
 from turnout.runtime.request_plane.nats.wire import (
+    BATCH_SID,
     CREDIT,
     DATA,
     FRAME_OVERHEAD,
@@ -38,23 +45,41 @@ from turnout.runtime.request_plane.nats.wire import (
     IDLE_TIMEOUT,
     PART,
     SERVER_PREFIX,
+    TAKES_BATCHES,
     Message,
     Outbox,
     decode_frame,
     encode_frame,
     fit_text,
     logger,
+    pack_batch,
 )
+
+#: The most digits of a stream id taken from a reply subject (it must fit a msgpack integer).
+_MAX_SID_DIGITS = 18
 
 
 class _ServerStream:
     """One request being handled, keyed by its reply subject."""
 
-    __slots__ = ("allowed", "cancelled_by_client", "ctx", "last_heard", "last_sent", "path",
-                 "pending", "queued", "reply", "sent", "seq", "task", "waiter")  # fmt: skip
+    __slots__ = ("allowed", "batch", "cancelled_by_client", "ctx", "last_heard", "last_sent",
+                 "path", "pending", "queued", "reply", "sent", "seq", "sid", "task",
+                 "waiter")  # fmt: skip
 
-    def __init__(self, reply: str, path: str, ctx: RequestContext, now: float) -> None:
+    def __init__(
+        self,
+        reply: str,
+        path: str,
+        ctx: RequestContext,
+        now: float,
+        batch: str = "",
+        sid: int = 0,
+    ) -> None:
         self.reply = reply
+        #: The client's batch subject when it takes batches ("": one message per frame), and
+        #: the stream's id, which its frames carry there.
+        self.batch = batch
+        self.sid = sid
         self.path = path
         self.ctx = ctx
         #: Items the handler may have sent in total (WINDOW + what the client consumed).
@@ -112,6 +137,9 @@ class NatsServer(RequestPlaneServer):
         self._outbox: Outbox | None = None
         self._heartbeats: asyncio.Task[None] | None = None
         self._address: TransportAddress | None = None
+        #: Encoded frames waiting for the outbox writer, by client batch subject; a subject is
+        #: here exactly while the outbox holds the entry that takes its batch (``_take_batch``).
+        self._batches: dict[str, list[bytes]] = {}
 
     async def start(self) -> TransportAddress:
         """Subscribe to this server's subject; returns its address once NATS has registered the
@@ -163,12 +191,63 @@ class NatsServer(RequestPlaneServer):
 
         def frame() -> list[Message]:
             out = self._frame_pending(stream)
-            stream.seq += 1
-            out.append((stream.reply, encode_frame(Frame(kind, 0, text=text, num=stream.seq)), ""))
+            self._emit(stream, out, kind, text=text)
             stream.last_sent = time.monotonic()
             return out
 
         self._outbox.put(frame)
+
+    def _emit(
+        self,
+        stream: _ServerStream,
+        out: list[Message],
+        kind: int,
+        data: bytes | list[bytes] = b"",
+        text: str = "",
+    ) -> None:
+        """Number the next frame of ``stream`` and add it to ``out`` (one message of its own)
+        or to its client's batch. Called by the outbox writer only, so numbers follow the
+        order frames are written in."""
+        stream.seq += 1
+        batch = stream.batch
+        if batch:
+            self._add_to_batch(batch, encode_frame(Frame(kind, stream.sid, data, text, stream.seq)))
+        else:
+            out.append((stream.reply, encode_frame(Frame(kind, 0, data, text, stream.seq)), ""))
+
+    def _add_to_batch(self, subject: str, frame: bytes) -> None:
+        frames = self._batches.get(subject)
+        if frames is None:
+            self._batches[subject] = [frame]
+            assert self._outbox is not None
+            self._outbox.put(functools.partial(self._take_batch, subject))
+        else:
+            frames.append(frame)
+
+    def _take_batch(self, subject: str) -> list[Message]:
+        """The frames batched for one client as messages, each within ``max_payload``."""
+        frames = self._batches.pop(subject, [])
+        limit = max(self.conn.max_payload - FRAME_OVERHEAD, 1)
+        out: list[Message] = []
+        run: list[bytes] = []
+        size = 0
+        for frame in frames:
+            if run and size + len(frame) > limit:
+                out.append((subject, pack_batch(run), ""))
+                run, size = [], 0
+            run.append(frame)
+            size += len(frame)
+        if run:
+            out.append((subject, pack_batch(run), ""))
+        return out
+
+    def _heartbeat(self, stream: _ServerStream) -> list[Message]:
+        """A HEARTBEAT naming the last frame sent on ``stream`` (written by the outbox)."""
+        frame = Frame(HEARTBEAT, stream.sid, num=stream.seq)
+        if stream.batch:
+            self._add_to_batch(stream.batch, encode_frame(frame))
+            return []
+        return [(stream.reply, encode_frame(frame), "")]
 
     def _push(self, stream: _ServerStream, item: bytes) -> None:
         stream.pending.append(item)
@@ -181,41 +260,34 @@ class NatsServer(RequestPlaneServer):
         """The stream's pending items as DATA (and PART) messages, each within max_payload."""
         stream.queued = False
         pending = stream.pending
+        out: list[Message] = []
         if not pending:
-            return []
+            return out
         stream.pending = []
         limit = max(self.conn.max_payload - FRAME_OVERHEAD, 1)
-        reply = stream.reply
-        out: list[Message] = []
-        batch: list[bytes] = []
+        emit = self._emit
+        run: list[bytes] = []
         size = 0
-
-        def emit(kind: int, data: bytes | list[bytes]) -> None:
-            stream.seq += 1
-            out.append((reply, encode_frame(Frame(kind, 0, data, num=stream.seq)), ""))
-
-        def emit_batch() -> None:
-            if batch:
-                emit(DATA, batch[0] if len(batch) == 1 else list(batch))
-                batch.clear()
-
         for item in pending:
             n = len(item)
             if n > limit:
-                emit_batch()
+                if run:
+                    emit(stream, out, DATA, run[0] if len(run) == 1 else run)
+                    run = []
                 size = 0
                 view = memoryview(item)
                 last = (n - 1) // limit * limit
                 for start in range(0, last, limit):
-                    emit(PART, bytes(view[start : start + limit]))
-                emit(DATA, bytes(view[last:]))
+                    emit(stream, out, PART, bytes(view[start : start + limit]))
+                emit(stream, out, DATA, bytes(view[last:]))
                 continue
             if size + n > limit:
-                emit_batch()
-                size = 0
-            batch.append(item)
+                emit(stream, out, DATA, run[0] if len(run) == 1 else run)
+                run, size = [], 0
+            run.append(item)
             size += n + 8
-        emit_batch()
+        if run:
+            emit(stream, out, DATA, run[0] if len(run) == 1 else run)
         stream.last_sent = time.monotonic()
         return out
 
@@ -267,7 +339,13 @@ class NatsServer(RequestPlaneServer):
         path = frame.text
         if self._outbox is None:
             return  # not started, or stopped: no one to answer through
-        stream = _ServerStream(reply, path, RequestContext(frame.text2 or None), time.monotonic())
+        batch, sid = "", 0
+        if frame.num & TAKES_BATCHES:
+            prefix, _, tail = reply.rpartition(".")
+            if prefix and tail.isdigit() and len(tail) <= _MAX_SID_DIGITS:
+                batch, sid = f"{prefix}.{BATCH_SID}", int(tail)
+        ctx = RequestContext(frame.text2 or None)
+        stream = _ServerStream(reply, path, ctx, time.monotonic(), batch, sid)
         if not self._takes(path):
             self._send(stream, Kind.REJECT, f"not taking requests for {path!r}")
             return
@@ -343,6 +421,4 @@ class NatsServer(RequestPlaneServer):
                     stream.cancel()
                 elif now - stream.last_sent >= self.heartbeat_interval and outbox is not None:
                     stream.last_sent = now
-                    outbox.put(
-                        (stream.reply, encode_frame(Frame(HEARTBEAT, 0, num=stream.seq)), "")
-                    )
+                    outbox.put(functools.partial(self._heartbeat, stream))

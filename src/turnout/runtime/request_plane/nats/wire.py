@@ -37,9 +37,31 @@ CREDIT = int(Kind.CREDIT)
 TAKEN = frozenset({DATA, PART, HEARTBEAT, int(Kind.END), int(Kind.ABORT)})
 #: Appended to a frame text cut to fit a message.
 TRUNCATED = " ... [truncated]"
+#: A REQUEST's ``num`` bit by which a client says it takes batch messages (see ``pack_batch``).
+#: A server that does not know the bit ignores it and answers one message per frame, which
+#: such a client reads as well; a client that does not set it is never sent a batch.
+TAKES_BATCHES = 1
+#: The stream id of a client's batch subject (``turnout.rpc.<client id>.0``): stream ids
+#: start at 1, so no stream has it.
+BATCH_SID = 0
 
 encode_frame = msgspec.msgpack.Encoder().encode
 decode_frame = msgspec.msgpack.Decoder(Frame).decode
+decode_batch = msgspec.msgpack.Decoder(list[Frame]).decode
+
+
+def pack_batch(frames: list[bytes]) -> bytes:
+    """Encoded frames (each naming its stream in ``stream_id``) as one msgpack array: the
+    frames of several of a client's streams in one message, read with ``decode_batch``."""
+    n = len(frames)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 0x10000:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return head + b"".join(frames)
+
 
 #: One message to publish: subject, payload, reply subject ("" for none).
 Message = tuple[str, bytes, str]
