@@ -7,9 +7,17 @@ Subjects::
                                         turnout.rpc.<client id>.* once
 
 Every message is one msgpack ``Frame`` (see ``framing``), as on tcp, with no length prefix
-(NATS delimits messages). The client publishes REQUEST, CREDIT and CANCEL to the server's
-subject with the stream's reply subject as the NATS reply; the server answers on that subject
-with ACK, DATA, PART, HEARTBEAT and one of END / ERROR / REJECT / ABORT.
+(NATS delimits messages), or a batch: a msgpack array of frames. The client publishes REQUEST,
+CREDIT and CANCEL to the server's subject with the stream's reply subject as the NATS reply;
+the server answers with ACK, DATA, PART, HEARTBEAT and one of END / ERROR / REJECT / ABORT.
+
+* **Batches.** A client's REQUEST sets ``TAKES_BATCHES`` in ``num``; the server then sends that
+  stream's frames, with the stream id in ``stream_id``, in batch messages on the client's
+  batch subject ``turnout.rpc.<client id>.0``, one per client for whatever its streams produced
+  since the server's writer last ran. Without the bit (a client that does not know batches)
+  each frame is a message of its own on the stream's reply subject, which a client that asks
+  for batches reads as well (a server that does not know them ignores the bit): either end
+  may be older than the other.
 
 What NATS does not give, the frames add:
 
@@ -43,7 +51,7 @@ What NATS does not give, the frames add:
   on the server, and a client stops reassembling PARTs (``StreamBroken``) once they pass it,
   whatever a server sends; a request message over it is answered with an ERROR, undecoded.
 
-Sends never await in the caller: frames go to an ``_Outbox`` whose writer task publishes them
+Sends never await in the caller: frames go to an ``Outbox`` whose writer task publishes them
 in order (and frames each stream's pending items at that moment, so a burst is one message).
 """
 
