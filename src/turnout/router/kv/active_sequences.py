@@ -206,6 +206,36 @@ class ActiveSequences:
                 )
             )
 
+    def snapshot_events(self) -> list[ActiveSequenceEvent]:
+        """This replica's own requests in flight as the events that rebuild them on another
+        replica (``apply_event`` in order): ``ADDED`` for each, then ``PREFILL_DONE`` for one
+        that is decoding. For a replica that joined after they were routed (replica sync)."""
+        own = self._router_id
+        out = []
+        for req in self._requests.values():
+            if req.router_id != own:
+                continue
+            out.append(
+                ActiveSequenceEvent(
+                    kind=ActiveSequenceEventKind.ADDED,
+                    request_id=req.request_id,
+                    router_id=own,
+                    worker_key=req.worker_key,
+                    prefill_tokens=req.prefill_tokens,
+                    num_blocks=req.num_blocks,
+                )
+            )
+            if req.phase is RequestPhase.DECODE:
+                out.append(
+                    ActiveSequenceEvent(
+                        kind=ActiveSequenceEventKind.PREFILL_DONE,
+                        request_id=req.request_id,
+                        router_id=own,
+                        worker_key=req.worker_key,
+                    )
+                )
+        return out
+
     # --- replicas' changes ---------------------------------------------------------------------
 
     def apply_event(self, event: ActiveSequenceEvent, now: float) -> bool:
@@ -234,6 +264,15 @@ class ActiveSequences:
             return True
         self._transition(req, RequestPhase.GONE)
         return True
+
+    def remove_router(self, router_id: str) -> int:
+        """Drop the requests another replica routed (it is gone); returns how many."""
+        if router_id == self._router_id:
+            return 0
+        gone = [r for r in self._requests.values() if r.router_id == router_id]
+        for req in gone:
+            self._transition(req, RequestPhase.GONE)
+        return len(gone)
 
     # --- transitions ---------------------------------------------------------------------------
 
