@@ -12,8 +12,10 @@ What this adds to the core:
 * replicas: with ``share_active`` on, the local changes to the in-flight requests are
   collected and published on the ``kv_router_active`` topic as one batch per event-loop
   iteration (at most ``ACTIVE_BATCH_MAX`` changes each); the other replicas' batches are
-  applied in order,
-  so several frontends (or ``turnout router`` services) see the same load;
+  applied in order, so several frontends (or ``turnout router`` services) see the same load.
+  Batches go out only while another replica hears this one: replicas announce themselves on
+  the same topic, and one that starts to listen gets a snapshot of this replica's requests in
+  flight; a replica that goes silent is forgotten with its requests (``replicas``);
 * a watchdog for silent workers: a worker in exact mode that keeps getting requests but sends
   no KV event for ``silence_warn_s`` is logged once and counted (a misconfigured engine
   without KV events otherwise degrades routing silently).
@@ -49,6 +51,12 @@ from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
 from turnout.router.kv.load_feed import StepBacklog, latest_per_worker
+from turnout.router.kv.replicas import (
+    DEFAULT_PRESENCE_INTERVAL_S,
+    ReplicaPeers,
+    ReplicaPresence,
+    is_presence,
+)
 from turnout.router.kv.selector import Selection
 from turnout.router.kv.timing import DurationHistogram
 from turnout.runtime.context import RequestContext
@@ -60,7 +68,11 @@ ACTIVE_TOPIC = "kv_router_active"
 #: The most active-sequence changes one replica-sync message carries (a burst beyond it is
 #: sent in several).
 ACTIVE_BATCH_MAX = 256
+#: The most requests one snapshot message carries (a larger snapshot is sent in several).
+SNAPSHOT_CHUNK = 1024
 _encode = msgspec.msgpack.Encoder().encode
+_batch_decoder = msgspec.msgpack.Decoder(ActiveSequenceBatch)
+_presence_decoder = msgspec.msgpack.Decoder(ReplicaPresence)
 _snapshot_decoder = msgspec.msgpack.Decoder(KvSnapshot)
 
 
@@ -98,9 +110,11 @@ class KvRouter:
         silence_warn_s: float = 30.0,
         router_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        presence_interval_s: float = DEFAULT_PRESENCE_INTERVAL_S,
     ) -> None:
         """``clock``: monotonic seconds, for the core, the load feed and replica presence
-        (injected by tests)."""
+        (injected by tests); ``presence_interval_s``: seconds between this replica's
+        presences (``replicas``)."""
         self.router_id = router_id or uuid.uuid4().hex[:12]
         self.client = client
         self.endpoint = endpoint
@@ -109,6 +123,9 @@ class KvRouter:
         self._share_active = share_active
         self._publisher: EventPublisher | None = None
         self._pending_active: list[ActiveSequenceEvent] = []
+        self.peers = ReplicaPeers(self.router_id, interval_s=presence_interval_s)
+        #: Replica-sync messages that did not decode (a peer of another version, a bug).
+        self.num_invalid_active = 0
         self._subscriptions: list[EventSubscription] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._resyncing: set[WorkerKey] = set()
@@ -157,6 +174,8 @@ class KvRouter:
             sub = await plane.subscribe(ns, comp, topic)
             self._subscriptions.append(sub)
             self._tasks.append(asyncio.create_task(consume(sub), name=f"kv-router-{topic}"))
+        if self._share_active:
+            self._tasks.append(asyncio.create_task(self._announce(), name="kv-router-presence"))
         self._known_workers = self.client.announced_ids()
         self.client.add_listener(self._on_instances_changed)
 
@@ -172,7 +191,8 @@ class KvRouter:
             await sub.close()
         self._subscriptions.clear()
         if self._publisher is not None:
-            self._flush_active()
+            if self.peers.listening:
+                self._flush_active()
             await self._publisher.close()
             self._publisher = None
 
@@ -300,14 +320,72 @@ class KvRouter:
                 step_models.on_load(report)
 
     async def _consume_active(self, sub: EventSubscription) -> None:
+        """Other replicas' change batches, applied in order, and their presences."""
         own = self.router_id
-        async for batch in sub.messages(ActiveSequenceBatch):
+        core = self.core
+        async for message in sub:
+            payload = message.payload
+            try:
+                if is_presence(payload):
+                    self._on_presence(_presence_decoder.decode(payload))
+                    continue
+                batch = _batch_decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                self.num_invalid_active += 1
+                if self.num_invalid_active == 1:
+                    log.warning(
+                        "kv router %s: skipping an undecodable replica-sync message (%s); "
+                        "later ones are only counted",
+                        own,
+                        exc,
+                    )
+                continue
             for event in batch.events:  # in the order the replica made them
                 if event.router_id != own:
-                    self.core.on_active_event(event)
+                    core.on_active_event(event)
+
+    async def _announce(self) -> None:
+        """Say this replica is here every ``peers.interval_s``; forget silent peers."""
+        peers = self.peers
+        while True:
+            for router_id in peers.expire(self._clock()):
+                dropped = self.core.active.remove_router(router_id)
+                log.info(
+                    "kv router %s: replica %s went silent; its %d requests are forgotten",
+                    self.router_id, router_id, dropped,
+                )  # fmt: skip
+            self._send_presence()
+            await asyncio.sleep(peers.interval_s)
+
+    def _on_presence(self, presence: ReplicaPresence) -> None:
+        if presence.router_id == self.router_id:
+            return
+        if presence.to == self.router_id:  # a peer's requests, for this replica
+            for event in presence.events:
+                self.core.on_active_event(event)
+        new, snapshot_due = self.peers.on_presence(presence, self._clock())
+        if new:
+            log.info("kv router %s: replica %s is here", self.router_id, presence.router_id)
+            self._send_presence()  # at once: it need not wait a beat to hear of this one
+        if snapshot_due:
+            self._flush_active()  # what was collected goes first, in order
+            events = self.core.active.snapshot_events()
+            for i in range(0, len(events), SNAPSHOT_CHUNK):
+                self._send_presence(presence.router_id, events[i : i + SNAPSHOT_CHUNK])
+
+    def _send_presence(
+        self, to: str | None = None, events: list[ActiveSequenceEvent] | None = None
+    ) -> None:
+        if self._publisher is not None:
+            presence = ReplicaPresence(
+                router_id=self.router_id, hears=self.peers.ids(), to=to, events=events or []
+            )
+            self._publisher.publish_nowait(ACTIVE_TOPIC, _encode(presence))
 
     def _publish_active(self, event: ActiveSequenceEvent) -> None:
-        if self._publisher is not None:
+        # Alone (no replica hears this one), changes are not sent: a replica that starts to
+        # listen gets a snapshot instead.
+        if self._publisher is not None and self.peers.listening:
             pending = self._pending_active
             pending.append(event)
             if len(pending) >= ACTIVE_BATCH_MAX:
