@@ -39,6 +39,7 @@ from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Complet
 
 from .chat_template import ChatTemplate
 from .limits import RequestLimits
+from .prompt_cache import PromptCache, PromptEncoder
 from .reasoning_switch import reasoning_switch
 from .structured import source_chars, structured_output
 from .tokenizer import Tokenizer
@@ -105,7 +106,7 @@ def _prompt_chars(messages: list[ChatMessage]) -> int:
 class Preprocessor:
     """Turns OpenAI requests for one model into token-level requests. Stateless per request."""
 
-    __slots__ = ("_mdc_sum", "card", "limits", "template", "tokenizer")
+    __slots__ = ("_mdc_sum", "_prompt_encoder", "card", "limits", "template", "tokenizer")
 
     def __init__(
         self,
@@ -113,13 +114,19 @@ class Preprocessor:
         tokenizer: Tokenizer,
         template: ChatTemplate | None,
         limits: RequestLimits | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
+        """``prompt_cache``: where rendered chat prompts' pieces are looked up before they
+        are encoded (``llm.prompt_cache``; None: every prompt encoded whole)."""
         self.card = card
         self.tokenizer = tokenizer
         self.template = template
         #: What one request may ask for (the frontend's ``--max-*`` flags).
         self.limits = limits if limits is not None else RequestLimits()
         self._mdc_sum = card.checksum()
+        self._prompt_encoder: PromptEncoder = (
+            tokenizer if prompt_cache is None else prompt_cache.encoder(tokenizer)
+        )
 
     # ---------------------------------------------------------------- chat
 
@@ -180,8 +187,9 @@ class Preprocessor:
                 tools=req.tools,
                 **extra,
             )
-            # The template writes BOS itself where the model wants one (as HF does).
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            # The template writes BOS itself where the model wants one (as HF does), so
+            # no special tokens are added: the encoder's contract.
+            return self._prompt_encoder.encode(text)
 
         size = prompt_chars + tools_chars + MESSAGE_COST_CHARS * len(req.messages)
         token_ids = await _maybe_offload(size, render_and_encode)

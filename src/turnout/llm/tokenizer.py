@@ -21,6 +21,7 @@ from turnout.errors import ConfigError
 from turnout.protocols.model import KIND_HF_TOKENIZER_JSON, ArtifactRef
 
 from .gguf_tokenizer import gguf_tokenizer_json, read_gguf_metadata
+from .token_boundaries import TokenBoundaries, find_boundaries
 
 KIND_HF = KIND_HF_TOKENIZER_JSON
 
@@ -37,6 +38,7 @@ class Tokenizer:
     """Encode/decode with one model's vocabulary. Thread-safe; share it freely."""
 
     __slots__ = (
+        "_boundaries",
         "_max_token_chars",
         "_special_ids",
         "_vocab_size",
@@ -71,6 +73,7 @@ class Tokenizer:
             i for i, t in inner.get_added_tokens_decoder().items() if t.special
         )
         self._max_token_chars: int | None = None
+        self._boundaries: TokenBoundaries | str | None = None
 
     # ------------------------------------------------------------ construction
 
@@ -167,6 +170,15 @@ class Tokenizer:
             )
             self._max_token_chars = max(1, pieces, max(map(len, decoded), default=1))
         return self._max_token_chars
+
+    @property
+    def boundaries(self) -> TokenBoundaries | str:
+        """The tokens after which a prompt may be cut and encoded piece by piece
+        (``llm.token_boundaries``), or why there are none. Computed on first use (a few ms:
+        warm it off the event loop), then cached."""
+        if self._boundaries is None:
+            self._boundaries = find_boundaries(self.inner)
+        return self._boundaries
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.kind}, sha256={self.sha256[:12]}, vocab={self._vocab_size})"
