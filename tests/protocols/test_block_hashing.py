@@ -49,6 +49,7 @@ def test_list_and_array_paths_equal_reference(
     as_array = np.asarray(tokens, dtype=np.uint32)
     assert compute_block_hashes(as_array, block_size, lora_name=lora_name) == expected
     assert compute_seq_hashes(tokens, block_size, lora_name=lora_name) == expected[1]
+    assert compute_block_hashes(tuple(tokens), block_size, lora_name=lora_name) == expected
 
 
 def test_lora_and_multimodal_change_the_hashes() -> None:

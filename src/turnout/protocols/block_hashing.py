@@ -20,10 +20,13 @@ A prompt is cut into blocks of ``block_size`` tokens; a trailing partial block i
     sequence     S0=L0      S1=h(S0,L1)
 
 Hashing is most of the cost of a KV routing decision (an 8K-token prompt is 512 blocks, two
-xxh3 calls each), so the common case is tuned: a token *list* is packed with ``array('I')``
-(converting a list of Python ints with ``np.asarray`` costs more than hashing it), local
-hashes run with the loop in C (``map`` over cached slice objects), and the chain uses
-positional calls. numpy arrays, multimodal extras and big-endian hosts take the plain path.
+xxh3 calls each), so the common case is tuned: a token *list* is packed with
+``array('I').fromlist`` (converting a list of Python ints with ``np.asarray`` costs more than
+hashing it), local hashes run with the loop in C (``map`` over cached slice objects), and the
+chain is one iteration of two C calls per block. The chain is sequential (each hash takes its
+parent's) and the local hashes are one C call each, so what is left is the interpreter's
+per-block dispatch: about 0.1 us a block each. numpy arrays, multimodal extras and big-endian
+hosts take the plain path.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from typing import cast
 
 import numpy as np
@@ -66,10 +69,16 @@ def hash_seed(lora_name: str | None = None, cache_salt: str | None = None) -> in
 
 
 def _pack_tokens(token_ids: Sequence[int] | np.ndarray, count: int) -> bytes:
-    """The first ``count`` tokens as little-endian u32 bytes (OverflowError/ValueError when an
-    id does not fit in u32)."""
+    """At least the first ``count`` tokens as little-endian u32 bytes (OverflowError or
+    ValueError when an id does not fit in u32). A list is packed whole, its partial block
+    too: ``array.fromlist`` runs a third faster than building the array from a slice."""
     if _ARRAY_IS_LE_U32 and not isinstance(token_ids, np.ndarray):
-        return array("I", token_ids[:count]).tobytes()
+        packed = array("I")
+        if type(token_ids) is list:
+            packed.fromlist(token_ids)
+        else:
+            packed.extend(token_ids[:count])
+        return packed.tobytes()
     return np.asarray(token_ids[:count], dtype="<u4").tobytes()
 
 
@@ -130,8 +139,8 @@ def compute_sequence_hashes(
     prev = local_hashes[0] if parent is None else xxh3(pack(parent, local_hashes[0]), seed)
     out: list[SequenceHash] = [prev]  # type: ignore[list-item]  # NewType call skipped
     append = out.append
-    for i in range(1, len(local_hashes)):
-        prev = xxh3(pack(prev, local_hashes[i]), seed)
+    for local in islice(local_hashes, 1, None):
+        prev = xxh3(pack(prev, local), seed)
         append(prev)  # type: ignore[arg-type]
     return out
 

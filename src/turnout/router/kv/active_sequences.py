@@ -381,6 +381,12 @@ class ActiveSequences:
         selector's hot-path read, without a call or a copy per worker."""
         return self._counters_view
 
+    @property
+    def counters_lookup(self) -> Callable[[WorkerKey], WorkerCounters | None]:
+        """``lookup(key)``: the worker's live counters, None when it has no request in flight
+        (a bound ``dict.get``: the selector's per-candidate read, cheaper than the view's)."""
+        return self._counters.get
+
     def get_counts(self, worker_key: WorkerKey) -> tuple[int, int]:
         """``(active_prefill_tokens, active_decode_blocks)``; the selector's hot-path read."""
         c = self._counters.get(worker_key)

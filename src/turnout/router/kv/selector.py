@@ -41,7 +41,7 @@ import msgspec
 from turnout.router.kv.active_sequences import ActiveSequences
 from turnout.router.kv.base import OverlapScores, WorkerKey
 from turnout.router.kv.config import KvRouterConfig, RouterCost
-from turnout.router.kv.step_time import StepTimeModels
+from turnout.router.kv.step_time import DECODES_UNIT, TOKENS_UNIT, StepTimeModels
 from turnout.router.kv.worker_load import WorkerLoads
 
 
@@ -141,85 +141,25 @@ def select_worker(
     worker of the session's last turn) gets the session bonus. With ``explain`` the
     selection lists every candidate's cost terms (and probability, temperature > 0); without
     it ``candidates`` is empty and only the decision is returned (the production path).
+
+    Both paths take the same decision: ``_CostTerms.row`` is the cost as written in the
+    module docstring, ``_costs`` the same arithmetic inlined in one loop over the candidates
+    (a call and a row object per candidate are most of a decision at a thousand workers).
     """
     temperature = config.router_temperature
     weight = config.overlap_score_weight
     ttft = config.router_cost is RouterCost.TTFT and step_models is not None
     cost_name = RouterCost.TTFT if ttft else RouterCost.BLOCKS
+    busy: list[WorkerKey] = []
+    if candidates and loads is not None and loads.any_busy:
+        is_busy = loads.is_busy
+        free: list[WorkerKey] = []
+        for key in candidates:
+            (busy if is_busy(key, now) else free).append(key)
+        candidates = free
     if not candidates:
         return Selection(
-            status=SelectionStatus.NO_CANDIDATES,
-            new_blocks=new_blocks,
-            temperature=temperature,
-            overlap_score_weight=weight,
-            cost=cost_name,
-            request_id=request_id,
-        )
-    bs = config.block_size
-    if num_tokens is None:
-        num_tokens = new_blocks * bs
-    get_overlap = overlaps.scores.get
-    get_counters = active.counters.get
-    check_busy = loads is not None and loads.any_busy
-    session_weight = config.session_weight if preferred is not None else 0.0
-    itl_weight = config.itl_weight
-    busy: list[WorkerKey] = []
-    rows: list[CandidateCost] = []
-    costs: list[float] = []
-    for key in candidates:
-        if check_busy and loads is not None and loads.is_busy(key, now):
-            busy.append(key)
-            continue
-        overlap = get_overlap(key, 0)
-        counters = get_counters(key)
-        if counters is None:
-            active_prefill = active_decode = 0
-            queued_tokens = decodes = 0
-        else:
-            active_prefill = -(-counters.prefill_tokens // bs)
-            active_decode = counters.decode_blocks
-            queued_tokens = counters.prefill_tokens
-            decodes = counters.num_requests - counters.prefill_requests
-        prefill = active_prefill + new_blocks - overlap
-        if prefill < 0:
-            prefill = 0
-        decode = active_decode + new_blocks
-        if not ttft:
-            cost = weight * prefill + decode
-            if session_weight and key == preferred:
-                cost -= session_weight
-                # Positional: worker_id, dp_rank, overlap, active prefill/decode, prefill,
-                # decode, cost, probability, predicted TTFT, session bonus.
-                row = CandidateCost(
-                    key[0], key[1], overlap, active_prefill, active_decode, prefill, decode,
-                    cost, None, None, session_weight,
-                )  # fmt: skip
-            else:
-                row = CandidateCost(
-                    key[0], key[1], overlap, active_prefill, active_decode, prefill, decode, cost
-                )
-        else:
-            assert step_models is not None
-            model = step_models.get(key)
-            new_tokens = num_tokens - overlap * bs
-            predicted = model.predict_ttft(queued_tokens, new_tokens, decodes)
-            bonus = 0.0
-            if session_weight and key == preferred:
-                bonus = session_weight * model.prefill_step_s(bs, decodes)
-            inflicted = None
-            cost = predicted - bonus
-            if itl_weight and decodes:
-                inflicted = decodes * model.predict_ttft(0, new_tokens, decodes)
-                cost += itl_weight * inflicted
-            row = CandidateCost(
-                key[0], key[1], overlap, active_prefill, active_decode, prefill, decode,
-                cost, None, predicted, bonus, inflicted,
-            )  # fmt: skip
-        costs.append(cost)
-        rows.append(row)
-    if not rows:
-        return Selection(
-            status=SelectionStatus.ALL_BUSY,
+            status=SelectionStatus.ALL_BUSY if busy else SelectionStatus.NO_CANDIDATES,
             new_blocks=new_blocks,
             temperature=temperature,
             overlap_score_weight=weight,
@@ -227,17 +167,33 @@ def select_worker(
             busy=busy,
             request_id=request_id,
         )
+    terms = _CostTerms(
+        overlaps,
+        active,
+        new_blocks,
+        config,
+        num_tokens=new_blocks * config.block_size if num_tokens is None else num_tokens,
+        step_models=step_models if ttft else None,
+        preferred=preferred,
+    )
+    rows: list[CandidateCost] = []
+    if explain or (ttft and config.itl_weight):
+        rows = [terms.row(key) for key in candidates]
+        costs = [row.cost for row in rows]
+    else:
+        costs = terms.costs(candidates)
+    probabilities: list[float] | None = None
     if temperature <= 0.0:
         chosen = _argmin_random_ties(costs, rng)
     else:
         probabilities = softmax_probabilities(costs, temperature)
         chosen = _sample(probabilities, rng)
-        if explain:
-            rows = [
-                msgspec.structs.replace(row, probability=p)
-                for row, p in zip(rows, probabilities, strict=True)
-            ]
-    best = rows[chosen]
+    best = rows[chosen] if rows else terms.row(candidates[chosen])
+    if explain and probabilities is not None:
+        rows = [
+            msgspec.structs.replace(row, probability=p)
+            for row, p in zip(rows, probabilities, strict=True)
+        ]
     return Selection(
         status=SelectionStatus.SELECTED,
         worker_id=best.worker_id,
@@ -255,10 +211,160 @@ def select_worker(
     )
 
 
+class _CostTerms:
+    """One request's cost on any worker: ``row`` for one candidate (every term, readable),
+    ``costs`` for many (the cost alone, the same operations in the same order, inlined)."""
+
+    __slots__ = (
+        "active",
+        "bs",
+        "itl_weight",
+        "new_blocks",
+        "num_tokens",
+        "overlaps",
+        "preferred",
+        "session_weight",
+        "step_models",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        overlaps: OverlapScores,
+        active: ActiveSequences,
+        new_blocks: int,
+        config: KvRouterConfig,
+        *,
+        num_tokens: int,
+        step_models: StepTimeModels | None,
+        preferred: WorkerKey | None,
+    ) -> None:
+        self.overlaps = overlaps.scores
+        self.active = active
+        self.new_blocks = new_blocks
+        self.num_tokens = num_tokens
+        self.bs = config.block_size
+        self.weight = config.overlap_score_weight
+        self.itl_weight = config.itl_weight
+        self.step_models = step_models
+        self.preferred = preferred
+        self.session_weight = config.session_weight if preferred is not None else 0.0
+
+    def row(self, key: WorkerKey) -> CandidateCost:
+        """Every term of ``key``'s cost (``step_models`` set: the TTFT cost)."""
+        bs, new_blocks = self.bs, self.new_blocks
+        overlap = self.overlaps.get(key, 0)
+        counters = self.active.counters_lookup(key)
+        if counters is None:
+            active_prefill = active_decode = 0
+            queued_tokens = decodes = 0
+        else:
+            active_prefill = -(-counters.prefill_tokens // bs)
+            active_decode = counters.decode_blocks
+            queued_tokens = counters.prefill_tokens
+            decodes = counters.num_requests - counters.prefill_requests
+        prefill = max(active_prefill + new_blocks - overlap, 0)
+        decode = active_decode + new_blocks
+        preferred = self.session_weight and key == self.preferred
+        if self.step_models is None:
+            cost = self.weight * prefill + decode
+            if preferred:
+                cost -= self.session_weight
+            # Positional: worker_id, dp_rank, overlap, active prefill/decode, prefill,
+            # decode, cost, probability, predicted TTFT, session bonus.
+            return CandidateCost(
+                key[0], key[1], overlap, active_prefill, active_decode, prefill, decode,
+                cost, None, None, self.session_weight if preferred else None,
+            )  # fmt: skip
+        model = self.step_models.get(key)
+        new_tokens = self.num_tokens - overlap * bs
+        predicted = model.predict_ttft(queued_tokens, new_tokens, decodes)
+        bonus = self.session_weight * model.prefill_step_s(bs, decodes) if preferred else 0.0
+        inflicted = None
+        cost = predicted - bonus
+        if self.itl_weight and decodes:
+            inflicted = decodes * model.predict_ttft(0, new_tokens, decodes)
+            cost += self.itl_weight * inflicted
+        return CandidateCost(
+            key[0], key[1], overlap, active_prefill, active_decode, prefill, decode,
+            cost, None, predicted, bonus, inflicted,
+        )  # fmt: skip
+
+    def costs(self, candidates: Sequence[WorkerKey]) -> list[float]:
+        """``[row(key).cost for key in candidates]`` without the rows and without a call per
+        candidate (no ITL weight). The session's worker, if a candidate, is priced by ``row``."""
+        bs, new_blocks, num_tokens = self.bs, self.new_blocks, self.num_tokens
+        get_overlap = self.overlaps.get
+        get_counters = self.active.counters_lookup
+        costs: list[float] = []
+        append = costs.append
+        models = self.step_models
+        if models is None:
+            weight = self.weight
+            for key in candidates:
+                counters = get_counters(key)
+                prefill = new_blocks - get_overlap(key, 0)
+                if counters is None:
+                    decode = new_blocks
+                else:
+                    prefill -= counters.prefill_tokens // -bs  # + ceil(tokens / bs)
+                    decode = counters.decode_blocks + new_blocks
+                append(weight * (prefill if prefill > 0 else 0) + decode)
+        else:
+            get_model, default = models.lookup, models.default
+            tokens_unit, decodes_unit = TOKENS_UNIT, DECODES_UNIT
+            for key in candidates:
+                # WorkerStepModel.predict_ttft, inlined (same operations, same order).
+                a, b, c, e, mixed, budget = get_model(key, default).ttft_terms()
+                counters = get_counters(key)
+                new_tokens = num_tokens - get_overlap(key, 0) * bs
+                work = new_tokens if new_tokens > 1 else 1
+                if counters is None:
+                    decodes = 0
+                else:
+                    work += counters.prefill_tokens
+                    decodes = counters.num_requests - counters.prefill_requests
+                chunk = budget - decodes
+                if chunk < 1:
+                    chunk = 1
+                base = a + e * decodes / decodes_unit
+                if decodes > 0:
+                    base += mixed
+                full, rest = divmod(work, chunk)
+                total = 0.0
+                if full:
+                    p = chunk / tokens_unit
+                    total = full * (base + b * p + c * p * p)
+                if rest:
+                    p = rest / tokens_unit
+                    total += base + b * p + c * p * p
+                append(total)
+        preferred = self.preferred
+        if self.session_weight and preferred is not None:
+            at = -1
+            while True:  # list.index scans in C; a candidate may be listed twice
+                try:
+                    at = candidates.index(preferred, at + 1)
+                except ValueError:
+                    break
+                costs[at] = self.row(preferred).cost
+        return costs
+
+
 def _argmin_random_ties(costs: list[float], rng: random.Random) -> int:
+    """Index of the lowest cost; among equal lowest, one drawn with ``rng``. The scans run in C
+    (``min``, ``list.index``): the common case, one cheapest worker, costs no Python loop."""
     lowest = min(costs)
-    tied = [i for i, c in enumerate(costs) if c == lowest]
-    return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+    first = costs.index(lowest)
+    if costs.count(lowest) == 1:
+        return first
+    tied = [first]
+    while True:
+        try:
+            tied.append(costs.index(lowest, tied[-1] + 1))
+        except ValueError:
+            break
+    return tied[rng.randrange(len(tied))]
 
 
 def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:

@@ -36,17 +36,19 @@ This is what Mooncake's Conductor and Preble estimate: queueing plus prefill, in
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from turnout.protocols.kv import LoadReport, StepSample
 from turnout.router.kv.base import WorkerKey
 
-#: Feature scales: the fits work in units where typical features are about 1.
-_TOKENS_UNIT = 1024.0
-_DECODES_UNIT = 64.0
+#: Feature scales: the fits work in units where typical features are about 1 (public: the
+#: selector's inlined TTFT uses them).
+TOKENS_UNIT = 1024.0
+DECODES_UNIT = 64.0
 #: Per-sample forgetting: the weight of a sample halves after about 700 newer ones.
 FORGETTING = 0.999
 #: Ridge weight of the prior (features are about 1 in the fit's units, so a hundredth of one
@@ -62,13 +64,13 @@ _DecodeRow = tuple[float, float, float, float]
 
 
 def _prefill_row(tokens: float, decodes: float, usage: float) -> _PrefillRow:
-    p = tokens / _TOKENS_UNIT
+    p = tokens / TOKENS_UNIT
     m = 1.0 if decodes > 0 else 0.0
-    return (1.0, p, p * p, decodes / _DECODES_UNIT, m, m * usage, m * usage * usage)
+    return (1.0, p, p * p, decodes / DECODES_UNIT, m, m * usage, m * usage * usage)
 
 
 def _decode_row(decodes: float, usage: float) -> _DecodeRow:
-    return (1.0, decodes / _DECODES_UNIT, usage, usage * usage)
+    return (1.0, decodes / DECODES_UNIT, usage, usage * usage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +95,7 @@ class StepTimePrior:
 
     def prefill_vector(self) -> np.ndarray:
         """The prefill coefficients in the fit's scaled units."""
-        u, d = _TOKENS_UNIT, _DECODES_UNIT
+        u, d = TOKENS_UNIT, DECODES_UNIT
         return np.array(
             [
                 self.prefill_constant,
@@ -110,7 +112,7 @@ class StepTimePrior:
         return np.array(
             [
                 self.decode_constant,
-                self.decode_per_seq * _DECODES_UNIT,
+                self.decode_per_seq * DECODES_UNIT,
                 self.decode_per_usage,
                 self.decode_per_usage_sq,
             ]
@@ -176,6 +178,19 @@ class RidgeFit:
         return self._theta
 
 
+class TtftTerms(NamedTuple):
+    """What ``WorkerStepModel.predict_ttft`` needs of a worker: the prefill fit's ``a, b, c,
+    e`` (scaled units), ``mixed = f0 + f1·u + f2·u²`` at the worker's KV usage ``u``, and its
+    step budget in tokens."""
+
+    a: float
+    b: float
+    c: float
+    e: float
+    mixed: float
+    budget: int
+
+
 class WorkerStepModel:
     """One worker's fitted step times, token budget and KV usage."""
 
@@ -193,10 +208,41 @@ class WorkerStepModel:
             FORGETTING,
             nonneg=np.array([True, True, False, False]),
         )
-        self.step_budget = DEFAULT_STEP_BUDGET
-        #: The KV usage of the worker's recent decode steps (its load report's, when it sends
-        #: no step timings).
-        self.kv_usage = 0.0
+        self._step_budget = DEFAULT_STEP_BUDGET
+        self._kv_usage = 0.0
+        #: ``ttft_terms``' cache: cleared by whatever changes the fit, the budget or the usage.
+        self._terms: TtftTerms | None = None
+
+    @property
+    def step_budget(self) -> int:
+        """Tokens the worker computes per step at most (its ``max_num_batched_tokens``)."""
+        return self._step_budget
+
+    @step_budget.setter
+    def step_budget(self, tokens: int) -> None:
+        self._step_budget = tokens
+        self._terms = None
+
+    @property
+    def kv_usage(self) -> float:
+        """The KV usage of the worker's recent decode steps (its load report's, when it sends
+        no step timings)."""
+        return self._kv_usage
+
+    @kv_usage.setter
+    def kv_usage(self, usage: float) -> None:
+        self._kv_usage = usage
+        self._terms = None
+
+    def ttft_terms(self) -> TtftTerms:
+        """The prefill fit, the budget and the usage as ``predict_ttft`` uses them, computed
+        once per change of any of them (the selector reads them once per candidate)."""
+        terms = self._terms
+        if terms is None:
+            a, b, c, e, f0, f1, f2 = self.prefill.coefficients
+            u = self._kv_usage
+            terms = self._terms = TtftTerms(a, b, c, e, f0 + f1 * u + f2 * u * u, self._step_budget)
+        return terms
 
     def observe(self, samples: Iterable[StepSample]) -> None:
         prefill_rows: list[_PrefillRow] = []
@@ -215,6 +261,7 @@ class WorkerStepModel:
                 decode_y.append(s.seconds)
         if prefill_y:
             self.prefill.add(np.array(prefill_rows), np.array(prefill_y))
+            self._terms = None
         if decode_y:
             self.decode.add(np.array(decode_rows), np.array(decode_y))
 
@@ -222,8 +269,8 @@ class WorkerStepModel:
         """Seconds of a step computing ``tokens`` prompt tokens beside ``decodes`` decodes
         (at ``kv_usage``; default: the worker's last reported)."""
         a, b, c, e, f0, f1, f2 = self.prefill.coefficients
-        p = tokens / _TOKENS_UNIT
-        t = a + b * p + c * p * p + e * decodes / _DECODES_UNIT
+        p = tokens / TOKENS_UNIT
+        t = a + b * p + c * p * p + e * decodes / DECODES_UNIT
         if decodes > 0:
             u = self.kv_usage if kv_usage is None else min(max(kv_usage, 0.0), 1.0)
             t += f0 + f1 * u + f2 * u * u
@@ -234,13 +281,13 @@ class WorkerStepModel:
         cache in use (the inter-token time)."""
         d0, d1, d2, d3 = self.decode.coefficients
         u = min(max(kv_usage, 0.0), 1.0)
-        return d0 + d1 * decodes / _DECODES_UNIT + d2 * u + d3 * u * u
+        return d0 + d1 * decodes / DECODES_UNIT + d2 * u + d3 * u * u
 
     def terms(self) -> dict[str, float]:
         """The fitted coefficients in SI units (seconds; per token; per token²; per decode)."""
         a, b, c, e, f0, f1, f2 = self.prefill.coefficients
         d0, d1, d2, d3 = self.decode.coefficients
-        u, d = _TOKENS_UNIT, _DECODES_UNIT
+        u, d = TOKENS_UNIT, DECODES_UNIT
         return {
             "a": a, "b": b / u, "c": c / (u * u), "e": e / d, "f0": f0, "f1": f1, "f2": f2,
             "d0": d0, "d1": d1 / d, "d2": d2, "d3": d3,
@@ -249,23 +296,22 @@ class WorkerStepModel:
     def predict_ttft(self, queued_tokens: int, new_tokens: int, decodes: int) -> float:
         """Seconds until the first token of a request with ``new_tokens`` uncached prompt
         tokens, behind ``queued_tokens`` of prefill, beside ``decodes`` running requests."""
-        # The hot path of every routing decision (once per candidate): plain float arithmetic.
-        a, b, c, e, f0, f1, f2 = self.prefill.coefficients
+        # ``selector.select_worker`` inlines these operations, in this order (same floats).
+        a, b, c, e, mixed, budget = self.ttft_terms()
         work = queued_tokens + (new_tokens if new_tokens > 1 else 1)
-        chunk = self.step_budget - decodes
+        chunk = budget - decodes
         if chunk < 1:
             chunk = 1
-        base = a + e * decodes / _DECODES_UNIT
+        base = a + e * decodes / DECODES_UNIT
         if decodes > 0:
-            u = self.kv_usage
-            base += f0 + f1 * u + f2 * u * u
+            base += mixed
         full, rest = divmod(work, chunk)
         total = 0.0
         if full:
-            p = chunk / _TOKENS_UNIT
+            p = chunk / TOKENS_UNIT
             total = full * (base + b * p + c * p * p)
         if rest:
-            p = rest / _TOKENS_UNIT
+            p = rest / TOKENS_UNIT
             total += base + b * p + c * p * p
         return total
 
@@ -298,6 +344,17 @@ class StepTimeModels:
     def get(self, key: WorkerKey) -> WorkerStepModel:
         """The worker's model; the prior's for a worker that has not reported."""
         return self._models.get(key, self._default)
+
+    @property
+    def lookup(self) -> Callable[[WorkerKey, WorkerStepModel], WorkerStepModel]:
+        """``lookup(key, default)``: the worker's model, else ``default`` (the selector's
+        per-candidate read: a bound ``dict.get``, no call of ``get`` per worker)."""
+        return self._models.get
+
+    @property
+    def default(self) -> WorkerStepModel:
+        """The prior's model, for workers that have not reported."""
+        return self._default
 
     def items(self) -> Iterable[tuple[WorkerKey, WorkerStepModel]]:
         return self._models.items()
