@@ -11,10 +11,21 @@ each with the same shape:
 Both sides serve the same tokenizer-only model (``dynamo_peer.write_model_dir``: a
 word-level tokenizer whose word ``w{i}`` is token ``i``, no BOS), so both frontends tokenize
 the same text into the same tokens (checked once per stack through ``usage.prompt_tokens``)
-and detokenize the same kind of output. Both mockers run with ``--speedup-ratio 0`` (no
-simulated delays: the engines answer at once, so the frontend's work is all that is paced),
-block size 64 and 16384 KV blocks per worker, prefix caching on: in kv mode both mockers
-publish KV events (stored and removed blocks) over ZMQ and both routers index them.
+and detokenize the same kind of output. Both mockers run with ``--speedup-ratio 1e5``
+(simulated time ~0: the engines answer as fast as they can), block size 64 and 16384 KV
+blocks per worker, prefix caching on: in kv mode both mockers publish KV events (stored and
+removed blocks) over ZMQ and both routers index them. Dynamo's mocker cannot go faster than
+~0.7 ms a step at any ratio (``dynamo_peer``'s docstring) where turnout's steps in tens of
+microseconds, so at concurrency 16 Dynamo's streams are paced by its engine; with both paced
+alike (``--speedup-ratio 8``: ~1 ms steps on both) turnout's CPU per streamed request rose
+~15-20 % in one measurement and the long_stream ratio went from x0.60 to x0.71 at
+concurrency 16 (x0.77 at 64 either way).
+
+Defaults differ in one respect that costs CPU: turnout's kv router shares its in-flight
+requests with other router replicas (one ZMQ publish per loop iteration) unless
+``--no-router-replica-sync``; Dynamo 1.6.1's ``--router-replica-sync`` is off by default.
+The default run compares the defaults; ``--turnout-frontend-args=--no-router-replica-sync``
+aligns them.
 
 Scenarios (bodies identical for both systems, ``ignore_eos`` so every request runs to
 ``max_tokens``):
@@ -38,8 +49,9 @@ and request plane all run as threads of that process (the JSON records its threa
 
 Usage::
 
-    .venv/bin/python benchmarks/frontend_vs_dynamo.py                  # about 10 minutes
-    .venv/bin/python benchmarks/frontend_vs_dynamo.py --repeat 5 --label after
+    .venv/bin/python benchmarks/frontend_vs_dynamo.py --label after    # about 5 minutes
+    PYTHONPATH=/tmp/wt/src .venv/bin/python benchmarks/frontend_vs_dynamo.py \\
+        --label before --out /tmp/before.json    # turnout from a worktree of another commit
     .venv/bin/python benchmarks/frontend_vs_dynamo.py --systems turnout --modes kv \\
         --scenarios short --profile py-spy                           # turnout's hot spots
 
@@ -54,6 +66,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -133,6 +146,7 @@ class TurnoutStack:
 
     tmp: Path
     model_dir: Path
+    frontend_args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -157,7 +171,7 @@ class TurnoutStack:
         """None once ``/health`` lists ``workers`` instances of the model, else why not."""
         self.tmp.mkdir(parents=True, exist_ok=True)
         self._spawn("frontend", ["frontend", "--port", str(self.port),
-                                 "--router-mode", router_mode])  # fmt: skip
+                                 "--router-mode", router_mode, *self.frontend_args])  # fmt: skip
         self._spawn(
             "worker",
             ["worker", "--engine", "mocker", "--model-path", str(self.model_dir),
@@ -318,7 +332,7 @@ def start_stacks(
     for system in args.systems:
         stack: TurnoutStack | DynamoSide
         if system == "turnout":
-            stack = TurnoutStack(tmp / f"turnout-{mode}", model_dir)
+            stack = TurnoutStack(tmp / f"turnout-{mode}", model_dir, args.turnout_frontend_args)
         else:
             stack = DynamoSide(tmp / f"dynamo-{mode}")
         stacks[system] = stack
@@ -468,6 +482,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--speedup-ratio", type=float, default=DEFAULT_SPEEDUP,
                     help="both mockers' --speedup-ratio")  # fmt: skip
+    ap.add_argument("--turnout-frontend-args", type=shlex.split, default=[],
+                    help="extra flags for turnout's frontend, one string "
+                         "(e.g. '--no-router-replica-sync')")  # fmt: skip
     ap.add_argument("--short-requests", type=int, default=2000)
     ap.add_argument("--stream-requests", type=int, default=400)
     ap.add_argument("--repeat", type=int, default=5, help="measured runs per row (medians kept)")
