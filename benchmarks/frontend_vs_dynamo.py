@@ -517,8 +517,12 @@ def main() -> None:
     }
     tmp = Path(tempfile.mkdtemp(prefix="frontend-vs-dynamo-"))
     model_dir = write_model_dir(tmp / "model")
-    for mode in args.modes:
-        results["rows"] += run_mode(args, mode, tmp, model_dir, results)
+    try:
+        for mode in args.modes:
+            results["rows"] += run_mode(args, mode, tmp, model_dir, results)
+    finally:
+        if args.profile is None:  # a profile's raw samples stay there, named in the JSON
+            shutil.rmtree(tmp, ignore_errors=True)
     results["ratios"] = ratios(results["rows"])
     results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
