@@ -1,12 +1,12 @@
 """10,000 concurrent streams through one frontend: does every one finish, and at what memory.
 
-One KV-routing frontend (etcd + tcp + zmq) in front of ``--workers`` mocker instances slowed
-down (``--speedup-ratio`` below 1: seconds per token), so that streams stay open while the
-rest arrive. The client opens ``--streams`` connections, ``--connect-rate`` a second (0: all
-at once, at most ``--connect-burst`` connecting at a time), each sending one streamed
-completion of ``--max-tokens`` tokens, and
-reads every SSE stream to its end on raw asyncio sockets: a stream counts as complete when it
-answered 200, sent ``data: [DONE]`` and its terminating chunk, with no ``"error"`` event.
+One KV-routing frontend (``--planes``: etcd + tcp + zmq, or etcd + NATS) in front of
+``--workers`` mocker instances slowed down (``--speedup-ratio`` below 1: seconds per token),
+so that streams stay open while the rest arrive. The client opens ``--streams`` connections,
+``--connect-rate`` a second (0: all at once, at most ``--connect-burst`` connecting at a
+time), each sending one streamed completion of ``--max-tokens`` tokens, and reads every SSE
+stream to its end on raw asyncio sockets: a stream counts as complete when it answered 200,
+sent ``data: [DONE]`` and its terminating chunk, with no ``"error"`` event.
 
 Reported: streams complete / failed (by reason), the peak of streams open at once (client
 side) and of the frontend's own ``turnout_inflight_requests``, the time until every stream
@@ -20,7 +20,7 @@ The frontend runs with ``--max-inflight 0`` (no admission limit) unless ``--defa
 its default (1024 in flight, 1024 queued) answers the rest 503 at once, which is what
 ``--default-limits`` shows.
 
-    .venv/bin/python benchmarks/streams.py                      # 10,000 streams (~2-3 min)
+    .venv/bin/python benchmarks/streams.py                      # 10,000 streams (~4 min)
     .venv/bin/python benchmarks/streams.py --streams 2000       # smaller
 """
 
@@ -47,7 +47,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_http import percentile, render_post
-from scale_stack import MODEL, Stack, StackConfig, counter_sum, get_metrics
+from scale_stack import MODEL, PLANE_SETS, Stack, StackConfig, counter_sum, get_metrics
 
 RESULTS = Path(__file__).parent / "results" / "scale_streams.json"
 
@@ -213,17 +213,18 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=10_000)
     p.add_argument("--workers", type=int, default=64, help="mocker instances")
     p.add_argument("--per-process", type=int, default=32)
-    p.add_argument("--speedup", type=float, default=0.01, help="mocker --speedup-ratio")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--speedup", type=float, default=0.005, help="mocker --speedup-ratio")
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--connect-burst", type=int, default=512, help="connections opening at once")
     p.add_argument(
         "--connect-rate",
         type=float,
-        default=500.0,
+        default=150.0,
         help="new connections a second (0: all at once, bounded by --connect-burst)",
     )
     p.add_argument("--stream-timeout", type=float, default=900.0)
     p.add_argument("--hosts", choices=["netns", "loopback"], default="loopback")
+    p.add_argument("--planes", choices=PLANE_SETS, default=PLANE_SETS[0])
     p.add_argument(
         "--default-limits", action="store_true", help="the frontend's default admission limits"
     )
@@ -238,7 +239,7 @@ def main() -> None:
     flags = [] if args.default_limits else ["--max-inflight", "0"]
     tmp = Path(tempfile.mkdtemp(prefix="streams-"))
     config = StackConfig(
-        planes="etcd+tcp+zmq", workers=args.workers, frontends=1, per_process=args.per_process,
+        planes=args.planes, workers=args.workers, frontends=1, per_process=args.per_process,
         speedup=args.speedup, hosts=args.hosts, tap=False,
         frontend_flags=[*flags, *args.frontend_flag],
     )  # fmt: skip
