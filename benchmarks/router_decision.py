@@ -285,7 +285,7 @@ def time_pieces(
         new_blocks = -(-len(tokens) // config.block_size)
         select_worker(
             workers, overlaps, core.active, new_blocks, config, rng, loads=core.loads,
-            num_tokens=len(tokens), step_models=core.step_models,
+            num_tokens=len(tokens), step_models=core.step_models, table=core.cost_table,
         )  # fmt: skip
         t3 = clock()
         select_worker(

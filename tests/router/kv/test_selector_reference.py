@@ -1,11 +1,13 @@
-"""``select_worker``'s inlined cost loop against a plain reference over random router states:
-same worker, same cost, same draw among ties (one seeded rng each), same busy list."""
+"""``select_worker``'s inlined cost loop and its numpy table against a plain reference over
+random router states: same worker, same cost, same draw among ties (one seeded rng each),
+same busy list."""
 
 from __future__ import annotations
 
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +15,7 @@ from turnout.protocols.kv import LoadReport, StepSample
 from turnout.router.kv.active_sequences import ActiveSequences
 from turnout.router.kv.base import OverlapScores, WorkerKey
 from turnout.router.kv.config import KvRouterConfig, RouterCost
+from turnout.router.kv.cost_table import CostTable
 from turnout.router.kv.selector import Selection, SelectionStatus, _CostTerms, select_worker
 from turnout.router.kv.step_time import StepTimeModels
 from turnout.router.kv.worker_load import WorkerLoads
@@ -166,6 +169,13 @@ def test_fast_selection_equals_the_reference(state: dict[str, object]) -> None:
         )  # fmt: skip
 
     fast, explained = select(False), select(True)
+    table = CostTable(active, models or StepTimeModels(), min_candidates=1)
+    tabled = select_worker(
+        keys, OverlapScores(dict(scores), 64), active, new_blocks, config,
+        random.Random(seed), loads=loads, now=1.0, num_tokens=num_tokens,
+        step_models=models, preferred=preferred, table=table,
+    )  # fmt: skip
+    assert fast == tabled
     assert fast.busy == explained.busy == busy
     if not free:
         assert fast.status is explained.status is SelectionStatus.ALL_BUSY
@@ -189,5 +199,74 @@ def test_fast_selection_equals_the_reference(state: dict[str, object]) -> None:
     ).costs(free)  # fmt: skip
     if not (ttft and config.itl_weight):  # (the ITL term is priced by rows only)
         assert inlined == [c for c, _ in expected]
+        from_table = _CostTerms(
+            OverlapScores(dict(scores), 64), active, new_blocks, config, num_tokens=num_tokens,
+            step_models=models if ttft else None, preferred=preferred,
+        ).costs(free, table)  # fmt: skip
+        assert from_table.tolist() == inlined  # type: ignore[union-attr]
     assert [row.cost for row in explained.candidates] == [c for c, _ in expected]
     assert [row.worker_key for row in explained.candidates] == free
+
+
+@pytest.mark.parametrize("cost", list(RouterCost))
+def test_table_follows_every_change(cost: RouterCost) -> None:
+    """One table over a long run of requests, reports and departures: after each change the
+    table's decision is the loop's (rows copied when their worker changed, slots reused)."""
+    rng = random.Random(5)
+    config = KvRouterConfig(block_size=BS, router_cost=cost, session_weight=2.0)
+    active = ActiveSequences(block_size=BS)
+    models = StepTimeModels()
+    table = CostTable(active, models, min_candidates=1)
+    live = [WorkerKey(i, r) for i in range(12) for r in range(2)]
+    in_flight: list[str] = []
+    for step in range(600):
+        op = rng.random()
+        if op < 0.4:
+            request_id = f"q{step}"
+            tokens, cached = rng.randrange(1, 5000), rng.randrange(0, 3)
+            active.add_request(
+                request_id,
+                rng.choice(live),
+                num_prompt_tokens=tokens,
+                overlap_blocks=cached,
+                now=0.0,
+            )
+            in_flight.append(request_id)
+        elif op < 0.6 and in_flight:
+            active.mark_prefill_done(rng.choice(in_flight))
+        elif op < 0.8 and in_flight:
+            active.free(in_flight.pop(rng.randrange(len(in_flight))))
+        elif op < 0.95:
+            key = rng.choice(live)
+            samples = [StepSample(p, rng.randrange(0, 9), 0.001 + p * rng.choice([1e-6, 3e-6]), 0.4)
+                       for p in (32, 700, 3000)]  # fmt: skip
+            models.on_load(LoadReport(worker_id=key.worker_id, dp_rank=key.dp_rank, steps=samples,
+                                      max_num_batched_tokens=rng.choice([512, 8192])))  # fmt: skip
+        else:
+            gone = rng.choice(live).worker_id
+            active.remove_worker(gone)
+            models.remove_worker(gone)
+            table.remove_worker(gone)
+            live = [k for k in live if k.worker_id != gone] + [WorkerKey(100 + step, 0)]
+        candidates = rng.sample(live, rng.randrange(1, len(live)))
+        scores = {k: rng.randrange(1, 30) for k in live if rng.random() < 0.3}  # not all candidates
+        new_blocks = rng.randrange(1, 200)
+        preferred = rng.choice([None, rng.choice(live)])
+        seed = rng.randrange(1 << 30)
+        results = [
+            select_worker(
+                candidates,
+                OverlapScores(scores, 64),
+                active,
+                new_blocks,
+                config,
+                random.Random(seed),
+                num_tokens=new_blocks * BS,
+                step_models=models,
+                preferred=preferred,
+                table=with_table,
+            )
+            for with_table in (None, table)
+        ]
+        assert results[0] == results[1], step
+    assert len(table) <= len(live) + 2 * 12

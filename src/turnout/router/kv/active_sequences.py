@@ -134,6 +134,9 @@ class ActiveSequences:
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = 0
         self._num_expired = 0
+        #: Workers whose counters changed since the last ``take_changed`` (its one reader,
+        #: ``cost_table.CostTable``, copies only those into its arrays). At most every worker.
+        self._changed: set[WorkerKey] = set()
 
     @property
     def router_id(self) -> str:
@@ -301,12 +304,14 @@ class ActiveSequences:
         counters.num_requests += 1
         counters.prefill_requests += 1
         self._by_worker[key].add(request_id)
+        self._changed.add(key)
         self._touch(req, now)
 
     def _transition(self, req: _Request, to: RequestPhase) -> None:
         """The one place a request's phase and its worker's counters change."""
         frm = req.phase
         counters = self._counters[req.worker_key]
+        self._changed.add(req.worker_key)
         if frm is RequestPhase.PREFILL and to is RequestPhase.DECODE:
             counters.prefill_tokens -= req.prefill_tokens
             counters.prefill_requests -= 1
@@ -386,6 +391,11 @@ class ActiveSequences:
         """``lookup(key)``: the worker's live counters, None when it has no request in flight
         (a bound ``dict.get``: the selector's per-candidate read, cheaper than the view's)."""
         return self._counters.get
+
+    def take_changed(self) -> set[WorkerKey]:
+        """The workers whose counters changed since the last call (for one reader only)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def get_counts(self, worker_key: WorkerKey) -> tuple[int, int]:
         """``(active_prefill_tokens, active_decode_blocks)``; the selector's hot-path read."""

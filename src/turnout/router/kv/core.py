@@ -32,6 +32,7 @@ from turnout.router.kv.active_sequences import (
 from turnout.router.kv.approx import ApproxIndexer
 from turnout.router.kv.base import EventOutcome, KvIndex, WorkerKey
 from turnout.router.kv.config import KvRouterConfig
+from turnout.router.kv.cost_table import CostTable
 from turnout.router.kv.indexer import GapCallback, KvIndexer, KvIndexerStats
 from turnout.router.kv.selector import Selection, SelectionStatus, select_worker
 from turnout.router.kv.sessions import SessionTable
@@ -95,6 +96,9 @@ class KvRouterCore:
         )
         self.loads = WorkerLoads.from_config(config)
         self.step_models = StepTimeModels(step_prior)
+        #: The selector's arrays over ``active`` and ``step_models`` (many candidates); the one
+        #: reader of their changes: pass it to ``select_worker``, create no other over them.
+        self.cost_table = CostTable(self.active, self.step_models)
         self.sessions = SessionTable(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions)
         #: request id -> (worker, predicted TTFT, routed at): realised TTFT is measured against it.
         self._pending_ttft: dict[str, tuple[WorkerKey, float, float]] = {}
@@ -187,6 +191,7 @@ class KvRouterCore:
             step_models=self.step_models,
             preferred=preferred,
             explain=explain,
+            table=self.cost_table,
         )
         status = selection.status
         if not book:
@@ -306,6 +311,7 @@ class KvRouterCore:
         self.active.remove_worker(worker_id)
         self.loads.remove_worker(worker_id)
         self.step_models.remove_worker(worker_id)
+        self.cost_table.remove_worker(worker_id)
         self.sessions.remove_worker(worker_id)
         for key in [k for k in self.ttft_accuracy if k.worker_id == worker_id]:
             del self.ttft_accuracy[key]

@@ -35,12 +35,15 @@ import enum
 import math
 import random
 from collections.abc import Sequence
+from typing import TypeVar
 
 import msgspec
+import numpy as np
 
 from turnout.router.kv.active_sequences import ActiveSequences
 from turnout.router.kv.base import OverlapScores, WorkerKey
 from turnout.router.kv.config import KvRouterConfig, RouterCost
+from turnout.router.kv.cost_table import CostTable
 from turnout.router.kv.step_time import DECODES_UNIT, TOKENS_UNIT, StepTimeModels
 from turnout.router.kv.worker_load import WorkerLoads
 
@@ -132,6 +135,7 @@ def select_worker(
     step_models: StepTimeModels | None = None,
     preferred: WorkerKey | None = None,
     explain: bool = False,
+    table: CostTable | None = None,
 ) -> Selection:
     """Pick a worker for a request of ``new_blocks`` blocks (``num_tokens`` tokens) among
     ``candidates``.
@@ -142,9 +146,11 @@ def select_worker(
     selection lists every candidate's cost terms (and probability, temperature > 0); without
     it ``candidates`` is empty and only the decision is returned (the production path).
 
-    Both paths take the same decision: ``_CostTerms.row`` is the cost as written in the
-    module docstring, ``_costs`` the same arithmetic inlined in one loop over the candidates
-    (a call and a row object per candidate are most of a decision at a thousand workers).
+    Every path takes the same decision: ``_CostTerms.row`` is the cost as written in the
+    module docstring, ``_CostTerms.costs`` the same arithmetic inlined in one loop over the
+    candidates (a call and a row object per candidate are most of a decision at a thousand
+    workers) or, given a ``table`` (``cost_table.CostTable`` over ``active`` and
+    ``step_models``) and at least its ``min_candidates``, in numpy over its arrays.
     """
     temperature = config.router_temperature
     weight = config.overlap_score_weight
@@ -177,16 +183,19 @@ def select_worker(
         preferred=preferred,
     )
     rows: list[CandidateCost] = []
+    costs: list[float] | np.ndarray
     if explain or (ttft and config.itl_weight):
         rows = [terms.row(key) for key in candidates]
         costs = [row.cost for row in rows]
     else:
-        costs = terms.costs(candidates)
+        costs = terms.costs(candidates, table)
     probabilities: list[float] | None = None
     if temperature <= 0.0:
         chosen = _argmin_random_ties(costs, rng)
     else:
-        probabilities = softmax_probabilities(costs, temperature)
+        probabilities = softmax_probabilities(
+            costs.tolist() if isinstance(costs, np.ndarray) else costs, temperature
+        )
         chosen = _sample(probabilities, rng)
     best = rows[chosen] if rows else terms.row(candidates[chosen])
     if explain and probabilities is not None:
@@ -209,6 +218,9 @@ def select_worker(
         busy=busy,
         request_id=request_id,
     )
+
+
+_Costs = TypeVar("_Costs", list[float], np.ndarray)
 
 
 class _CostTerms:
@@ -290,15 +302,31 @@ class _CostTerms:
             cost, None, predicted, bonus, inflicted,
         )  # fmt: skip
 
-    def costs(self, candidates: Sequence[WorkerKey]) -> list[float]:
+    def costs(
+        self, candidates: Sequence[WorkerKey], table: CostTable | None = None
+    ) -> list[float] | np.ndarray:
         """``[row(key).cost for key in candidates]`` without the rows and without a call per
-        candidate (no ITL weight). The session's worker, if a candidate, is priced by ``row``."""
+        candidate (no ITL weight); from ``table`` when given and there are enough candidates.
+        The session's worker, if a candidate, is priced by ``row``."""
         bs, new_blocks, num_tokens = self.bs, self.new_blocks, self.num_tokens
+        models = self.step_models
+        if table is not None and len(candidates) >= table.min_candidates:
+            return self._with_session(
+                candidates,
+                table.costs(
+                    candidates,
+                    self.overlaps,
+                    ttft=models is not None,
+                    new_blocks=new_blocks,
+                    num_tokens=num_tokens,
+                    block_size=bs,
+                    weight=self.weight,
+                ),
+            )
         get_overlap = self.overlaps.get
         get_counters = self.active.counters_lookup
         costs: list[float] = []
         append = costs.append
-        models = self.step_models
         if models is None:
             weight = self.weight
             for key in candidates:
@@ -339,6 +367,10 @@ class _CostTerms:
                     p = rest / tokens_unit
                     total += base + b * p + c * p * p
                 append(total)
+        return self._with_session(candidates, costs)
+
+    def _with_session(self, candidates: Sequence[WorkerKey], costs: _Costs) -> _Costs:
+        """``costs`` with the session's worker, if a candidate, priced by ``row``."""
         preferred = self.preferred
         if self.session_weight and preferred is not None:
             at = -1
@@ -351,9 +383,15 @@ class _CostTerms:
         return costs
 
 
-def _argmin_random_ties(costs: list[float], rng: random.Random) -> int:
+def _argmin_random_ties(costs: list[float] | np.ndarray, rng: random.Random) -> int:
     """Index of the lowest cost; among equal lowest, one drawn with ``rng``. The scans run in C
-    (``min``, ``list.index``): the common case, one cheapest worker, costs no Python loop."""
+    (``min``, ``list.index``, numpy): the common case, one cheapest worker, costs no Python
+    loop."""
+    if isinstance(costs, np.ndarray):
+        tied_at = np.flatnonzero(costs == costs.min())
+        if len(tied_at) == 1:
+            return int(tied_at[0])
+        return int(tied_at[rng.randrange(len(tied_at))])
     lowest = min(costs)
     first = costs.index(lowest)
     if costs.count(lowest) == 1:

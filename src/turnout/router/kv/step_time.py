@@ -323,9 +323,13 @@ class StepTimeModels:
         self._prior = prior or StepTimePrior()
         self._models: dict[WorkerKey, WorkerStepModel] = {}
         self._default = WorkerStepModel(self._prior)
+        #: Workers whose model changed since the last ``take_changed`` (its one reader,
+        #: ``cost_table.CostTable``, copies only those into its arrays). At most every worker.
+        self._changed: set[WorkerKey] = set()
 
     def on_load(self, report: LoadReport) -> None:
         key = WorkerKey(report.worker_id, report.dp_rank)
+        self._changed.add(key)
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = WorkerStepModel(self._prior)
@@ -362,6 +366,13 @@ class StepTimeModels:
     def remove_worker(self, worker_id: int) -> None:
         for key in [k for k in self._models if k.worker_id == worker_id]:
             del self._models[key]
+            self._changed.add(key)
+
+    def take_changed(self) -> set[WorkerKey]:
+        """The workers whose model changed (a report, a removal) since the last call (for
+        one reader only). Models changed directly, not through ``on_load``, are not seen."""
+        changed, self._changed = self._changed, set()
+        return changed
 
 
 @dataclass(slots=True)
