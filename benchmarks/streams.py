@@ -212,7 +212,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--streams", type=int, default=10_000)
     p.add_argument("--workers", type=int, default=64, help="mocker instances")
-    p.add_argument("--per-process", type=int, default=32)
+    p.add_argument(
+        "--per-process",
+        type=int,
+        default=16,
+        help="instances a process (its tcp server runs 4096 streams)",
+    )
     p.add_argument("--speedup", type=float, default=0.005, help="mocker --speedup-ratio")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--connect-burst", type=int, default=512, help="connections opening at once")
