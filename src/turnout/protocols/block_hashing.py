@@ -136,13 +136,12 @@ def compute_sequence_hashes(
     if not local_hashes:
         return []
     xxh3, pack, seed = _xxh3, _pack_pair, KV_HASH_SEED
-    prev = local_hashes[0] if parent is None else xxh3(pack(parent, local_hashes[0]), seed)
-    out: list[SequenceHash] = [prev]  # type: ignore[list-item]  # NewType call skipped
-    append = out.append
-    for local in islice(local_hashes, 1, None):
-        prev = xxh3(pack(prev, local), seed)
-        append(prev)  # type: ignore[arg-type]
-    return out
+    first = local_hashes[0] if parent is None else xxh3(pack(parent, local_hashes[0]), seed)
+    prev = first
+    # A comprehension appends without a method call per block.
+    out = [prev := xxh3(pack(prev, local), seed) for local in islice(local_hashes, 1, None)]
+    out.insert(0, first)
+    return cast(list[SequenceHash], out)  # ``SequenceHash`` is an ``int`` at run time
 
 
 def compute_block_hashes(
