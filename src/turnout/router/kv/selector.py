@@ -228,8 +228,8 @@ class _CostTerms:
     ``costs`` for many (the cost alone, the same operations in the same order, inlined)."""
 
     __slots__ = (
-        "active",
         "bs",
+        "get_counters",
         "itl_weight",
         "new_blocks",
         "num_tokens",
@@ -252,7 +252,7 @@ class _CostTerms:
         preferred: WorkerKey | None,
     ) -> None:
         self.overlaps = overlaps.scores
-        self.active = active
+        self.get_counters = active.counters_lookup
         self.new_blocks = new_blocks
         self.num_tokens = num_tokens
         self.bs = config.block_size
@@ -266,7 +266,7 @@ class _CostTerms:
         """Every term of ``key``'s cost (``step_models`` set: the TTFT cost)."""
         bs, new_blocks = self.bs, self.new_blocks
         overlap = self.overlaps.get(key, 0)
-        counters = self.active.counters_lookup(key)
+        counters = self.get_counters(key)
         if counters is None:
             active_prefill = active_decode = 0
             queued_tokens = decodes = 0
@@ -275,7 +275,9 @@ class _CostTerms:
             active_decode = counters.decode_blocks
             queued_tokens = counters.prefill_tokens
             decodes = counters.num_requests - counters.prefill_requests
-        prefill = max(active_prefill + new_blocks - overlap, 0)
+        prefill = active_prefill + new_blocks - overlap
+        if prefill < 0:
+            prefill = 0
         decode = active_decode + new_blocks
         preferred = self.session_weight and key == self.preferred
         if self.step_models is None:
@@ -324,7 +326,7 @@ class _CostTerms:
                 ),
             )
         get_overlap = self.overlaps.get
-        get_counters = self.active.counters_lookup
+        get_counters = self.get_counters
         costs: list[float] = []
         append = costs.append
         if models is None:
