@@ -296,7 +296,8 @@ class WorkerStepModel:
     def predict_ttft(self, queued_tokens: int, new_tokens: int, decodes: int) -> float:
         """Seconds until the first token of a request with ``new_tokens`` uncached prompt
         tokens, behind ``queued_tokens`` of prefill, beside ``decodes`` running requests."""
-        # ``selector.select_worker`` inlines these operations, in this order (same floats).
+        # ``selector._CostTerms.costs`` and ``cost_table.CostTable.costs`` repeat these
+        # operations in this order (same floats).
         a, b, c, e, mixed, budget = self.ttft_terms()
         work = queued_tokens + (new_tokens if new_tokens > 1 else 1)
         chunk = budget - decodes
