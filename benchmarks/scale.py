@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import resource
 import shutil
@@ -226,6 +227,8 @@ def run_one(planes: str, n: int, args: argparse.Namespace, raws: list[bytes]) ->
 
 
 def decision_stats(before: list[str], after: list[str]) -> dict[str, Any]:
+    """Quantiles of the frontends' decision histogram over the window, in ms ("n/a" without
+    one; ">X" past its last finite bucket X), and the window's bucket counts."""
     family = next((f for t in after if (f := find_family(t, DECISION_FAMILY))), None)
     if family is None:
         return {"decision_p50_ms": "n/a", "decision_p99_ms": "n/a", "decision_metric": None}
@@ -233,11 +236,21 @@ def decision_stats(before: list[str], after: list[str]) -> dict[str, Any]:
     for a, b in zip(before, after, strict=True):
         for k, v in minus(histogram_buckets(b, family), histogram_buckets(a, family)).items():
             total[k] = total.get(k, 0.0) + v
-    p50, p99 = bucket_quantile(total, 0.5), bucket_quantile(total, 0.99)
+    top = max((k for k in total if not math.isinf(k)), default=0.0)
+
+    def ms(q: float) -> float | str:
+        value = bucket_quantile(total, q)
+        if value is None:
+            return "n/a"
+        return f">{1000 * top:g}" if math.isinf(value) else round(1000 * value, 3)
+
     return {
-        "decision_p50_ms": "n/a" if p50 is None else round(1000 * p50, 3),
-        "decision_p99_ms": "n/a" if p99 is None else round(1000 * p99, 3),
+        "decision_p50_ms": ms(0.5),
+        "decision_p99_ms": ms(0.99),
         "decision_metric": family,
+        "decision_buckets": {
+            ("+Inf" if math.isinf(k) else f"{k:g}"): v for k, v in sorted(total.items())
+        },
     }
 
 

@@ -251,7 +251,8 @@ def histogram_buckets(text: str, family: str) -> dict[float, float]:
 
 def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:
     """The ``q`` quantile of cumulative ``buckets``, interpolated inside its bucket (as
-    Prometheus' ``histogram_quantile``); None when empty."""
+    Prometheus' ``histogram_quantile``); ``inf`` when it lies past the last finite bound;
+    None when empty."""
     bounds = sorted(buckets)
     if not bounds or buckets[bounds[-1]] <= 0:
         return None
@@ -261,7 +262,7 @@ def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:
         count = buckets[bound]
         if count >= rank:
             if math.isinf(bound):
-                return lower
+                return math.inf
             inside = count - below
             return lower + (bound - lower) * ((rank - below) / inside if inside else 0.0)
         lower, below = bound, count
