@@ -26,7 +26,7 @@ Reported per row:
 * ``rss_mib``: the largest frontend's resident memory after the window.
 
 Table to stdout, JSON to ``benchmarks/results/scale.json``, a plot of CPU/request and decision
-p99 against N to ``scale.png``. ``--profile N ...`` samples the first frontend with py-spy
+p50/p99 against N to ``scale.png``. ``--profile N ...`` samples the first frontend with py-spy
 during the window at those worker counts, and adds where its CPU went to the JSON.
 
     .venv/bin/python benchmarks/scale.py             # 8 64 256 1024, both plane sets (~12 min)
@@ -320,14 +320,16 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         rows = [r for r in runs if r["planes"] == planes and "failure" not in r]
         xs = [r["workers"] for r in rows]
         ax1.plot(xs, [r["cpu_ms_per_request"] for r in rows], "o-", label=planes)
-        dec = [
-            (r["workers"], r["decision_p99_ms"])
-            for r in rows
-            if isinstance(r["decision_p99_ms"], float)
-        ]
-        if dec:
-            ax2.plot([d[0] for d in dec], [d[1] for d in dec], "o-", label=planes)
-    for ax, title in ((ax1, "frontend CPU ms / request"), (ax2, "KV router decision p99 (ms)")):
+        for key, style in (("decision_p50_ms", "o-"), ("decision_p99_ms", "s--")):
+            dec = [(r["workers"], r[key]) for r in rows if isinstance(r[key], float)]
+            if dec:
+                label = f"{planes} {key.split('_')[1]}"
+                ax2.plot([d[0] for d in dec], [d[1] for d in dec], style, label=label)
+    ax2.set_yscale("log")
+    for ax, title in (
+        (ax1, "frontend CPU ms / request"),
+        (ax2, "KV router decision p50 / p99 (ms)"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("mocker instances (N)")
         ax.set_title(title)
