@@ -17,8 +17,10 @@ One connection carries many streams, told apart by ``stream_id`` (chosen by the 
                                                           streams open (liveness, see
                                                           tcp.connection)
 
-Frames are msgpack arrays (``array_like``) with trailing defaults left out, so a DATA frame is
-``[2, sid, item]``: three small headers around the item's bytes.
+Frames are msgpack arrays (``array_like``) of their fields in order. A reader takes an array
+cut short as a frame whose missing trailing fields have their defaults: a DATA frame of one
+small item is written that way, ``[2, sid, item]`` (``FrameWriter.append_data``), three small
+headers around the item's bytes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ MIN_MAX_FRAME_BYTES = 1024 * 1024
 FRAME_OVERHEAD = 64 + 5 * WINDOW
 
 HEADER = struct.Struct(">I")
+#: A DATA frame's bytes before its item (see ``FrameWriter.append_data``): the length, a
+#: 3-element msgpack array, the kind, the stream id (a fixint, or a uint32: msgpack lets an
+#: integer take more bytes than it needs), a bin8 header.
+_DATA_SMALL_ID = struct.Struct(">IBBBBB")
+_DATA_LARGE_ID = struct.Struct(">IBBBIBB")
 
 
 class Kind(enum.IntEnum):
@@ -150,6 +157,25 @@ class FrameWriter:
         buf += b"\0\0\0\0"
         self._encode_into(frame, buf, -1)
         HEADER.pack_into(buf, start, len(buf) - start - 4)
+
+    def append_data(self, stream_id: int, item: bytes) -> None:
+        """``append(Frame(DATA, stream_id, item))`` for the frame of one token, most of what
+        a stream sends: an item under 256 bytes of a stream id under 2**32 is written as
+        ``[2, stream_id, item]`` by hand (one ``struct`` call instead of making and encoding
+        the struct: about a third less CPU), which any msgspec reader decodes as that frame
+        (trailing fields left out take their defaults); anything else goes through
+        ``append``."""
+        n = len(item)
+        if n < 0x100:
+            if stream_id < 0x80:
+                self._buf += _DATA_SMALL_ID.pack(n + 5, 0x93, 2, stream_id, 0xC4, n)
+                self._buf += item
+                return
+            if stream_id < 0x1_0000_0000:
+                self._buf += _DATA_LARGE_ID.pack(n + 9, 0x93, 2, 0xCE, stream_id, 0xC4, n)
+                self._buf += item
+                return
+        self.append(Frame(int(Kind.DATA), stream_id, item))
 
     def take(self) -> bytearray:
         """The bytes written so far; the writer starts a fresh buffer (the transport may keep

@@ -123,7 +123,7 @@ class _ServerConnection(_Connection):
             if self._closing:
                 return
             if len(pending) == 1:
-                self._writer.append(Frame(_DATA, stream.stream_id, pending[0]))
+                self._writer.append_data(stream.stream_id, pending[0])
                 return
             budget = self.server.item_limit
             if sum(map(len, pending)) <= budget:
