@@ -11,8 +11,15 @@ nats-server's own CPU (a separate process this script starts) is reported beside
 * ``short``: ``--requests`` requests of ``--short-tokens`` items each, ``--concurrency`` in
   flight: requests per second.
 
-Usage: ``python benchmarks/request_plane.py [--kinds tcp,nats,local]``; writes
-``benchmarks/results/request_plane.json`` and prints a table.
+``--handler worker`` serves the worker's own generate handler (``Worker._handle``: request
+decoding, the engine stepped by ``EngineRun``, bursts merged, each output encoded) over an
+engine that yields one ``LLMEngineOutput`` per event-loop iteration, and the consumer decodes
+each item as the frontend does: the per-token path of a worker and its request plane, not the
+transport alone. Per-token figures then count tokens (a merged item counts all it holds).
+
+Usage: ``python benchmarks/request_plane.py [--kinds tcp,nats,local] [--handler worker]``;
+writes ``benchmarks/results/request_plane.json`` (``request_plane_worker.json``) and prints a
+table.
 """
 
 from __future__ import annotations
@@ -32,14 +39,20 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import msgspec
 from tests.servers.nats import NatsServerProcess
 
-from turnout.protocols.model import TransportAddress
+from turnout.engines.worker import Worker
+from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.protocols.model import EndpointId, TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.nats import NatsConnection, NatsOptions, connect_nats
 from turnout.runtime.request_plane import RequestPlaneClient, make_client, make_server
 
-RESULTS = Path(__file__).parent / "results" / "request_plane.json"
+RESULTS = Path(__file__).parent / "results"
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_output = msgspec.msgpack.Decoder(LLMEngineOutput).decode
 
 
 def make_handler(size: int) -> Any:
@@ -53,15 +66,51 @@ def make_handler(size: int) -> Any:
     return tokens
 
 
+class _StepEngine:
+    """An engine that yields one token per event-loop iteration (an engine step)."""
+
+    async def generate(
+        self, request: PreprocessedRequest, ctx: RequestContext
+    ) -> AsyncIterator[LLMEngineOutput]:
+        n = request.stop_conditions.max_tokens or 1
+        for i in range(n - 1):
+            await asyncio.sleep(0)
+            yield LLMEngineOutput(token_ids=[1000 + i % 1000])
+        await asyncio.sleep(0)
+        yield LLMEngineOutput(token_ids=[7], finish_reason=FinishReason.LENGTH)
+
+
+def make_worker_handler() -> Any:
+    """The worker's generate handler over ``_StepEngine`` (nothing else of a worker runs)."""
+    endpoint = EndpointId(namespace="bench", component="w", name="gen")
+    worker = Worker(None, _StepEngine(), endpoint)  # type: ignore[arg-type]
+    return worker._handle
+
+
+def request_payload(handler: str, tokens: int) -> bytes:
+    if handler == "bytes":
+        return str(tokens).encode()
+    request = {"model": "m", "token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": tokens}}
+    return _encode(msgspec.convert(request, PreprocessedRequest))
+
+
+def count_tokens(handler: str, item: bytes) -> int:
+    return 1 if handler == "bytes" else len(_decode_output(item).token_ids)
+
+
 async def run_streams(
-    client: RequestPlaneClient, address: TransportAddress, streams: int, tokens: int
+    client: RequestPlaneClient,
+    address: TransportAddress,
+    streams: int,
+    tokens: int,
+    handler: str = "bytes",
 ) -> int:
+    payload = request_payload(handler, tokens)
+
     async def one() -> int:
         n = 0
-        async for _ in client.stream(
-            address, "bench/w/gen", str(tokens).encode(), RequestContext()
-        ):
-            n += 1
+        async for item in client.stream(address, "bench/w/gen", payload, RequestContext()):
+            n += count_tokens(handler, item)
         return n
 
     counts = await asyncio.gather(*(one() for _ in range(streams)))
@@ -70,18 +119,23 @@ async def run_streams(
 
 
 async def run_short(
-    client: RequestPlaneClient, address: TransportAddress, requests: int, tokens: int, conc: int
+    client: RequestPlaneClient,
+    address: TransportAddress,
+    requests: int,
+    tokens: int,
+    conc: int,
+    handler: str = "bytes",
 ) -> None:
     left = requests
+    payload = request_payload(handler, tokens)
 
     async def worker() -> None:
         nonlocal left
-        payload = str(tokens).encode()
         while left > 0:
             left -= 1
             n = 0
-            async for _ in client.stream(address, "bench/w/gen", payload, RequestContext()):
-                n += 1
+            async for item in client.stream(address, "bench/w/gen", payload, RequestContext()):
+                n += count_tokens(handler, item)
             assert n == tokens
 
     await asyncio.gather(*(worker() for _ in range(conc)))
@@ -102,16 +156,18 @@ async def measure(
         assert nats_url is not None
         conn = await connect_nats(NatsOptions(servers=[nats_url]))
     server = make_server(kind, nats=conn)
-    server.register("bench/w/gen", make_handler(args.size))
+    handler = make_handler(args.size) if args.handler == "bytes" else make_worker_handler()
+    server.register("bench/w/gen", handler)
     address = await server.start()
     client = make_client(kind, nats=conn)
     broker = nats_proc if kind == "nats" else None
     result: dict[str, Any] = {"kind": kind}
     try:
-        await run_streams(client, address, 4, 100)  # warm-up: connections, subscriptions
+        # warm-up: connections, subscriptions
+        await run_streams(client, address, 4, 100, args.handler)
         for streams in args.streams:
             wall0, cpu0, broker0 = time.perf_counter(), time.process_time(), _cpu(broker)
-            total = await run_streams(client, address, streams, args.tokens)
+            total = await run_streams(client, address, streams, args.tokens, args.handler)
             wall = time.perf_counter() - wall0
             cpu = time.process_time() - cpu0
             result[f"stream_x{streams}"] = {
@@ -122,7 +178,9 @@ async def measure(
                 "tokens_per_s": total / wall,
             }
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        await run_short(client, address, args.requests, args.short_tokens, args.concurrency)
+        await run_short(
+            client, address, args.requests, args.short_tokens, args.concurrency, args.handler
+        )
         wall = time.perf_counter() - wall0
         result["short"] = {
             "requests": args.requests,
@@ -148,8 +206,17 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--short-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--handler",
+        choices=["bytes", "worker"],
+        default="bytes",
+        help="bytes: a handler yielding ready items; worker: the worker's generate handler",
+    )
+    parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
+    if args.output is None:
+        suffix = "" if args.handler == "bytes" else "_worker"
+        args.output = RESULTS / f"request_plane{suffix}.json"
     args.streams = [int(s) for s in args.streams.split(",")]
     kinds = args.kinds.split(",")
 
@@ -164,6 +231,7 @@ async def main() -> None:
         runs = [await measure(kind, args, nats_url, nats_proc) for kind in kinds]
     report = {
         "benchmark": "request_plane",
+        "handler": args.handler,
         "tokens_per_stream": args.tokens,
         "item_bytes": args.size,
         "python": platform.python_version(),
