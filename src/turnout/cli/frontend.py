@@ -13,6 +13,7 @@ from turnout.frontend.responses.history import DEFAULT_MAX_RECORD_BYTES, DEFAULT
 from turnout.frontend.responses.store import DEFAULT_RESPONSE_STORE, default_sqlite_path
 from turnout.frontend.service import Frontend, FrontendConfig
 from turnout.llm.limits import RequestLimits
+from turnout.llm.prompt_cache import DEFAULT_MAX_BYTES
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
@@ -96,6 +97,11 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--artifact-cache",
              help="directory caching the tokenizers fetched from workers, by checksum "
                   "(off: none; default ~/.cache/turnout/artifacts)")  # fmt: skip
+    add_flag(p, "--prompt-cache-mib", default=DEFAULT_MAX_BYTES / 2**20, type=float,
+             help="memory for the token ids of chat prompts' pieces (the turns of a "
+                  "conversation), shared by all models, so each request encodes only what "
+                  "is new; the ids are those of a whole encode (0: off, every prompt "
+                  "encoded whole)")  # fmt: skip
     add_flag(p, "--max-artifact-bytes", default=DEFAULT_MAX_ARTIFACT_BYTES, type=int,
              help="largest artifact (tokenizer) a model card may name; a card announcing "
                   "more is refused, a worker sending more is cut off")  # fmt: skip
@@ -222,6 +228,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         router_min_initial_workers=args.router_min_initial_workers,
         artifact_cache=args.artifact_cache,
         max_artifact_bytes=args.max_artifact_bytes,
+        prompt_cache_bytes=int(args.prompt_cache_mib * 2**20),
         max_inflight=args.max_inflight,
         max_inflight_per_model=args.max_inflight_per_model,
         queue_size=args.queue_size,

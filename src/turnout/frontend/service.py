@@ -17,6 +17,7 @@ from turnout.frontend.http.errors import REJECT_STATUSES
 from turnout.frontend.metrics.affinity import SessionAffinityCollector
 from turnout.frontend.metrics.disagg import DisaggMetrics
 from turnout.frontend.metrics.frontend import FrontendMetrics
+from turnout.frontend.metrics.prompt_cache import PromptCacheCollector
 from turnout.frontend.models.artifacts import ArtifactFetcher, DiskArtifactCache
 from turnout.frontend.models.factory import PipelineFactory
 from turnout.frontend.models.lora import LoraModels
@@ -29,6 +30,7 @@ from turnout.frontend.responses.history import (
 )
 from turnout.frontend.responses.store import DEFAULT_RESPONSE_STORE, make_response_store
 from turnout.llm.limits import RequestLimits
+from turnout.llm.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.lora import LoraRegistry
@@ -71,6 +73,9 @@ class FrontendConfig:
     #: The largest artifact a model card may name (``--max-artifact-bytes``): a card
     #: announcing more is refused, an instance sending more is cut off mid-stream.
     max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES
+    #: The bound of the cache of chat prompts' pieces' token ids (``llm.prompt_cache``),
+    #: shared by every model; 0 turns it off.
+    prompt_cache_bytes: int = DEFAULT_MAX_BYTES
     #: Admission: requests in flight frontend-wide and per model (0: unlimited), and the
     #: bounded priority queue of those waiting for a slot (see ``admission``).
     max_inflight: int = 1024
@@ -153,6 +158,10 @@ class Frontend:
             clock=clock,
         )
         self.metrics = FrontendMetrics()
+        if config.prompt_cache_bytes < 0:
+            raise ConfigError("--prompt-cache-mib must be >= 0 (0 turns the cache off)")
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes)
+        self.metrics.registry.register(PromptCacheCollector(self.prompt_cache))
         self.manager = ModelManager()
         #: Who holds and can load which LoRA adapter (None: LoRA serving off).
         self.lora: LoraRegistry | None = None
@@ -206,6 +215,7 @@ class Frontend:
             limits=cfg.limits,
             disagg_metrics=DisaggMetrics(self.metrics.registry),
             max_artifact_bytes=cfg.max_artifact_bytes,
+            prompt_cache=self.prompt_cache,
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None

@@ -36,6 +36,7 @@ from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.limits import RequestLimits
 from turnout.llm.migration import Migration
 from turnout.llm.preprocessor import Preprocessor
+from turnout.llm.prompt_cache import PromptCache
 from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
@@ -116,6 +117,7 @@ class PipelineFactory:
         disagg_metrics: DisaggMetrics | None = None,
         limits: RequestLimits | None = None,
         max_artifact_bytes: int | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -187,6 +189,8 @@ class PipelineFactory:
         self.prefill_min_tokens = prefill_min_tokens
         self.decode_fallback = decode_fallback
         self.disagg_metrics = disagg_metrics
+        #: Chat prompts' pieces' ids, shared by every model's preprocessor (None: none).
+        self.prompt_cache = prompt_cache
 
     def _routing(self, card: ModelDeploymentCard, client: ModelClient) -> CardRouting:
         """The shared parts of the pipelines of ``card`` routed through ``client``."""
@@ -431,8 +435,9 @@ class PipelineFactory:
         # The template first: refusing a card for it costs no tokenizer fetch.
         template = await self._chat_template(card) if is_chat else None
         tokenizer = await self._tokenizer(card, client)
-        # The preprocessor's fit check reads it: computed once per tokenizer, not on the loop.
-        await asyncio.to_thread(lambda: tokenizer.max_token_chars)
+        # The preprocessor's fit check and prompt cache read these: computed once per
+        # tokenizer, not on the loop.
+        await asyncio.to_thread(lambda: (tokenizer.max_token_chars, tokenizer.boundaries))
         routing = self._routing(card, client)
         router: KvPushRouter | PushRouter[PreprocessedRequest, LLMEngineOutput]
         if self.router_mode is RouterMode.KV:
@@ -464,7 +469,9 @@ class PipelineFactory:
         return TokensPipeline(
             name=card.display_name,
             card=card,
-            preprocessor=Preprocessor(card, tokenizer, template, self.limits),
+            preprocessor=Preprocessor(
+                card, tokenizer, template, self.limits, prompt_cache=self.prompt_cache
+            ),
             backend=Backend(tokenizer),
             migration=migration,
             client=client,
