@@ -10,6 +10,10 @@ detokenization and SSE. Scenarios, each at several concurrencies:
 * ``paced_stream``: the same against echo workers that wait ``--paced-delay-ms`` before each
   token, as a real engine does: every token then travels alone (one frame, one pass through
   the pipeline, one SSE event), the per-token path a GPU engine exercises.
+* ``multi_turn`` (not run by default): chat conversations growing turn by turn, several at
+  once (``multi_turn.py``), through SmolLM2's chat template and tokenizer; its rows add the
+  tokens the frontend encoded and reused per request (``turnout_prompt_cache_*`` on
+  /metrics). ``--prompt-cache-mib 64 0`` measures it with the prompt cache and without.
 * ``chat_stream`` / ``chat_stream_parsed`` (not run by default): a streamed chat request whose
   echoed answer holds reasoning in think tags and a hermes tool call, to a model without
   parsers (tools passed as context, ``tool_choice: none``) and to one with
@@ -30,6 +34,7 @@ Usage::
     python benchmarks/frontend_overhead.py --profile py-spy   # sampled CPU profile (py-spy)
     python benchmarks/frontend_overhead.py --profile cprofile # cProfile in thread CPU time
     python benchmarks/frontend_overhead.py --router-mode kv   # KV-aware routing's cost
+    python benchmarks/frontend_overhead.py --scenarios multi_turn --prompt-cache-mib 64 0
 
 For scale (issue #2): Dynamo 1.6.1's Rust frontend spends ~0.6 ms CPU/request on ``short``
 and 1.4-2.1 ms on ``long_stream`` on this kind of machine.
@@ -41,6 +46,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import os
 import pstats
@@ -52,7 +58,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +72,8 @@ sys.path.insert(0, str(ROOT))
 from tests.servers.etcd import EtcdServer  # noqa: E402
 from tests.servers.nats import NatsServerProcess  # noqa: E402
 
-from bench_http import percentile, render_post, run_load  # noqa: E402
+from bench_http import LoadResult, percentile, render_post, run_load  # noqa: E402
+from multi_turn import cache_row, prompt_cache_counters, run_conversations  # noqa: E402
 from turnout.frontend.service import free_port  # noqa: E402
 
 WORDS = [
@@ -193,16 +200,15 @@ def procs_cpu(procs: list[psutil.Process]) -> float:
 def measure(
     front: psutil.Process,
     workers: list[psutil.Process],
-    port: int,
-    raw: bytes,
+    load: Callable[[], Coroutine[Any, Any, LoadResult]],
     total: int,
-    conc: int,
     streamed: bool,
 ) -> dict[str, Any]:
+    """Run ``load`` (``total`` requests) and measure it."""
     main0, other0 = thread_cpu(front)
     work0 = procs_cpu(workers)
     client0 = time.process_time()
-    res = asyncio.run(run_load("127.0.0.1", port, raw, total, conc, streamed=streamed))
+    res = asyncio.run(load())
     client1 = time.process_time()
     main1, other1 = thread_cpu(front)
     work1 = procs_cpu(workers)
@@ -266,15 +272,56 @@ def summarize_pyspy(raw_path: Path, main_tid: int, top: int = 30) -> dict[str, A
     }
 
 
+_Load = Callable[[], Coroutine[Any, Any, LoadResult]]
+
+
+def scenario_load(
+    args: argparse.Namespace,
+    name: str,
+    bodies: dict[str, tuple[dict[str, Any], bool, int]],
+    port: int,
+    conc: int,
+    nonces: Iterator[int],
+) -> tuple[_Load, _Load, int, bool]:
+    """(a measured run, its warm-up, requests per run, streamed) of scenario ``name``."""
+    if name == "multi_turn":
+        n, turns = args.multi_turn_conversations, args.multi_turn_turns
+
+        def conversations(count: int) -> _Load:
+            # Each run's conversations are new: the cache holds nothing of them before.
+            return lambda: run_conversations("127.0.0.1", port, "echo", conversations=count,
+                                             turns=turns, concurrency=conc,
+                                             nonce=next(nonces))  # fmt: skip
+
+        return conversations(n), conversations(max(n // 4, conc)), n * turns, False
+    body, streamed, total = bodies[name]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    raw = render_post(f"127.0.0.1:{port}", path, json.dumps(body).encode())
+
+    def repeated(count: int) -> _Load:
+        return lambda: run_load("127.0.0.1", port, raw, count, conc, streamed=streamed)
+
+    return repeated(total), repeated(max(total // 5, 2 * conc)), total, streamed
+
+
 def run_stack(
-    args: argparse.Namespace, planes: str, common: list[str], tmp: Path, prof_out: Path
+    args: argparse.Namespace,
+    planes: str,
+    common: list[str],
+    tmp: Path,
+    prof_out: Path,
+    mib: float | None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """Start a frontend and echo workers on ``common``'s planes; measure every scenario.
-    Returns the rows and the frontend's pid (what a profile is of)."""
+    """Start a frontend (prompt cache of ``mib`` MiB; None: its default) and echo workers on
+    ``common``'s planes; measure every scenario. Returns the rows and the frontend's pid
+    (what a profile is of)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     py = sys.executable
-    front_args = ["frontend", "--port", str(port), "--router-mode", args.router_mode, *common]
+    front_only = ["--router-mode", args.router_mode]
+    if mib is not None:
+        front_only += ["--prompt-cache-mib", str(mib)]
+    front_args = ["frontend", "--port", str(port), *front_only, *common]
     front_cmd = [py, "-m", "turnout", *front_args]
     if args.profile == "cprofile":
         front_cmd = [py, str(ROOT / "benchmarks/profile_frontend.py"), str(prof_out), *front_args]
@@ -285,8 +332,7 @@ def run_stack(
             raise SystemExit("in-process: the paced and parsed scenarios need more models")
         front_cmd = [py, "-m", "turnout", "serve", "--in-process", "--engine", "echo",
                      "--model-name", "echo", "--num-workers", str(args.workers),
-                     "--port", str(port), "--router-mode", args.router_mode,
-                     *common]  # fmt: skip
+                     "--port", str(port), *front_only, *common]  # fmt: skip
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
     for _ in range(args.workers if planes != IN_PROCESS else 0):
         procs.append(subprocess.Popen(
@@ -313,7 +359,6 @@ def run_stack(
         wait_ready(url, args.workers, models=1 + paced + parsed)
         front = psutil.Process(front_pid)
         workers = [psutil.Process(p.pid) for p in procs[1:]]
-        host = f"127.0.0.1:{port}"
         bodies = {
             "short": ({"model": "echo", "prompt": "Hello, how are you?", "max_tokens": 1},
                       False, args.short_requests),
@@ -334,19 +379,22 @@ def run_stack(
                                     "--threads", "-r", "250", "-f", "raw", "-o", str(prof_out)],
                                    start_new_session=True)  # fmt: skip
             time.sleep(1.0)
+        nonces = itertools.count()
         for name in args.scenarios:
-            body, streamed, total = bodies[name]
-            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            raw = render_post(host, path, json.dumps(body).encode())
             for conc in args.concurrency:
-                asyncio.run(run_load("127.0.0.1", port, raw, max(total // 5, 2 * conc), conc,
-                                     streamed=streamed))  # warm-up  # fmt: skip
-                runs = [measure(front, workers, port, raw, total, conc, streamed)
-                        for _ in range(args.repeat)]  # fmt: skip
+                load, warm_up, total, streamed = scenario_load(args, name, bodies, port, conc,
+                                                               nonces)  # fmt: skip
+                asyncio.run(warm_up())
+                runs = []
+                for _ in range(args.repeat):
+                    before = prompt_cache_counters(url)
+                    run = measure(front, workers, load, total, streamed)
+                    runs.append({**run, **cache_row(before, prompt_cache_counters(url))})
                 key = "frontend_cpu_ms_per_request"
                 med = statistics.median_low([r[key] for r in runs])
-                row = {"planes": planes, "router_mode": args.router_mode, "scenario": name,
-                       "concurrency": conc, **next(r for r in runs if r[key] == med)}  # fmt: skip
+                row = {"planes": planes, "router_mode": args.router_mode,
+                       "prompt_cache_mib": mib, "scenario": name, "concurrency": conc,
+                       **next(r for r in runs if r[key] == med)}  # fmt: skip
                 if args.repeat > 1:
                     row["cpu_ms_per_request_runs"] = [r[key] for r in runs]
                 rows.append(row)
@@ -385,6 +433,13 @@ def main() -> None:
     ap.add_argument("--router-mode", default="round-robin", choices=["round-robin", "kv"],
                     help="the frontend's --router-mode (kv: KV-aware routing over the echo "
                          "workers' KV events)")  # fmt: skip
+    ap.add_argument("--prompt-cache-mib", type=float, nargs="+", default=[None],
+                    help="the frontend's --prompt-cache-mib (0: off); several values: one "
+                         "stack each, one after the other (default: the frontend's)")  # fmt: skip
+    ap.add_argument("--multi-turn-conversations", type=int, default=32,
+                    help="multi_turn: conversations per run")  # fmt: skip
+    ap.add_argument("--multi-turn-turns", type=int, default=12,
+                    help="multi_turn: requests per conversation")  # fmt: skip
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/frontend_overhead.json"))
     args = ap.parse_args()
@@ -404,9 +459,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="turnout-bench-"))
     prof_out = tmp / ("frontend.prof" if args.profile == "cprofile" else "frontend.pyspy.txt")
     for planes in args.planes:
-        with plane_services(planes, tmp) as common:
-            rows, front_pid = run_stack(args, planes, common, tmp, prof_out)
-            results["scenarios"] += rows
+        for mib in args.prompt_cache_mib:
+            # A store of its own: the last stack's killed workers are not this one's.
+            stack_tmp = Path(tempfile.mkdtemp(dir=tmp))
+            with plane_services(planes, stack_tmp) as common:
+                rows, front_pid = run_stack(args, planes, common, tmp, prof_out, mib)
+                results["scenarios"] += rows
     if args.profile == "cprofile" and prof_out.exists():
         stats = pstats.Stats(str(prof_out))
         stats.sort_stats("tottime").print_stats(30)
