@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -54,13 +55,13 @@ async def tap(args: argparse.Namespace) -> None:
     kv_sub = await plane.subscribe(namespace, component, KV_EVENTS_TOPIC, max_pending=1 << 16)
     load_sub = await plane.subscribe(namespace, component, LOAD_TOPIC, max_pending=1 << 16)
 
-    async def count_kv(sub: EventSubscription[object]) -> None:
+    async def count_kv(sub: EventSubscription[Any]) -> None:
         async for event in sub:
             counts["kv_batches"] += 1
             with contextlib.suppress(msgspec.DecodeError):
                 counts["kv_events"] += len(_decode_batch(event.payload).events)
 
-    async def count_load(sub: EventSubscription[object]) -> None:
+    async def count_load(sub: EventSubscription[Any]) -> None:
         async for _ in sub:
             counts["load_reports"] += 1
 

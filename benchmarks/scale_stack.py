@@ -171,7 +171,7 @@ class Stack:
         return [psutil.Process(p.pid) for p in self.frontends]
 
     def worker_procs(self) -> list[psutil.Process]:
-        procs = []
+        procs: list[psutil.Process] = []
         for p in self.workers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc = psutil.Process(p.pid)
