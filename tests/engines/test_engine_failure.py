@@ -69,7 +69,7 @@ async def run_failure(gguf_path: str, fail: str) -> None:
     try:
         serving = await worker.start()
         client = await runtime.endpoint(ENDPOINT).client()
-        assert client.instance_ids() == [serving.instance_id]
+        assert list(client.instance_ids()) == [serving.instance_id]
         stream = client.stream(serving.instance_id, _encode(request()), RequestContext("r"))
         first = _decode(await stream.__anext__())
         assert first.token_ids == [10]
@@ -83,7 +83,7 @@ async def run_failure(gguf_path: str, fail: str) -> None:
         assert last.error_kind == ErrorKind.ENGINE_FAILED.value
         await asyncio.wait_for(worker.failed.wait(), 10)
         # Out of discovery at once, long before the 30 s lease could have expired.
-        await until(lambda: client.instance_ids() == [])
+        await until(lambda: list(client.instance_ids()) == [])
         assert worker.failure is not None
     finally:
         await worker.stop(drain_timeout=0.5)

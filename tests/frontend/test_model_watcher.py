@@ -506,7 +506,7 @@ async def test_last_served_instance_leaving_switches_to_the_largest_standby_card
     assert await h.barrier() == []
     client = h.factory.calls[0][2]
     await until(lambda: len(client.announced_ids()) == 4)
-    assert client.instance_ids() == [old.instance_id]
+    assert list(client.instance_ids()) == [old.instance_id]
     # One view per card, over one client of the endpoint.
     views = h.factory.views
     b_view = views[make_card("llama", context_length=8192).checksum()]
@@ -514,8 +514,8 @@ async def test_last_served_instance_leaving_switches_to_the_largest_standby_card
     assert len({id(v) for _, m, v in h.factory.calls if m == "llama"}) == 3
     assert b_view.client is small_view.client is client.client
     b_ids = sorted([b1.instance_id, b2.instance_id])
-    await until(lambda: b_view.instance_ids() == b_ids)
-    assert small_view.instance_ids() == [small.instance_id]
+    await until(lambda: list(b_view.instance_ids()) == b_ids)
+    assert list(small_view.instance_ids()) == [small.instance_id]
 
     await old.stop()
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
@@ -527,7 +527,7 @@ async def test_last_served_instance_leaving_switches_to_the_largest_standby_card
     served = [c.context_length for c in h.factory.serving_cards if c.display_name == "llama"]
     assert served == [4096, 8192]
     # The old card's view never lists another card's instances.
-    assert client.instance_ids() == []
+    assert list(client.instance_ids()) == []
     assert h.manager.model_instances("llama") == b_ids  # the 2048 card still gets nothing
     # The standby pipelines were built once each, when their card first came; none since.
     assert h.built() == [("chat", "llama"), ("completions", "llama")] * 3
@@ -598,7 +598,7 @@ async def test_served_card_unreachable_switches_to_a_reachable_standby(
     # Switched, synchronously.
     assert h.manager.model_instances("llama") == [new.instance_id]
     assert [c.instance_id for c in h.manager.entries_for_model("llama")] == [new.instance_id]
-    assert client.instance_ids() == []
+    assert list(client.instance_ids()) == []
     assert any("is reachable" in r.getMessage() for r in caplog.records)
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
     # The old card waits on standby; when it leaves, nothing changes for the model.
@@ -664,7 +664,7 @@ async def test_refused_instance_gets_no_requests(h: Harness) -> None:
     assert await h.barrier() == []
     client = h.factory.calls[0][2]
     await until(lambda: odd.instance_id in client.announced_ids())
-    assert client.instance_ids() == [good.instance_id]
+    assert list(client.instance_ids()) == [good.instance_id]
     assert [i.instance_id for i in client.instances()] == [good.instance_id]
     assert h.manager.model_instances("llama") == [good.instance_id]
 
@@ -672,9 +672,9 @@ async def test_refused_instance_gets_no_requests(h: Harness) -> None:
     other = await h.serve("llama")
     assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
     await until(lambda: len(client.instance_ids()) == 2)
-    assert client.instance_ids() == sorted([good.instance_id, other.instance_id])
+    assert list(client.instance_ids()) == sorted([good.instance_id, other.instance_id])
     await good.stop()
-    await until(lambda: client.instance_ids() == [other.instance_id])
+    await until(lambda: list(client.instance_ids()) == [other.instance_id])
 
 
 async def test_factory_error_adds_nothing(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
@@ -927,10 +927,10 @@ async def test_each_card_routes_to_its_own_instances_only(h: Harness) -> None:
     b_view = h.factory.views[make_card("llama", context_length=8192).checksum()]
     assert a_view is not b_view and a_view.client is b_view.client
     await until(lambda: a_view.announced_ids() == {old.instance_id, new.instance_id})
-    assert a_view.instance_ids() == [old.instance_id]
+    assert list(a_view.instance_ids()) == [old.instance_id]
     assert [i.instance_id for i in a_view.instances()] == [old.instance_id]
     assert a_view.get_instance(new.instance_id) is None
-    assert b_view.instance_ids() == [new.instance_id]
+    assert list(b_view.instance_ids()) == [new.instance_id]
     # Even a request that names the other card's instance is not sent to it.
     with pytest.raises(NoInstanceAvailable, match="serves another card"):
         await anext(a_view.stream(new.instance_id, b"x", RequestContext()).__aiter__())
@@ -942,9 +942,9 @@ async def test_each_card_routes_to_its_own_instances_only(h: Harness) -> None:
     assert h.manager.model_instances("llama") == [new.instance_id]
     # Requests still running on the old card (a migration, a retry) find no instance of it;
     # they are never handed to the new card's instance.
-    assert a_view.instance_ids() == []
+    assert list(a_view.instance_ids()) == []
     assert a_view.get_instance(new.instance_id) is None
-    assert b_view.instance_ids() == [new.instance_id]
+    assert list(b_view.instance_ids()) == [new.instance_id]
 
 
 GRACE = 3.0
@@ -977,7 +977,7 @@ async def test_switch_back_when_the_served_card_returns_within_the_grace_period(
     assert len(h.built()) == built  # nothing rebuilt
     # The odd card is standby again; its view still lists only its own instance.
     b_view = h.factory.views[make_card("llama", context_length=8192).checksum()]
-    assert b_view.instance_ids() == [odd.instance_id]
+    assert list(b_view.instance_ids()) == [odd.instance_id]
 
     # Past a grace period, no switch back.
     await back.stop()

@@ -53,7 +53,7 @@ async def test_serve_then_client_sees_and_calls_instance(runtime: DistributedRun
     assert mdc is not None and mdc.value == card and mdc.lease_id == served.lease.id
 
     client = await runtime.endpoint(EID).client()
-    assert client.instance_ids() == [served.instance_id]  # holds the initial set on return
+    assert list(client.instance_ids()) == [served.instance_id]  # holds the initial set on return
     assert client.get_instance(served.instance_id) == served.instance
     items = [x async for x in client.stream(served.instance_id, b"a b c", RequestContext())]
     assert items == [b"a", b"b", b"c"]
@@ -62,13 +62,13 @@ async def test_serve_then_client_sees_and_calls_instance(runtime: DistributedRun
 async def test_instance_stop_drops_it_from_clients(runtime: DistributedRuntime) -> None:
     client = await runtime.endpoint(EID).client()
     calls: list[list[int]] = []
-    client.add_listener(lambda: calls.append(client.instance_ids()))
+    client.add_listener(lambda: calls.append(list(client.instance_ids())))
     first = await runtime.endpoint(EID).serve(echo)
     second = await runtime.endpoint(EID).serve(echo)
     await client.wait_for_instances(2, timeout=2)
-    assert client.instance_ids() == sorted([first.instance_id, second.instance_id])
+    assert list(client.instance_ids()) == sorted([first.instance_id, second.instance_id])
     await first.stop()
-    await changed(client, lambda: client.instance_ids() == [second.instance_id])
+    await changed(client, lambda: list(client.instance_ids()) == [second.instance_id])
     assert await runtime.store.get(instance_key(EID, first.instance_id)) is None
     assert calls[-1] == [second.instance_id]
     with pytest.raises(PeerUnavailable):
@@ -88,7 +88,7 @@ async def test_stop_drains_in_flight_stream(runtime: DistributedRuntime) -> None
     stream = client.stream(served.instance_id, b"", RequestContext())
     assert await anext(stream) == b"1"
     stopping = asyncio.create_task(served.stop(drain_timeout=5))
-    await changed(client, lambda: client.instance_ids() == [])  # records go first
+    await changed(client, lambda: list(client.instance_ids()) == [])  # records go first
     release.set()
     assert [x async for x in stream] == [b"2"]
     await stopping
@@ -115,11 +115,11 @@ async def test_report_instance_down_sets_aside_until_retry(
     served = await runtime.endpoint(EID).serve(echo)
     client = await runtime.endpoint(EID).client()
     calls: list[list[int]] = []
-    client.add_listener(lambda: calls.append(client.instance_ids()))
+    client.add_listener(lambda: calls.append(list(client.instance_ids())))
     client.report_instance_down(served.instance_id)
-    assert client.instance_ids() == []
+    assert list(client.instance_ids()) == []
     assert client.get_instance(served.instance_id) is not None  # still known, just set aside
-    await changed(client, lambda: client.instance_ids() == [served.instance_id])
+    await changed(client, lambda: list(client.instance_ids()) == [served.instance_id])
     assert calls == [[], [served.instance_id]]
 
 
@@ -127,10 +127,10 @@ async def test_rediscovery_restores_instance_set_aside(runtime: DistributedRunti
     served = await runtime.endpoint(EID).serve(echo)
     client = await runtime.endpoint(EID).client()
     client.report_instance_down(served.instance_id)
-    assert client.instance_ids() == []
+    assert list(client.instance_ids()) == []
     key = instance_key(EID, served.instance_id)
     await runtime.store.put(key, msgspec.json.encode(served.instance), lease_id=served.lease.id)
-    await changed(client, lambda: client.instance_ids() == [served.instance_id])
+    await changed(client, lambda: list(client.instance_ids()) == [served.instance_id])
 
 
 async def test_unreachable_instance_is_reported_down(runtime: DistributedRuntime) -> None:
@@ -145,10 +145,10 @@ async def test_unreachable_instance_is_reported_down(runtime: DistributedRuntime
         )
     await runtime.store.put(ghost.key(), msgspec.json.encode(ghost))
     client = await runtime.endpoint(EID).client()
-    assert client.instance_ids() == [0xABC]
+    assert list(client.instance_ids()) == [0xABC]
     with pytest.raises(PeerUnavailable):
         await anext(client.stream(0xABC, b"", RequestContext()))
-    assert client.instance_ids() == []
+    assert list(client.instance_ids()) == []
 
 
 async def test_malformed_instance_record_is_logged_and_skipped(
@@ -160,7 +160,7 @@ async def test_malformed_instance_record_is_logged_and_skipped(
         client = await runtime.endpoint(EID).client()
         served = await runtime.endpoint(EID).serve(echo)
         await client.wait_for_instances(1, timeout=2)
-    assert client.instance_ids() == [served.instance_id]
+    assert list(client.instance_ids()) == [served.instance_id]
     assert "malformed instance record" in caplog.text
     assert "not an instance id" in caplog.text
 
@@ -178,7 +178,7 @@ async def test_many_instances_in_one_process(runtime: DistributedRuntime) -> Non
     client = await runtime.endpoint(EID).client()
     served = [await runtime.endpoint(EID).serve(echo) for _ in range(64)]
     await client.wait_for_instances(64, timeout=3)
-    assert client.instance_ids() == sorted(s.instance_id for s in served)
+    assert list(client.instance_ids()) == sorted(s.instance_id for s in served)
     results = await asyncio.gather(
         *(collect(client.stream(s.instance_id, b"p q", RequestContext())) for s in served)
     )
@@ -207,7 +207,7 @@ async def test_two_runtimes_over_a_file_store(tmp_path: Path) -> None:
             b"there",
         ]
         await worker.shutdown()
-        await changed(client, lambda: client.instance_ids() == [])
+        await changed(client, lambda: list(client.instance_ids()) == [])
     finally:
         await frontend.shutdown()
         await worker.shutdown()
@@ -221,7 +221,7 @@ async def test_store_kinds_run_the_same(store: DiscoveryStore) -> None:
         served = await rt.endpoint(EID).serve(echo)
         client = await rt.endpoint(EID).client()
         await client.wait_for_instances(1, timeout=3)
-        assert client.instance_ids() == [served.instance_id]
+        assert list(client.instance_ids()) == [served.instance_id]
     finally:
         await rt.shutdown()
 
@@ -268,14 +268,14 @@ async def test_lost_lease_registers_again_under_a_new_id(runtime: DistributedRun
     served.add_handler("side", side)
     client = await runtime.endpoint(EID).client()
     old = served.instance_id
-    assert client.instance_ids() == [old]
+    assert list(client.instance_ids()) == [old]
 
     await runtime.store.revoke_lease(old)  # what an expiry looks like to every watcher
     async with asyncio.timeout(5):
         await served.reregistered.wait()
     new = served.instance_id
     assert new != old
-    await changed(client, lambda: client.instance_ids() == [new])
+    await changed(client, lambda: list(client.instance_ids()) == [new])
     mdc = await runtime.store.get(mdc_key(EID, new))
     assert mdc is not None and mdc.value == f"card {new:x}".encode()
     assert await runtime.store.get(mdc_key(EID, old)) is None
@@ -284,7 +284,7 @@ async def test_lost_lease_registers_again_under_a_new_id(runtime: DistributedRun
     side_items = [x async for x in client.call(new, "side", b"x", RequestContext())]
     assert side_items == [b"side:x"]
     await served.stop()
-    await changed(client, lambda: client.instance_ids() == [])
+    await changed(client, lambda: list(client.instance_ids()) == [])
 
 
 async def test_streams_of_an_instance_that_left_discovery_break(
@@ -346,7 +346,7 @@ async def test_streams_survive_their_worker_registering_again(
         await store.revoke_lease(old)
         async with asyncio.timeout(5):
             await served.reregistered.wait()
-        await changed(client, lambda: client.instance_ids() == [served.instance_id])
+        await changed(client, lambda: list(client.instance_ids()) == [served.instance_id])
         await asyncio.sleep(1.2)  # past the grace
         release.set()
         assert await anext(stream) == b"second"

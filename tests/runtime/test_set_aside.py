@@ -221,7 +221,7 @@ async def test_a_frozen_worker_is_set_aside_at_once_and_back_when_it_answers(
             address = (await proc.stdout.readline()).decode().strip()
         await announce(runtime, address)
         client = await runtime.endpoint(EID).client()
-        await until(lambda: client.instance_ids() == sorted([live.instance_id, GHOST]))
+        await until(lambda: list(client.instance_ids()) == sorted([live.instance_id, GHOST]))
         stream = client.stream(GHOST, b"", RequestContext("on-the-frozen-one"))
         assert await anext(stream) == b"first"
 
@@ -229,7 +229,7 @@ async def test_a_frozen_worker_is_set_aside_at_once_and_back_when_it_answers(
         frozen_at = time.monotonic()
         await until(lambda: GHOST not in client.instance_ids())
         assert time.monotonic() - frozen_at < 5.0  # the deadline is 0.3 s; the idle timeout 10 s
-        assert client.instance_ids() == [live.instance_id]
+        assert list(client.instance_ids()) == [live.instance_id]
         got = [x async for x in client.stream(live.instance_id, b"hi", RequestContext())]
         assert got == [b"hi"]
 

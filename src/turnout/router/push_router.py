@@ -24,7 +24,7 @@ fault.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import msgspec
@@ -76,7 +76,7 @@ def check_pinned(client: InstanceSource, instance_id: int, endpoint_name: str = 
 class LiveInstances(Protocol):
     """The live instances of an endpoint (``runtime.endpoint_client.EndpointClient``)."""
 
-    def instance_ids(self) -> list[int]:
+    def instance_ids(self) -> Sequence[int]:
         """Instances that may take a request now (announced, not set aside)."""
         ...
 
@@ -138,6 +138,7 @@ class PushRouter(Generic[Req, Resp]):
                 param=PIN_PARAM,
             )
         live = self._client.instance_ids()
+        candidates: Sequence[int]
         if excluded or avoid:
             candidates = [i for i in live if i not in excluded and i not in avoid]
         else:

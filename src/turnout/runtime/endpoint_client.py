@@ -71,6 +71,9 @@ class EndpointClient:
         #: Changed by ``report_instance_down`` (+1), a stream's first answer and a changed
         #: record (cleared): set-asides of each instance since it last answered.
         self._strikes: dict[int, int] = {}
+        #: ``instance_ids()``, computed once per change of ``_instances`` or ``_down``: routers
+        #: read it on every request, and it changes only when membership does.
+        self._live: tuple[int, ...] | None = None
         self._listeners: list[Callable[[], None]] = []
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -153,8 +156,10 @@ class EndpointClient:
             if timer is not None:  # announced again: back in service
                 timer.cancel()
                 changed = True
-        if changed and notify:
-            self._notify()
+        if changed:
+            self._live = None
+            if notify:
+                self._notify()
 
     def _abandon(self, transport: TransportAddress) -> None:
         """Fail the streams to ``transport`` whose instances have left discovery, once
@@ -194,6 +199,7 @@ class EndpointClient:
                 )
 
     def _notify(self) -> None:
+        self._live = None
         self._changed.set()
         self._changed = asyncio.Event()
         for listener in list(self._listeners):
@@ -204,9 +210,15 @@ class EndpointClient:
 
     # -- queries --------------------------------------------------------------------------
 
-    def instance_ids(self) -> list[int]:
-        """Live instances not set aside, sorted."""
-        return sorted(iid for iid in self._instances if iid not in self._down)
+    def instance_ids(self) -> tuple[int, ...]:
+        """Live instances not set aside, sorted. The same tuple object is returned until the
+        set changes, so a caller may cache what it derives from it under its identity."""
+        live = self._live
+        if live is None:
+            live = self._live = tuple(
+                sorted(iid for iid in self._instances if iid not in self._down)
+            )
+        return live
 
     def announced_ids(self) -> set[int]:
         """Every instance discovery announces, set-aside ones included (membership, not
@@ -334,6 +346,7 @@ class EndpointClient:
         for timer in self._down.values():
             timer.cancel()
         self._down.clear()
+        self._live = None
         self._strikes.clear()
         self._silent.clear()
         if self._task is not None:

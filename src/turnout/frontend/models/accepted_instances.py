@@ -27,8 +27,9 @@ class ModelClient(Protocol):
     @property
     def endpoint(self) -> EndpointId: ...
 
-    def instance_ids(self) -> list[int]:
-        """Instances that may take a request now (announced, not set aside), sorted."""
+    def instance_ids(self) -> tuple[int, ...]:
+        """Instances that may take a request now (announced, not set aside), sorted: the
+        same tuple object until the set changes."""
         ...
 
     def announced_ids(self) -> set[int]:
@@ -70,20 +71,37 @@ class AcceptedInstances:
     endpoint, closes the client itself when its last view goes.
     """
 
-    __slots__ = ("accepted", "client")
+    __slots__ = ("_accepted", "_ids", "_ids_source", "client")
 
     def __init__(self, client: ModelClient) -> None:
         self.client = client
-        #: Instance ids publishing this view's card; set by the model watcher.
-        self.accepted: set[int] = set()
+        self._accepted: frozenset[int] = frozenset()
+        #: ``instance_ids()`` and the client's tuple it was filtered from: recomputed only
+        #: when either the client's live set or ``accepted`` changes.
+        self._ids: tuple[int, ...] = ()
+        self._ids_source: tuple[int, ...] | None = None
+
+    @property
+    def accepted(self) -> frozenset[int]:
+        """Instance ids publishing this view's card; set by the model watcher."""
+        return self._accepted
+
+    @accepted.setter
+    def accepted(self, ids: set[int] | frozenset[int]) -> None:
+        self._accepted = frozenset(ids)
+        self._ids_source = None
 
     @property
     def endpoint(self) -> EndpointId:
         return self.client.endpoint
 
-    def instance_ids(self) -> list[int]:
-        accepted = self.accepted
-        return [i for i in self.client.instance_ids() if i in accepted]
+    def instance_ids(self) -> tuple[int, ...]:
+        source = self.client.instance_ids()
+        if source is not self._ids_source:
+            accepted = self._accepted
+            self._ids = tuple(i for i in source if i in accepted)
+            self._ids_source = source
+        return self._ids
 
     def announced_ids(self) -> set[int]:
         return self.client.announced_ids()

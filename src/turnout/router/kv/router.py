@@ -80,7 +80,10 @@ class KvRouterClient(Protocol):
     """What the KV router (and its push router) use of the workers' endpoint client
     (``runtime.endpoint_client.EndpointClient`` is one; so is a routing view over it)."""
 
-    def instance_ids(self) -> list[int]: ...
+    def instance_ids(self) -> Sequence[int]:
+        """Live instances; the same object until the set changes lets the candidate list be
+        cached (a client returning a fresh sequence each time only costs the rebuild)."""
+        ...
 
     def announced_ids(self) -> set[int]: ...
 
@@ -129,6 +132,9 @@ class KvRouter:
         self._subscriptions: list[EventSubscription] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._resyncing: set[WorkerKey] = set()
+        #: ``candidates()`` with nothing excluded, and the live set it was built from.
+        self._all_candidates: tuple[WorkerKey, ...] = ()
+        self._candidates_source: Sequence[int] | None = None
         self._known_workers: set[int] = set()
         self._silence_warn_s = silence_warn_s
         #: worker id -> (monotonic time of its last KV event, requests routed since then)
@@ -200,15 +206,21 @@ class KvRouter:
 
     def candidates(
         self, excluded: Sequence[int] = (), allowed: Collection[int] | None = None
-    ) -> list[WorkerKey]:
+    ) -> Sequence[WorkerKey]:
         """Every rank of the live workers, less ``excluded``; only ``allowed`` ones if given
-        (a LoRA adapter's holders)."""
-        ranks = range(self.dp_size)
+        (a LoRA adapter's holders). The full list is built once per change of the live set,
+        not per request: at a thousand workers building it costs more than the decision."""
+        live = self.client.instance_ids()
+        if live is not self._candidates_source:
+            ranks = range(self.dp_size)
+            self._all_candidates = tuple(WorkerKey(w, rank) for w in live for rank in ranks)
+            self._candidates_source = live
+        if not excluded and allowed is None:
+            return self._all_candidates
         return [
-            WorkerKey(worker, rank)
-            for worker in self.client.instance_ids()
-            if worker not in excluded and (allowed is None or worker in allowed)
-            for rank in ranks
+            key
+            for key in self._all_candidates
+            if key.worker_id not in excluded and (allowed is None or key.worker_id in allowed)
         ]
 
     def route(
