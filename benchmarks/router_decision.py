@@ -337,7 +337,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             router_cost=RouterCost(args.router_cost),
         )
         core = KvRouterCore(config, rng=random.Random(args.seed), clock=lambda: 0.0)
-        workers = [WorkerKey(i) for i in range(num_workers)]
+        # A tuple, as KvRouter passes its live set (one object until membership changes).
+        workers = tuple(WorkerKey(i) for i in range(num_workers))
         gc.collect()
         pop = populate(
             core, corpus, workers, args.target_blocks, chunk_blocks=args.chunk_blocks, rng=rng

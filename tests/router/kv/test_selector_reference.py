@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -211,13 +212,15 @@ def test_fast_selection_equals_the_reference(state: dict[str, object]) -> None:
 @pytest.mark.parametrize("cost", list(RouterCost))
 def test_table_follows_every_change(cost: RouterCost) -> None:
     """One table over a long run of requests, reports and departures: after each change the
-    table's decision is the loop's (rows copied when their worker changed, slots reused)."""
+    table's decision is the loop's (rows copied when their worker changed, slots reused, and
+    the slots of a candidate tuple seen before reused while no slot moved)."""
     rng = random.Random(5)
     config = KvRouterConfig(block_size=BS, router_cost=cost, session_weight=2.0)
     active = ActiveSequences(block_size=BS)
     models = StepTimeModels()
     table = CostTable(active, models, min_candidates=1)
     live = [WorkerKey(i, r) for i in range(12) for r in range(2)]
+    members = tuple(live)  # as a router passes its live set: one tuple until it changes
     in_flight: list[str] = []
     for step in range(600):
         op = rng.random()
@@ -248,7 +251,11 @@ def test_table_follows_every_change(cost: RouterCost) -> None:
             models.remove_worker(gone)
             table.remove_worker(gone)
             live = [k for k in live if k.worker_id != gone] + [WorkerKey(100 + step, 0)]
-        candidates = rng.sample(live, rng.randrange(1, len(live)))
+            if rng.random() < 0.5:  # else a stale tuple: its slots moved, it must be re-gathered
+                members = tuple(live)
+        candidates: Sequence[WorkerKey] = (
+            members if rng.random() < 0.5 else rng.sample(live, rng.randrange(1, len(live)))
+        )
         scores = {k: rng.randrange(1, 30) for k in live if rng.random() < 0.3}  # not all candidates
         new_blocks = rng.randrange(1, 200)
         preferred = rng.choice([None, rng.choice(live)])

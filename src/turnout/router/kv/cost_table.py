@@ -43,8 +43,8 @@ class CostTable:
     """Per-worker arrays of what the cost reads, for one ``ActiveSequences`` and one
     ``StepTimeModels``, of which it is the only ``take_changed`` reader. Not thread-safe."""
 
-    __slots__ = ("_active", "_floats", "_free", "_ints", "_keys", "_models", "_slots",
-                 "min_candidates")  # fmt: skip
+    __slots__ = ("_active", "_floats", "_free", "_gathered", "_gathered_for", "_ints", "_keys",
+                 "_models", "_slots", "min_candidates")  # fmt: skip
 
     def __init__(
         self,
@@ -64,6 +64,10 @@ class CostTable:
         self._ints = np.zeros((4, 0), np.int64)
         #: Rows ``_A, _B, _C, _E, _MIXED`` (``TtftTerms``) by slot.
         self._floats = np.zeros((5, 0))
+        #: The last gather's slots and the candidate tuple they are of: a router passes the
+        #: same tuple until its live set changes, and the slots stay valid until one moves.
+        self._gathered_for: tuple[WorkerKey, ...] | None = None
+        self._gathered = np.zeros(0, np.intp)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -74,6 +78,7 @@ class CostTable:
             slot = self._slots.pop(key)
             self._keys[slot] = None
             heapq.heappush(self._free, slot)
+            self._gathered_for = None
 
     def _gather(self, candidates: Sequence[WorkerKey]) -> np.ndarray:
         """The candidates' slots, after copying the rows that changed; new workers get one."""
@@ -84,13 +89,18 @@ class CostTable:
             slot = slots.get(key)
             if slot is not None:
                 self._load(slot, key)
+        if candidates is self._gathered_for:
+            return self._gathered
         found = list(map(slots.get, candidates))
         if None in found:
             for key in candidates:
                 if key not in slots:
                     self._load(self._allocate(key), key)
             found = list(map(slots.get, candidates))
-        return np.array(found, dtype=np.intp)
+        gathered = np.array(found, dtype=np.intp)
+        if type(candidates) is tuple:  # immutable: its identity names its contents
+            self._gathered_for, self._gathered = candidates, gathered
+        return gathered
 
     def _allocate(self, key: WorkerKey) -> int:
         if self._free:
@@ -105,6 +115,7 @@ class CostTable:
                 self._ints = np.pad(self._ints, ((0, 0), (0, grown - size)))
                 self._floats = np.pad(self._floats, ((0, 0), (0, grown - size)))
         self._slots[key] = slot
+        self._gathered_for = None
         return slot
 
     def _load(self, slot: int, key: WorkerKey) -> None:
