@@ -324,11 +324,20 @@ class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
 
         Waits with the asyncio socket only when the socket is empty; whatever is queued is
         taken with plain non-blocking receives (no future per message), and after a full batch
-        the loop yields so that the consumer runs even under a flood.
+        the loop yields so that the consumer runs even under a flood. Every frame of a message
+        is received in one run: the awaited receive takes whole messages (pyzmq reads all
+        their frames in one callback), since a first frame handed to a task that resumes later
+        would leave a window in which a disconnect (a publisher leaving) ends the pipe
+        mid-message, which libzmq answers with an abort
+        (``Assertion failed: !_more (src/fq.cpp:80)``).
         """
-        wait_recv, recv = self._sock.recv, self._shadow.recv
+        wait_message, recv = self._sock.recv_multipart, self._shadow.recv
         while True:
-            self._deliver(await wait_recv())
+            frames = await wait_message()
+            if len(frames) == 2:
+                self._offer(frames[0], frames[1])
+            else:
+                self.num_invalid += 1
             for _ in range(_RECV_BATCH):
                 try:
                     first = recv(_NOBLOCK)
@@ -353,6 +362,9 @@ class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
                 shadow.recv()
             self.num_invalid += 1
             return
+        self._offer(topic_bytes, payload)
+
+    def _offer(self, topic_bytes: bytes, payload: bytes) -> None:
         if self._topic_bytes:
             # ZeroMQ matched a prefix; keep the exact topic only.
             if topic_bytes != self._topic_bytes:
