@@ -260,7 +260,10 @@ class KvRouter:
         if book and selection.ok and selection.worker_id is not None:
             worker = selection.worker_id
             self.predicted_cached_tokens += selection.overlap_blocks * self.config.block_size
-            if self.config.use_kv_events:
+            # Only a request with a full prompt block the worker lacks must make it store
+            # one: a prompt shorter than a block, or cached whole, is no sign of silence.
+            stores = len(token_ids) // self.config.block_size > selection.overlap_blocks
+            if stores and self.config.use_kv_events:
                 self._routed_since_event[worker] = self._routed_since_event.get(worker, 0) + 1
                 self._check_silence(worker)
         return selection
