@@ -82,13 +82,15 @@ _M = TypeVar("_M", bound=Message)
 WATCH_RETRY_MIN_SECONDS = 0.05
 WATCH_RETRY_MAX_SECONDS = 2.0
 
-#: gRPC channel settings: keep-alive pings find a dead peer on a silent connection (etcd
-#: refuses pings more often than every 5 s), and a short reconnect backoff finds a restarted
-#: etcd soon (gRPC's default grows to two minutes).
+#: gRPC channel settings: keep-alive pings find a dead peer on a silent connection while a
+#: call is open (etcd refuses pings more often than every 5 s, and any ping on a connection
+#: without a stream: it answers them with GOAWAY ``too_many_pings``; a unary call has its own
+#: deadline), and a short reconnect backoff finds a restarted etcd soon (gRPC's default grows
+#: to two minutes).
 _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
