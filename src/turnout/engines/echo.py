@@ -18,8 +18,8 @@ Semantics, per request (``n`` = ``len(token_ids)``):
   ``CANCELLED`` output; closing the generator ends it too.
 * Back-pressure is the generator's own: each token is made when the consumer asks for it
   (the pacing delay runs between asks, not ahead of them), so a consumer that stops reading
-  stops the echo, and nothing is buffered here (the worker's batch,
-  ``EngineRun.MAX_BATCH``, bounds what it pulls ahead).
+  stops the echo, and nothing is buffered here (the worker's output buffer bounds what it
+  pulls ahead).
 
 Every stream ends with ``usage`` (``cached_tokens=0``: there is no cache to hit).
 """

@@ -22,7 +22,7 @@ end, and its outputs wait in its ``asyncio.Queue`` (unbounded in type, bounded i
 at most ``max_tokens`` outputs, or ``n_ctx`` minus the prompt when unset (``ctx_shift`` is
 off, so a full context ends the stream); its slot is freed at its end as for any request,
 so a stalled client holds no slot longer than its own generation. What the worker keeps
-beyond that is bounded by its batch (``EngineRun.MAX_BATCH``) and the request plane's window.
+beyond that is bounded by its output buffer and the request plane's window.
 """
 
 from __future__ import annotations

@@ -25,10 +25,9 @@ from turnout.runtime.context import RequestContext
 from turnout.runtime.request_plane.framing import WINDOW
 
 #: Undelivered outputs (one token each) at which a request is paused. Behind a stream sit the
-#: worker's batch (``EngineRun.MAX_BATCH``) and the request plane's credit window, which hold
-#: their own share when the client stalls; twice the window lets a consumer that reads in
-#: window-sized bursts keep up without ever pausing, while a stalled one costs a few
-#: kilobytes.
+#: worker's output buffer and the request plane's credit window, which hold their own share
+#: when the client stalls; twice the window lets a consumer that reads in window-sized
+#: bursts keep up without ever pausing, while a stalled one costs a few kilobytes.
 STREAM_HIGH_WATER = 2 * WINDOW
 #: Undelivered outputs at or below which a paused request resumes (hysteresis, so that a
 #: reader slightly behind does not pause and resume its request at every token).
