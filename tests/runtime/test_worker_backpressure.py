@@ -42,7 +42,7 @@ MAX_TOKENS = 4000
 PROMPT_LEN = 32
 BLOCK_SIZE = 16
 #: Tokens each stalled stream may have cost, at most: far below MAX_TOKENS (what it would
-#: cost if the engine ran on), with room for the mocker's stream, the worker's batch and
+#: cost if the engine ran on), with room for the mocker's stream, the worker's buffer and
 #: the plane's window, whatever the batching of items.
 STALLED_TOKENS = 1000
 #: Growth of the worker's RSS allowed while its streams stay stalled (measured: ~0.1 MiB;
