@@ -37,7 +37,6 @@ from typing import Any
 import msgspec
 
 from turnout.engines.base import Engine, EngineBase, UnaryEngine, UnaryFailure
-from turnout.engines.engine_run import EngineRun
 from turnout.engines.events import EventPlaneSink
 from turnout.engines.kv_transfer import RequestPlaneKvTransport
 from turnout.engines.lora_cards import LoraCardPublisher
@@ -135,8 +134,8 @@ class Worker:
         #: Set with ``failure``, at once (``failed`` waits until the instance has left):
         #: unary requests in flight answer ``engine_failed`` when it is set.
         self._failing = asyncio.Event()
-        #: The engine streams in flight (failed at once if the engine breaks).
-        self._runs: set[EngineRun] = set()
+        #: The output buffers of the streams in flight (failed at once if the engine breaks).
+        self._buffers: set[_OutputBuffer] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._lora_cards: LoraCardPublisher | None = None
         self._kv_transport: RequestPlaneKvTransport | None = None
@@ -252,8 +251,8 @@ class Worker:
             error=f"engine failed: {reason}",
             error_kind=ErrorKind.ENGINE_FAILED.value,
         )
-        for run in list(self._runs):
-            run.fail(final)
+        for buffer in list(self._buffers):
+            buffer.fail(final)
         self._spawn(self._leave())
 
     async def _leave(self) -> None:
@@ -316,30 +315,62 @@ class Worker:
         log.error("request %s: engine raised", ctx.request_id, exc_info=exc)
         return engine.reply_type(error=f"engine raised {type(exc).__name__}: {exc}")
 
-    def _handle(self, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+    async def _handle(self, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
         """Run one request on the engine and stream its outputs, merging bursts.
 
-        The engine is stepped in this handler's task (``EngineRun``): whatever it produced
-        without waiting goes out together, with consecutive token-only outputs folded into
-        one (``merge_outputs``). An engine faster than the frontend (echo, or a burst of
-        speculative tokens, or outputs an engine thread queued while the handler waited for
-        credit) thus costs the request plane and the frontend one item per burst instead of
-        one per token; an engine slower than the event loop still gets one output, so one
-        SSE event, per token. Cancelling this generator cancels the engine.
+        The engine runs in its own task, filling an ``_OutputBuffer``; this generator sends
+        whatever accumulated since it last ran, with consecutive token-only outputs folded
+        into one (``merge_outputs``). An engine faster than the frontend (echo, or a burst
+        of speculative tokens) thus costs the request plane and the frontend one item per
+        burst instead of one per token; an engine slower than the event loop still gets one
+        output, so one SSE event, per token. Cancelling this generator cancels the engine.
         """
         try:
             request = _request_decoder.decode(payload)
         except msgspec.DecodeError as exc:
             # Among others: a field this worker does not know (a frontend newer than the
             # worker), which msgspec names ("Object contains unknown field `x`").
-            return _answer(f"this worker cannot read the request: {exc}", ErrorKind.BAD_REQUEST)
+            yield _encode(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=f"this worker cannot read the request: {exc}",
+                    error_kind=ErrorKind.BAD_REQUEST.value,
+                )
+            )
+            return
         refusal = self._refusal(request)
         if refusal is not None:
-            return _answer(refusal, ErrorKind.BAD_REQUEST)
+            yield _encode(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=refusal,
+                    error_kind=ErrorKind.BAD_REQUEST.value,
+                )
+            )
+            return
         if self.failure is not None:
-            return _answer(f"engine failed: {self.failure}", ErrorKind.ENGINE_FAILED)
-        outputs = self.engine.generate(request, ctx)  # type: ignore[attr-defined]
-        return EngineRun(outputs, _render, self._runs).items()
+            yield _encode(
+                LLMEngineOutput(
+                    finish_reason=FinishReason.ERROR,
+                    error=f"engine failed: {self.failure}",
+                    error_kind=ErrorKind.ENGINE_FAILED.value,
+                )
+            )
+            return
+        buffer = _OutputBuffer()
+        producer = buffer.producer = asyncio.get_running_loop().create_task(
+            buffer.fill(self.engine.generate(request, ctx))  # type: ignore[attr-defined]
+        )
+        self._buffers.add(buffer)
+        try:
+            while outputs := await buffer.take():
+                for output in merge_outputs(outputs):
+                    yield _encode(output)
+        finally:
+            self._buffers.discard(buffer)
+            if not producer.done():
+                producer.cancel()
+                await asyncio.wait([producer])
 
     def _refusal(self, request: PreprocessedRequest) -> str | None:
         """Why ``request`` asks for more than this instance's card says its engine does (None:
@@ -430,16 +461,76 @@ def artifact_handler(
     return handle
 
 
-async def _answer(error: str, kind: ErrorKind) -> AsyncIterator[bytes]:
-    """A generate request's one answer when the engine is not asked: an error output."""
-    yield _encode(
-        LLMEngineOutput(finish_reason=FinishReason.ERROR, error=error, error_kind=kind.value)
-    )
+#: Outputs the engine may run ahead of the handler before it is paused (back-pressure: the
+#: request plane's credit window stops the handler, this stops the engine behind it).
+_MAX_BUFFERED = 64
 
 
-def _render(outputs: list[LLMEngineOutput]) -> list[bytes]:
-    """A batch of outputs as the items a generate stream sends (bursts merged)."""
-    return [_encode(output) for output in merge_outputs(outputs)]
+class _OutputBuffer:
+    """Outputs handed from the engine task (``fill``) to the handler (``take``).
+
+    ``items`` is appended by ``fill`` and swapped out whole by ``take``; ``done`` and
+    ``error`` are set once, by ``fill``, when the engine stream ends. Each side parks on its
+    own future (``_taker`` / ``_filler``) only when it cannot proceed.
+    """
+
+    __slots__ = ("_filler", "_taker", "done", "error", "items", "producer")
+
+    def __init__(self) -> None:
+        self.items: list[LLMEngineOutput] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self._taker: asyncio.Future[None] | None = None
+        self._filler: asyncio.Future[None] | None = None
+        #: The task running ``fill`` (cancelled by ``fail``).
+        self.producer: asyncio.Task[None] | None = None
+
+    def fail(self, final: LLMEngineOutput) -> None:
+        """End the stream now with ``final`` after what is buffered; stop the engine side."""
+        if self.done:
+            return
+        self.items.append(final)
+        self.done = True
+        _wake(self._taker)
+        if self.producer is not None:
+            self.producer.cancel()
+
+    async def fill(self, stream: AsyncIterator[LLMEngineOutput]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for output in stream:
+                if self.done:
+                    break  # failed meanwhile (``fail``): the final output is queued
+                self.items.append(output)
+                _wake(self._taker)
+                if len(self.items) >= _MAX_BUFFERED:
+                    self._filler = loop.create_future()
+                    await self._filler
+        except Exception as exc:  # handed to the handler, which raises it (ERROR frame)
+            self.error = exc
+        finally:
+            self.done = True
+            _wake(self._taker)
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def take(self) -> list[LLMEngineOutput]:
+        """Everything buffered (waiting for at least one); ``[]`` at the end of the stream."""
+        while not self.items:
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return []
+            self._taker = asyncio.get_running_loop().create_future()
+            await self._taker
+        items = self.items
+        self.items = []
+        _wake(self._filler)
+        return items
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 def _is_plain(output: LLMEngineOutput) -> bool:
