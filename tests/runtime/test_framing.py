@@ -1,5 +1,6 @@
 """The tcp plane's frame writer: a DATA frame written by hand reads back as the frame it
-stands for, at every size of stream id and item, and both ways of writing one mix freely."""
+stands for, at every size of stream id (a client may pick a negative one) and item, and both
+ways of writing one mix freely."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from turnout.runtime.request_plane.framing import Frame, FrameReader, FrameWriter, Kind
 
-STREAM_IDS = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63]
+STREAM_IDS = [-(2**63), -1, 0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63]
 ITEM_SIZES = [0, 1, 255, 256, 65535, 65536]
 
 

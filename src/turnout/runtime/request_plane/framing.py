@@ -166,7 +166,7 @@ class FrameWriter:
         (trailing fields left out take their defaults); anything else goes through
         ``append``."""
         n = len(item)
-        if n < 0x100:
+        if n < 0x100 and stream_id >= 0:  # a client may pick a negative id: the slow path
             if stream_id < 0x80:
                 self._buf += _DATA_SMALL_ID.pack(n + 5, 0x93, 2, stream_id, 0xC4, n)
                 self._buf += item
