@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnout.protocols.kv import LoadReport, StepSample
+from turnout.router.kv import active_sequences, step_time
 from turnout.router.kv.active_sequences import ActiveSequences
-from turnout.router.kv.base import OverlapScores, WorkerKey
+from turnout.router.kv.base import MAX_CHANGED_WORKERS, OverlapScores, WorkerKey
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.kv.cost_table import CostTable
 from turnout.router.kv.selector import Selection, SelectionStatus, _CostTerms, select_worker
@@ -209,11 +210,17 @@ def test_fast_selection_equals_the_reference(state: dict[str, object]) -> None:
     assert [row.worker_key for row in explained.candidates] == free
 
 
+@pytest.mark.parametrize("max_changed", [MAX_CHANGED_WORKERS, 3])
 @pytest.mark.parametrize("cost", list(RouterCost))
-def test_table_follows_every_change(cost: RouterCost) -> None:
+def test_table_follows_every_change(
+    cost: RouterCost, max_changed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One table over a long run of requests, reports and departures: after each change the
-    table's decision is the loop's (rows copied when their worker changed, slots reused, and
-    the slots of a candidate tuple seen before reused while no slot moved)."""
+    table's decision is the loop's (rows copied when their worker changed, or all of them
+    when more changed than the sources list, slots reused, and the slots of a candidate tuple
+    seen before reused while no slot moved)."""
+    monkeypatch.setattr(active_sequences, "MAX_CHANGED_WORKERS", max_changed)
+    monkeypatch.setattr(step_time, "MAX_CHANGED_WORKERS", max_changed)
     rng = random.Random(5)
     config = KvRouterConfig(block_size=BS, router_cost=cost, session_weight=2.0)
     active = ActiveSequences(block_size=BS)
@@ -277,3 +284,21 @@ def test_table_follows_every_change(cost: RouterCost) -> None:
         ]
         assert results[0] == results[1], step
     assert len(table) <= len(live) + 2 * 12
+
+
+def test_changes_are_listed_only_for_a_reader_and_only_up_to_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a reader nothing is kept; past the bound the answer is "reload everything"
+    (``None``), never a growing set."""
+    monkeypatch.setattr(active_sequences, "MAX_CHANGED_WORKERS", 4)
+    active = ActiveSequences(block_size=BS)
+    for i in range(100):
+        active.add_request(f"q{i}", WorkerKey(i, 0), num_prompt_tokens=8, overlap_blocks=0, now=0.0)
+    assert active.take_changed() is None  # the first read: everything
+    for i in range(5):
+        active.add_request(f"r{i}", WorkerKey(i, 0), num_prompt_tokens=8, overlap_blocks=0, now=0.0)
+    assert active.take_changed() is None  # past the bound
+    active.add_request("s", WorkerKey(7, 0), num_prompt_tokens=8, overlap_blocks=0, now=0.0)
+    assert active.take_changed() == {WorkerKey(7, 0)}
+    assert active.take_changed() == set()

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import msgspec
 
 from turnout.errors import ConfigError
-from turnout.router.kv.base import WorkerKey
+from turnout.router.kv.base import MAX_CHANGED_WORKERS, WorkerKey
 
 DEFAULT_ACTIVE_TTL_S = 600.0
 
@@ -135,8 +135,9 @@ class ActiveSequences:
         self._seq = 0
         self._num_expired = 0
         #: Workers whose counters changed since the last ``take_changed`` (its one reader,
-        #: ``cost_table.CostTable``, copies only those into its arrays). At most every worker.
-        self._changed: set[WorkerKey] = set()
+        #: ``cost_table.CostTable``, copies only those into its arrays); None until it first
+        #: reads, and past ``MAX_CHANGED_WORKERS`` (the reader then reloads every worker).
+        self._changed: set[WorkerKey] | None = None
 
     @property
     def router_id(self) -> str:
@@ -304,14 +305,22 @@ class ActiveSequences:
         counters.num_requests += 1
         counters.prefill_requests += 1
         self._by_worker[key].add(request_id)
-        self._changed.add(key)
+        changed = self._changed
+        if changed is not None:
+            changed.add(key)
+            if len(changed) > MAX_CHANGED_WORKERS:
+                self._changed = None
         self._touch(req, now)
 
     def _transition(self, req: _Request, to: RequestPhase) -> None:
         """The one place a request's phase and its worker's counters change."""
         frm = req.phase
         counters = self._counters[req.worker_key]
-        self._changed.add(req.worker_key)
+        changed = self._changed
+        if changed is not None:
+            changed.add(req.worker_key)
+            if len(changed) > MAX_CHANGED_WORKERS:
+                self._changed = None
         if frm is RequestPhase.PREFILL and to is RequestPhase.DECODE:
             counters.prefill_tokens -= req.prefill_tokens
             counters.prefill_requests -= 1
@@ -392,8 +401,9 @@ class ActiveSequences:
         (a bound ``dict.get``: the selector's per-candidate read, cheaper than the view's)."""
         return self._counters.get
 
-    def take_changed(self) -> set[WorkerKey]:
-        """The workers whose counters changed since the last call (for one reader only)."""
+    def take_changed(self) -> set[WorkerKey] | None:
+        """The workers whose counters changed since the last call (for one reader only);
+        None: any may have (the first call, or more than ``MAX_CHANGED_WORKERS`` changed)."""
         changed, self._changed = self._changed, set()
         return changed
 

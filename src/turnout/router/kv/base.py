@@ -13,6 +13,10 @@ from typing import NamedTuple, Protocol
 
 from turnout.protocols.kv import KvCacheEvent
 
+#: Workers a ``take_changed`` source lists at most between two reads; past it (or with no
+#: reader at all) it answers ``None``, "reload every worker", instead of growing.
+MAX_CHANGED_WORKERS = 4096
+
 
 class WorkerKey(NamedTuple):
     """One KV cache: an instance and its data-parallel rank. Hashes equal to the plain tuple."""

@@ -82,13 +82,17 @@ class CostTable:
 
     def _gather(self, candidates: Sequence[WorkerKey]) -> np.ndarray:
         """The candidates' slots, after copying the rows that changed; new workers get one."""
-        changed = self._active.take_changed()
-        changed |= self._models.take_changed()
+        counters = self._active.take_changed()
+        models = self._models.take_changed()
         slots = self._slots
-        for key in changed:
-            slot = slots.get(key)
-            if slot is not None:
-                self._load(slot, key)
+        if counters is None or models is None:  # any may have changed: reload every row
+            for key, at in slots.items():
+                self._load(at, key)
+        else:
+            for key in counters | models:
+                slot = slots.get(key)
+                if slot is not None:
+                    self._load(slot, key)
         if candidates is self._gathered_for:
             return self._gathered
         found = list(map(slots.get, candidates))

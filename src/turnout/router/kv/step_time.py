@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 
 from turnout.protocols.kv import LoadReport, StepSample
-from turnout.router.kv.base import WorkerKey
+from turnout.router.kv.base import MAX_CHANGED_WORKERS, WorkerKey
 
 #: Feature scales: the fits work in units where typical features are about 1 (public: the
 #: selector's inlined TTFT uses them).
@@ -325,12 +325,20 @@ class StepTimeModels:
         self._models: dict[WorkerKey, WorkerStepModel] = {}
         self._default = WorkerStepModel(self._prior)
         #: Workers whose model changed since the last ``take_changed`` (its one reader,
-        #: ``cost_table.CostTable``, copies only those into its arrays). At most every worker.
-        self._changed: set[WorkerKey] = set()
+        #: ``cost_table.CostTable``, copies only those into its arrays); None until it first
+        #: reads, and past ``MAX_CHANGED_WORKERS`` (the reader then reloads every worker).
+        self._changed: set[WorkerKey] | None = None
+
+    def _mark(self, key: WorkerKey) -> None:
+        changed = self._changed
+        if changed is not None:
+            changed.add(key)
+            if len(changed) > MAX_CHANGED_WORKERS:
+                self._changed = None
 
     def on_load(self, report: LoadReport) -> None:
         key = WorkerKey(report.worker_id, report.dp_rank)
-        self._changed.add(key)
+        self._mark(key)
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = WorkerStepModel(self._prior)
@@ -367,11 +375,13 @@ class StepTimeModels:
     def remove_worker(self, worker_id: int) -> None:
         for key in [k for k in self._models if k.worker_id == worker_id]:
             del self._models[key]
-            self._changed.add(key)
+            self._mark(key)
 
-    def take_changed(self) -> set[WorkerKey]:
+    def take_changed(self) -> set[WorkerKey] | None:
         """The workers whose model changed (a report, a removal) since the last call (for
-        one reader only). Models changed directly, not through ``on_load``, are not seen."""
+        one reader only); None: any may have (the first call, or more than
+        ``MAX_CHANGED_WORKERS`` changed). Models changed directly, not through ``on_load``,
+        are not seen."""
         changed, self._changed = self._changed, set()
         return changed
 
