@@ -13,7 +13,12 @@ import pytest
 from tests.polling import eventually
 
 from turnout.protocols.model import EndpointId
-from turnout.router.kv.active_sequences import ActiveSequences
+from turnout.router.kv.active_sequences import (
+    ActiveSequenceBatch,
+    ActiveSequenceEvent,
+    ActiveSequenceEventKind,
+    ActiveSequences,
+)
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.replicas import ReplicaPeers, ReplicaPresence, is_presence
@@ -173,6 +178,34 @@ async def test_silent_alone_then_a_snapshot_for_a_peer_and_silent_again_when_it_
         await two.close()
 
 
+async def test_a_replica_without_presences_is_published_to() -> None:
+    """A replica of a version without presences (a rolling upgrade) publishes its changes and
+    hears everything: its batches make it a listening peer, so this replica's changes reach
+    it; when it falls silent it leaves the table, but its requests stay (to their TTL)."""
+    plane = LocalEventPlane()
+    taps = await tap(plane)
+    one = replica(plane, "one")
+    await one.start()
+    old = await plane.publisher(ENDPOINT.namespace, ENDPOINT.component)
+    try:
+        added = ActiveSequenceEvent(
+            kind=ActiveSequenceEventKind.ADDED, request_id="o1", router_id="old",
+            worker_key=WorkerKey(1, 0), prefill_tokens=8, num_blocks=2,
+        )  # fmt: skip
+        old.publish_nowait(ACTIVE_TOPIC, msgspec.msgpack.encode(ActiveSequenceBatch([added])))
+        await eventually(lambda: one.peers.listening, what="the old replica counts as a peer")
+        assert loads(one) == {WorkerKey(1, 0): (1, 1)}
+        before = taps.batches
+        one.route("r0", list(range(8)))
+        await eventually(lambda: taps.batches > before, what="a batch for the old replica")
+        await eventually(lambda: "old" not in one.peers, what="the silent old replica dropped")
+        assert not one.peers.listening
+        assert sum(n for n, _ in loads(one).values()) == 2  # o1 kept, and r0
+    finally:
+        await old.close()
+        await one.close()
+
+
 def presence(router_id: str, *hears: str) -> ReplicaPresence:
     return ReplicaPresence(router_id=router_id, hears=list(hears))
 
@@ -194,6 +227,22 @@ def test_peers_alive_listening_and_gone_on_the_clock() -> None:
     peers.on_presence(presence("a", "me"), 9.0)
     assert peers.on_presence(presence("a"), 10.0) == (False, False)  # stopped hearing me
     assert not peers.listening
+
+
+def test_a_peer_known_by_its_batches_only() -> None:
+    peers = ReplicaPeers("me", interval_s=2.0, max_peers=2)
+    assert peers.on_batch("old", 0.0)  # a replica without presences: a listening peer
+    assert peers.listening
+    assert not peers.on_batch("old", 5.0)  # its batches keep it alive
+    assert not peers.on_batch("me", 5.0)
+    assert peers.expire(10.9) == []
+    assert peers.expire(11.0) == []  # gone, but not reported: its requests stay
+    assert not peers.listening and peers.ids() == []
+    peers.on_batch("new", 12.0)
+    peers.on_presence(presence("new"), 13.0)  # it speaks presences: judged by them alone
+    assert not peers.listening
+    assert not peers.on_batch("new", 14.0)
+    assert peers.expire(19.0) == ["new"]
 
 
 @pytest.mark.parametrize(

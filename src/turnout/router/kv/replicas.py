@@ -18,6 +18,12 @@ one hears it:
 Change batches are published only while at least one alive peer listens. The peer table is
 bounded (``max_peers``; presences of more are ignored) and keyed by router id.
 
+A replica that sends change batches but no presence runs a version without presences (a
+rolling upgrade): it publishes everything and listens to everything, so each of its batches
+makes it an alive, listening peer for ``expiry_s`` (``on_batch``). When it falls silent it is
+dropped from the table, but its requests are kept (they end by their own TTL, as they did
+between such replicas).
+
 Wire: a presence is a msgpack *map* (a keyword struct) and a change batch
 (``ActiveSequenceBatch``) a msgpack *array*, so one topic carries both and the first byte of
 a payload tells which it is (``is_presence``).
@@ -71,6 +77,8 @@ class _Peer:
 
     alive_until: float
     listens: bool
+    #: Known from its change batches only: a replica without presences.
+    legacy: bool = False
 
 
 class ReplicaPeers:
@@ -124,16 +132,37 @@ class ReplicaPeers:
                 self._num_listening += 1
             return True, listens
         peer.alive_until = now + self.expiry_s
+        peer.legacy = False
         if listens == peer.listens:
             return False, False
         peer.listens = listens
         self._num_listening += 1 if listens else -1
         return False, listens
 
+    def on_batch(self, router_id: str, now: float) -> bool:
+        """Note a change batch from ``router_id``; True when it makes a replica without
+        presences a peer (see the module docstring). A peer that sends presences is judged by
+        them alone."""
+        peer = self._peers.get(router_id)
+        if peer is None:
+            if router_id == self.own_id or len(self._peers) >= self._max_peers:
+                return False
+            self._peers[router_id] = _Peer(now + self.expiry_s, True, legacy=True)
+            self._num_listening += 1
+            return True
+        if peer.legacy:
+            peer.alive_until = now + self.expiry_s
+        return False
+
     def expire(self, now: float) -> list[str]:
-        """Forget the peers silent for ``expiry_s``; returns their ids."""
+        """Forget the peers silent for ``expiry_s``; returns the ids of those that sent
+        presences (replicas without them are dropped from the table only)."""
         gone = [rid for rid, peer in self._peers.items() if peer.alive_until <= now]
+        out = []
         for router_id in gone:
-            if self._peers.pop(router_id).listens:
+            peer = self._peers.pop(router_id)
+            if peer.listens:
                 self._num_listening -= 1
-        return gone
+            if not peer.legacy:
+                out.append(router_id)
+        return out

@@ -355,7 +355,16 @@ class KvRouter:
                         exc,
                     )
                 continue
-            for event in batch.events:  # in the order the replica made them
+            events = batch.events
+            if events and events[0].router_id != own:
+                sender = events[0].router_id
+                if self.peers.on_batch(sender, self._clock()):
+                    log.info(
+                        "kv router %s: replica %s sends changes without presences (an older "
+                        "version); publishing to it",
+                        own, sender,
+                    )  # fmt: skip
+            for event in events:  # in the order the replica made them
                 if event.router_id != own:
                     core.on_active_event(event)
 
