@@ -12,7 +12,7 @@ nats-server's own CPU (a separate process this script starts) is reported beside
   flight: requests per second.
 
 ``--handler worker`` serves the worker's own generate handler (``Worker._handle``: request
-decoding, the engine stepped by ``EngineRun``, bursts merged, each output encoded) over an
+decoding, the engine run behind its output buffer, bursts merged, each output encoded) over an
 engine that yields one ``LLMEngineOutput`` per event-loop iteration, and the consumer decodes
 each item as the frontend does: the per-token path of a worker and its request plane, not the
 transport alone. Per-token figures then count tokens (a merged item counts all it holds).
