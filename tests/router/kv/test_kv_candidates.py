@@ -2,43 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from tests.router.kv.members import ENDPOINT, Members
 
 from turnout.frontend.models.accepted_instances import AcceptedInstances
-from turnout.protocols.model import EndpointId
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.router import KvRouter
 from turnout.runtime.event_plane.local import LocalEventPlane
-
-ENDPOINT = EndpointId(namespace="ns", component="backend", name="generate")
-
-
-class Members:
-    """An endpoint client's membership: the same tuple until the set changes, as the real
-    client returns it."""
-
-    def __init__(self, ids: list[int]) -> None:
-        self.live = tuple(ids)
-        self.endpoint = ENDPOINT
-        self.listeners: list[Callable[[], None]] = []
-
-    def instance_ids(self) -> tuple[int, ...]:
-        return self.live
-
-    def announced_ids(self) -> set[int]:
-        return set(self.live)
-
-    def set_live(self, ids: list[int]) -> None:
-        self.live = tuple(ids)
-        for listener in self.listeners:
-            listener()
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        self.listeners.append(callback)
-
-    def remove_listener(self, callback: Callable[[], None]) -> None:
-        self.listeners.remove(callback)
 
 
 def router_over(client: object, dp_size: int = 1) -> KvRouter:

@@ -5,14 +5,13 @@ router's feed does both over a real (local) event plane."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import msgspec
 import pytest
 from tests.polling import eventually
+from tests.router.kv.members import ENDPOINT, Members
 
 from turnout.protocols.kv import LOAD_TOPIC, LoadReport, StepSample
-from turnout.protocols.model import EndpointId
 from turnout.router.event_batches import BatchDecoder, take_ready
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
@@ -21,7 +20,6 @@ from turnout.router.kv.router import KvRouter
 from turnout.runtime.event_plane.base import Event
 from turnout.runtime.event_plane.local import LocalEventPlane
 
-ENDPOINT = EndpointId(namespace="ns", component="backend", name="generate")
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -114,27 +112,11 @@ async def test_take_ready_takes_what_is_queued_and_ends_with_the_subscription() 
     await plane.close()
 
 
-class Workers:
-    """The instance view a router reads: two fixed workers."""
-
-    def instance_ids(self) -> list[int]:
-        return [1, 2]
-
-    def announced_ids(self) -> set[int]:
-        return {1, 2}
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        pass
-
-    def remove_listener(self, listener: Callable[[], None]) -> None:
-        pass
-
-
 async def test_the_router_feeds_busy_views_and_step_fits_from_the_plane() -> None:
     plane = LocalEventPlane()
     router = KvRouter(
         KvRouterConfig(block_size=4, use_kv_events=False),
-        Workers(),  # type: ignore[arg-type]
+        Members([1, 2]),  # type: ignore[arg-type]
         plane,
         ENDPOINT,
         share_active=False,

@@ -6,13 +6,12 @@ with its requests. The presence table itself on an injected clock."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import msgspec
 import pytest
 from tests.polling import eventually
+from tests.router.kv.members import ENDPOINT, Members
 
-from turnout.protocols.model import EndpointId
 from turnout.router.kv.active_sequences import (
     ActiveSequenceBatch,
     ActiveSequenceEvent,
@@ -26,30 +25,13 @@ from turnout.router.kv.router import ACTIVE_BATCH_MAX, ACTIVE_TOPIC, KvRouter
 from turnout.runtime.event_plane import EventSubscription
 from turnout.runtime.event_plane.local import LocalEventPlane
 
-ENDPOINT = EndpointId(namespace="ns", component="backend", name="generate")
 INTERVAL = 0.05
-
-
-class Workers:
-    """The instance view a router reads: two fixed workers."""
-
-    def instance_ids(self) -> list[int]:
-        return [1, 2]
-
-    def announced_ids(self) -> set[int]:
-        return {1, 2}
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        pass
-
-    def remove_listener(self, listener: Callable[[], None]) -> None:
-        pass
 
 
 def replica(plane: LocalEventPlane, name: str) -> KvRouter:
     return KvRouter(
         KvRouterConfig(block_size=4, use_kv_events=False),
-        Workers(),  # type: ignore[arg-type]
+        Members([1, 2]),  # type: ignore[arg-type]
         plane,
         ENDPOINT,
         router_id=name,
