@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from turnout.runtime.addresses import DEFAULT_HOST
+from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.planes import PlanesConfig
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes
 
@@ -80,6 +81,13 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -
         add_flag(parser, "--advertise-host",
                  help="address other hosts dial for those servers (default: the bound one; "
                       "for 0.0.0.0, the interface that routes to the store)")  # fmt: skip
+    g = parser.add_argument_group(
+        "plane security (mutual TLS on the tcp request plane, CurveZMQ on the zmq event plane)"
+    )
+    add_flag(g, "--plane-ca", help="the deployment CA's certificate, which signed every "
+             "process's --plane-cert (PEM)")  # fmt: skip
+    add_flag(g, "--plane-cert", help="this process's certificate on the planes (PEM)")
+    add_flag(g, "--plane-key", help="key of --plane-cert (PEM)")
     add_flag(parser, "--lease-ttl", default=10.0, type=float,
              help="seconds a dead process's registrations outlive it")  # fmt: skip
     add_flag(parser, "--max-frame-bytes", default=DEFAULT_MAX_FRAME_BYTES, type=int,
@@ -122,6 +130,7 @@ def planes_config(args: argparse.Namespace) -> PlanesConfig:
             if get("max_frame_bytes") is None
             else check_max_frame_bytes(get("max_frame_bytes"))
         ),
+        plane_tls=PlaneTls.from_flags(get("plane_ca"), get("plane_cert"), get("plane_key")),
     )
     if config.uses_nats():
         from turnout.runtime.nats import NatsOptions

@@ -28,6 +28,7 @@ from turnout.protocols.model import EndpointId, TransportAddress
 from turnout.runtime.discovery.base import DiscoveryStore
 from turnout.runtime.endpoint_client import EndpointClient
 from turnout.runtime.event_plane import EventPlane, make_event_plane
+from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.request_plane import make_client, make_server
 from turnout.runtime.request_plane.base import (
     Handler,
@@ -56,6 +57,7 @@ class DistributedRuntime:
         advertise_host: str | None = None,
         nats: NatsConnection | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        plane_tls: PlaneTls | None = None,
     ) -> None:
         self.store = store
         #: KV events and load reports (``local`` or ``zmq``); closed by ``shutdown``.
@@ -69,6 +71,8 @@ class DistributedRuntime:
         self.lease_ttl = lease_ttl
         #: The bound on one request-plane frame, for this process's server and clients.
         self.max_frame_bytes = max_frame_bytes
+        #: This process's plane credentials (None: plain planes).
+        self.plane_tls = plane_tls
         #: Closed last by ``shutdown`` (a store opened for this runtime, see ``own_store``).
         self._owned_store: DiscoveryStore | None = None
         self._server: RequestPlaneServer | None = None
@@ -91,6 +95,7 @@ class DistributedRuntime:
         event_plane: str | None = None,
         nats: NatsConnection | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        plane_tls: PlaneTls | None = None,
     ) -> DistributedRuntime:
         """A runtime over ``store`` (owned by the caller unless handed over with
         ``own_store``).
@@ -98,14 +103,17 @@ class DistributedRuntime:
         Servers bind ``host`` and publish ``advertise_host`` (default: ``host``).
         ``event_plane`` defaults to ``local`` on the memory store (one process) and ``zmq``
         on any other (several processes). The ``nats`` planes need ``nats``, a connection
-        this runtime then owns. Unknown plane names raise ``ConfigError``.
+        this runtime then owns. ``plane_tls``: mutual TLS on the tcp request plane and
+        CurveZMQ on the zmq event plane. Unknown plane names raise ``ConfigError``.
         """
         # Fail fast (ConfigError) on an unknown plane or a nats plane without a connection.
-        make_server(request_plane, host, **_server_options(advertise_host, nats))
+        make_server(request_plane, host, **_server_options(advertise_host, nats, plane_tls))
         kind = event_plane or ("local" if store.kind == "memory" else "zmq")
         options: dict[str, Any] = {}
         if kind == "zmq":
             options = {"lease_ttl": lease_ttl, "advertise_host": advertise_host}
+            if plane_tls is not None:
+                options["plane_tls"] = plane_tls
         elif kind == "nats":
             options = {"nats": nats}
         events = make_event_plane(kind, store, host, **options)
@@ -118,6 +126,7 @@ class DistributedRuntime:
             advertise_host=advertise_host,
             nats=nats,
             max_frame_bytes=max_frame_bytes,
+            plane_tls=plane_tls,
         )
 
     def own_store(self) -> None:
@@ -131,7 +140,7 @@ class DistributedRuntime:
         """The process's one request-plane server, started on first use, and its address."""
         async with self._server_lock:
             if self._server is None:
-                options = _server_options(self.advertise_host, self.nats)
+                options = _server_options(self.advertise_host, self.nats, self.plane_tls)
                 server = make_server(
                     self.request_plane, self.host, max_frame_bytes=self.max_frame_bytes, **options
                 )
@@ -144,7 +153,9 @@ class DistributedRuntime:
         """The client for transport ``kind`` (one per runtime, made on first use)."""
         client = self._clients.get(kind)
         if client is None:
-            options = {"nats": self.nats} if self.nats is not None else {}
+            options: dict[str, Any] = {"nats": self.nats} if self.nats is not None else {}
+            if self.plane_tls is not None and kind == "tcp":
+                options["plane_tls"] = self.plane_tls
             client = self._clients[kind] = make_client(
                 kind, max_frame_bytes=self.max_frame_bytes, **options
             )
@@ -185,9 +196,13 @@ class DistributedRuntime:
             await self._owned_store.close()
 
 
-def _server_options(advertise_host: str | None, nats: NatsConnection | None) -> dict[str, Any]:
+def _server_options(
+    advertise_host: str | None, nats: NatsConnection | None, plane_tls: PlaneTls | None
+) -> dict[str, Any]:
     """The request-plane server options that are set (a plane takes only what it knows)."""
     options: dict[str, Any] = {}
+    if plane_tls is not None:
+        options["plane_tls"] = plane_tls
     if advertise_host is not None:
         options["advertise_host"] = advertise_host
     if nats is not None:

@@ -18,6 +18,7 @@ from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     from turnout.runtime.nats import NatsConnection, NatsOptions
+    from turnout.runtime.plane_tls import PlaneTls
 
 
 @dataclass(slots=True)
@@ -44,6 +45,8 @@ class PlanesConfig:
     #: The largest request-plane frame this process sends or reads (requests and reply
     #: items alike); a peer announcing more is cut off.
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    #: Mutual TLS on the tcp request plane and CurveZMQ on the zmq event plane (None: plain).
+    plane_tls: PlaneTls | None = None
 
     def uses_nats(self) -> bool:
         return "nats" in (self.request_plane, self.event_plane)
@@ -77,6 +80,7 @@ async def open_runtime(config: PlanesConfig) -> DistributedRuntime:
             event_plane=config.event_plane,
             nats=nats,
             max_frame_bytes=config.max_frame_bytes,
+            plane_tls=config.plane_tls,
         )
     except BaseException:
         if nats is not None:
