@@ -89,4 +89,4 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop}
 
 
-_BOTH_LOOPS = {"test_request_plane.py", "test_component.py"}
+_BOTH_LOOPS = {"test_request_plane.py", "test_component.py", "test_tcp_mtls.py"}

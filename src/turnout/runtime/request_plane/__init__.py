@@ -5,12 +5,15 @@
 server; needs the process's ``NatsConnection``, see ``turnout.runtime.nats``).
 
 ``max_frame_bytes`` bounds what one frame may carry, both ways (``framing``); ``local`` moves
-no bytes and ignores it.
+no bytes and ignores it. ``plane_tls`` (``turnout.runtime.plane_tls``) runs ``tcp`` over
+mutual TLS; ``nats`` has its own TLS (``--nats-ca-cert`` ...) and ``local`` no sockets, so
+both ignore it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from turnout.errors import ConfigError
@@ -21,6 +24,7 @@ from turnout.runtime.request_plane.tcp import TcpClient, TcpServer
 
 if TYPE_CHECKING:
     from turnout.runtime.nats import NatsConnection
+    from turnout.runtime.plane_tls import PlaneTls
 
 __all__ = [
     "Handler",
@@ -36,19 +40,28 @@ __all__ = [
 ]
 
 
-def _nats_server(
-    host: str, advertise_host: str | None, nats: NatsConnection | None, max_frame_bytes: int
-) -> RequestPlaneServer:
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """What a request plane may take besides its kind; each kind reads what it knows."""
+
+    host: str
+    advertise_host: str | None
+    nats: NatsConnection | None
+    max_frame_bytes: int
+    plane_tls: PlaneTls | None
+
+
+def _nats_server(o: _Options) -> RequestPlaneServer:
     # Imported on use: a process on the tcp or local plane never loads the NATS client.
     from turnout.runtime.request_plane.nats import NatsServer
 
-    return NatsServer(_need(nats), max_frame_bytes=max_frame_bytes)
+    return NatsServer(_need(o.nats), max_frame_bytes=o.max_frame_bytes)
 
 
-def _nats_client(nats: NatsConnection | None, max_frame_bytes: int) -> RequestPlaneClient:
+def _nats_client(o: _Options) -> RequestPlaneClient:
     from turnout.runtime.request_plane.nats import NatsClient
 
-    return NatsClient(_need(nats), max_frame_bytes=max_frame_bytes)
+    return NatsClient(_need(o.nats), max_frame_bytes=o.max_frame_bytes)
 
 
 def _need(nats: NatsConnection | None) -> NatsConnection:
@@ -57,17 +70,20 @@ def _need(nats: NatsConnection | None) -> NatsConnection:
     return nats
 
 
-_SERVERS: dict[str, Callable[[str, str | None, NatsConnection | None, int], RequestPlaneServer]] = {
-    "local": lambda host, advertise_host, nats, max_frame_bytes: LocalServer(),
+_SERVERS: dict[str, Callable[[_Options], RequestPlaneServer]] = {
+    "local": lambda o: LocalServer(),
     "nats": _nats_server,
-    "tcp": lambda host, advertise_host, nats, max_frame_bytes: TcpServer(
-        host, advertise_host=advertise_host, max_frame_bytes=max_frame_bytes
+    "tcp": lambda o: TcpServer(
+        o.host,
+        advertise_host=o.advertise_host,
+        max_frame_bytes=o.max_frame_bytes,
+        plane_tls=o.plane_tls,
     ),
 }
-_CLIENTS: dict[str, Callable[[NatsConnection | None, int], RequestPlaneClient]] = {
-    "local": lambda nats, max_frame_bytes: LocalClient(),
+_CLIENTS: dict[str, Callable[[_Options], RequestPlaneClient]] = {
+    "local": lambda o: LocalClient(),
     "nats": _nats_client,
-    "tcp": lambda nats, max_frame_bytes: TcpClient(max_frame_bytes=max_frame_bytes),
+    "tcp": lambda o: TcpClient(max_frame_bytes=o.max_frame_bytes, plane_tls=o.plane_tls),
 }
 
 
@@ -88,14 +104,16 @@ def make_server(
     advertise_host: str | None = None,
     nats: NatsConnection | None = None,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    plane_tls: PlaneTls | None = None,
 ) -> RequestPlaneServer:
     """A request-plane server of ``kind``; ``host`` is the interface tcp binds and
     ``advertise_host`` the one it publishes (default: the bound address); ``nats`` is the
-    connection the ``nats`` kind serves on (``ConfigError`` without one)."""
+    connection the ``nats`` kind serves on (``ConfigError`` without one); ``plane_tls``:
+    mutual TLS on tcp (the other kinds ignore it)."""
     factory = _SERVERS.get(kind)
     if factory is None:
         raise _unknown(kind)
-    return factory(host, advertise_host, nats, max_frame_bytes)
+    return factory(_Options(host, advertise_host, nats, max_frame_bytes, plane_tls))
 
 
 def make_client(
@@ -103,9 +121,11 @@ def make_client(
     *,
     nats: NatsConnection | None = None,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    plane_tls: PlaneTls | None = None,
 ) -> RequestPlaneClient:
-    """A request-plane client of ``kind`` (``nats``: over the connection ``nats``)."""
+    """A request-plane client of ``kind`` (``nats``: over the connection ``nats``;
+    ``plane_tls``: mutual TLS on tcp, ignored by the other kinds)."""
     factory = _CLIENTS.get(kind)
     if factory is None:
         raise _unknown(kind)
-    return factory(nats, max_frame_bytes)
+    return factory(_Options("", None, nats, max_frame_bytes, plane_tls))

@@ -22,6 +22,13 @@ peer heard nothing from for ``silence_deadline`` is reported ``SILENT`` to the p
 (the component layer sets its instances aside at once: a frozen worker keeps its TCP
 connection and its discovery lease for a while), ``ANSWERING`` when heard again, and ``GONE``
 when its connection is dropped (at ``idle_timeout``, which fails its streams).
+
+With plane credentials (``plane_tls``) every connection runs mutual TLS: the client shows its
+certificate, and checks the server's against the deployment CA and the host it dials (the
+host of the instance's published address), so a worker's certificate must name its
+advertised host. A server that fails that check is ``PeerUnavailable`` (logged, rate-limited
+per host), as is one that refuses this client's certificate (TLS 1.3 says so on the first
+read, before any ACK).
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import ssl
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from turnout.errors import PeerUnavailable, RequestPlaneError
 from turnout.protocols.model import TransportAddress
@@ -49,6 +58,14 @@ from turnout.runtime.request_plane.tcp.connection import (
     IDLE_TIMEOUT,
     _Connection,
 )
+from turnout.runtime.request_plane.tcp.tls import (
+    TLS_HANDSHAKE_TIMEOUT,
+    RefusalLog,
+    describe_tls_failure,
+)
+
+if TYPE_CHECKING:
+    from turnout.runtime.plane_tls import PlaneTls
 
 _CONNECT_TIMEOUT = 5.0
 #: Seconds a connection with open streams may hear nothing before its peer is reported
@@ -63,6 +80,11 @@ _SERVER_KINDS = frozenset(
     int(k) for k in (Kind.ACK, Kind.DATA, Kind.END, Kind.ERROR, Kind.REJECT, Kind.ABORT,
                      Kind.HEARTBEAT)
 )  # fmt: skip
+
+
+#: What a failed TLS handshake raises from ``create_connection`` (a refused connect does not
+#: get that far).
+_HANDSHAKE_ERRORS = (ssl.SSLError, ConnectionResetError, ConnectionAbortedError)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -159,6 +181,10 @@ class _ClientConnection(_Connection):
             inbox.end(kind, frame.text)
 
     def on_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, ssl.SSLError) and not self._verified:
+            # The server refused this client's certificate (TLS 1.3 tells after the handshake).
+            host = self.address.rpartition(":")[0].strip("[]")
+            self.client.refusals.refused(host, self.address, describe_tls_failure(exc))
         self.client._forget(self)
         self.client.silent_peers.gone(self.address)
         if self._handshake_timer is not None:
@@ -205,7 +231,8 @@ class _TcpStream(CreditedStream[Inbox]):
 
 
 class TcpClient(RequestPlaneClient):
-    """Streams to tcp peers over one connection per peer address, opened on first use."""
+    """Streams to tcp peers over one connection per peer address, opened on first use
+    (``plane_tls``: over mutual TLS, see the module docstring)."""
 
     kind = "tcp"
 
@@ -217,8 +244,13 @@ class TcpClient(RequestPlaneClient):
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         silence_deadline: float = SILENCE_DEADLINE,
+        plane_tls: PlaneTls | None = None,
     ) -> None:
         super().__init__()
+        #: The TLS client context (None: plain TCP), loaded once, here.
+        self._tls: ssl.SSLContext | None = plane_tls.client_context() if plane_tls else None
+        #: Servers whose TLS handshake failed: counted, and logged rate-limited.
+        self.refusals = RefusalLog("TLS handshake with")
         #: Seconds a connection with open streams may hear nothing before it is dropped
         #: (0: never).
         self.idle_timeout = idle_timeout
@@ -294,15 +326,30 @@ class TcpClient(RequestPlaneClient):
         try:
             async with asyncio.timeout(_CONNECT_TIMEOUT):
                 _, conn = await loop.create_connection(
-                    lambda: _ClientConnection(self, address), host, port
+                    lambda: _ClientConnection(self, address), host, port, **self._tls_options(host)
                 )
         except (OSError, TimeoutError) as exc:
+            if self._tls is not None and isinstance(exc, _HANDSHAKE_ERRORS):
+                reason = describe_tls_failure(exc)
+                self.refusals.refused(host, address, reason)
+                message = f"TLS handshake with tcp peer {address} failed: {reason}"
+                raise PeerUnavailable(message) from exc
             raise PeerUnavailable(f"cannot connect to tcp peer {address}: {exc}") from exc
         if self._closed:
             conn.close()
             raise PeerUnavailable("tcp request plane client is closed")
         self._conns[address] = conn
         return conn
+
+    def _tls_options(self, host: str) -> dict[str, Any]:
+        """``create_connection``'s TLS arguments for a peer at ``host`` (none: plain TCP)."""
+        if self._tls is None:
+            return {}
+        return {
+            "ssl": self._tls,
+            "server_hostname": host,
+            "ssl_handshake_timeout": TLS_HANDSHAKE_TIMEOUT,
+        }
 
     def _forget(self, conn: _ClientConnection) -> None:
         if self._conns.get(conn.address) is conn:

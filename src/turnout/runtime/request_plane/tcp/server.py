@@ -12,11 +12,17 @@ A connection is the client's to keep alive: one with open streams that hears not
 request, no credit, no heartbeat: a frozen frontend) for ``idle_timeout`` is dropped and its
 handlers cancelled, as the client drops a silent server. A REQUEST whose stream id is still
 live on its connection is answered with an ERROR and the live stream goes on untouched.
+
+With plane credentials (``plane_tls``) every connection runs mutual TLS, and gets its
+request-plane protocol only once its peer showed a certificate the deployment CA signed;
+refused peers are logged, rate-limited (``tls``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
+from typing import TYPE_CHECKING
 
 from turnout.errors import RequestPlaneError
 from turnout.protocols.model import TransportAddress
@@ -44,6 +50,14 @@ from turnout.runtime.request_plane.tcp.connection import (
     _Connection,
     logger,
 )
+from turnout.runtime.request_plane.tcp.tls import (
+    TLS_HANDSHAKE_TIMEOUT,
+    RefusalLog,
+    TlsAcceptor,
+)
+
+if TYPE_CHECKING:
+    from turnout.runtime.plane_tls import PlaneTls
 
 #: Streams one server runs at once; more are refused (REJECT: the client tries elsewhere).
 MAX_STREAMS = 4096
@@ -177,7 +191,9 @@ class TcpServer(RequestPlaneServer):
     streams may hear nothing from its client (which heartbeats every second while it waits)
     before it is dropped and its handlers cancelled; ``max_streams`` bounds the streams run
     at once (more get REJECT); ``max_frame_bytes`` bounds a frame either way: a larger request
-    drops its connection, a larger reply item fails its stream.
+    drops its connection, a larger reply item fails its stream. ``plane_tls``: mutual TLS,
+    a client certificate signed by its CA required (``tls_handshake_timeout`` seconds to show
+    it); the refused peers are counted in ``refusals``.
     """
 
     kind = "tcp"
@@ -192,8 +208,16 @@ class TcpServer(RequestPlaneServer):
         idle_timeout: float = IDLE_TIMEOUT,
         max_streams: int = MAX_STREAMS,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        plane_tls: PlaneTls | None = None,
+        tls_handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT,
     ) -> None:
         super().__init__()
+        #: The TLS server context (None: plain TCP), loaded once, here.
+        self._tls: ssl.SSLContext | None = plane_tls.server_context() if plane_tls else None
+        self.tls_handshake_timeout = tls_handshake_timeout
+        #: Peers refused at the TLS handshake: counted, and logged rate-limited.
+        self.refusals = RefusalLog("TLS handshake from")
+        self._acceptor: TlsAcceptor | None = None
         self.heartbeat_interval = heartbeat_interval
         self.idle_timeout = idle_timeout
         self.max_streams = max_streams
@@ -211,11 +235,20 @@ class TcpServer(RequestPlaneServer):
     async def start(self) -> TransportAddress:
         if self._address is not None:
             return self._address
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _ServerConnection(self), self.host, self.port
-        )
-        host, port = self._server.sockets[0].getsockname()[:2]
+        if self._tls is None:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(
+                lambda: _ServerConnection(self), self.host, self.port
+            )
+            host, port = self._server.sockets[0].getsockname()[:2]
+        else:
+            self._acceptor = TlsAcceptor(
+                lambda: _ServerConnection(self),
+                self._tls,
+                self.refusals,
+                handshake_timeout=self.tls_handshake_timeout,
+            )
+            host, port = self._acceptor.listen(self.host, self.port)
         self._accepting = True
         address = format_host_port(self.advertise_host or host, port)
         self._address = TransportAddress(kind=self.kind, address=address)
@@ -225,6 +258,9 @@ class TcpServer(RequestPlaneServer):
         self._accepting = False
         if self._server is not None:
             self._server.close()
+        if self._acceptor is not None:
+            await self._acceptor.close()
+            self._acceptor = None
         await drain_tasks([s.task for s in self._inflight if s.task], drain_timeout)
         conns = list(self._conns)
         for conn in conns:

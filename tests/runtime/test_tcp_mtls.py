@@ -1,0 +1,333 @@
+"""Mutual TLS on the tcp request plane: a worker serves nothing, its artifacts included, to a
+peer that cannot show a certificate the deployment CA signed, logs the refusal (rate-limited),
+and serves the frontend's runtime; the client refuses a server it cannot authenticate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from tests.certs import Leaf, TestCa
+from tests.polling import eventually
+
+from turnout.errors import ConfigError, PeerUnavailable
+from turnout.protocols.model import ARTIFACT_HANDLER, EndpointId, TransportAddress
+from turnout.runtime.component import DistributedRuntime
+from turnout.runtime.context import RequestContext
+from turnout.runtime.discovery import MemoryStore
+from turnout.runtime.plane_tls import PlaneTls
+from turnout.runtime.request_plane import TcpClient, TcpServer, make_client, make_server
+from turnout.runtime.request_plane.framing import Frame, FrameReader, FrameWriter, Kind
+from turnout.runtime.request_plane.tcp import split_address
+from turnout.runtime.request_plane.tcp.tls import RefusalLog, TlsAcceptor
+
+EID = EndpointId(namespace="ns", component="backend", name="generate")
+TOKENIZER = b'{"model": "the tokenizer a worker must not hand out"}'
+
+
+def tls(leaf: Leaf) -> PlaneTls:
+    return PlaneTls(leaf.ca, leaf.cert, leaf.key)
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> TestCa:
+    return TestCa(tmp_path)
+
+
+@pytest.fixture
+def other_ca(tmp_path: Path) -> TestCa:
+    return TestCa(tmp_path, name="other")
+
+
+class Worker:
+    """A TLS request-plane server with a generate and an artifact handler that record calls."""
+
+    def __init__(self, plane_tls: PlaneTls, **options: float) -> None:
+        self.server = TcpServer(plane_tls=plane_tls, **options)  # type: ignore[arg-type]
+        self.calls: list[str] = []
+        self.server.register("generate", self._generate)
+        self.server.register(ARTIFACT_HANDLER, self._artifact)
+
+    async def _generate(self, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        self.calls.append("generate")
+        for token in payload.split():
+            yield token
+
+    async def _artifact(self, payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+        self.calls.append("artifact")
+        yield TOKENIZER
+
+    async def __aenter__(self) -> TransportAddress:
+        return await self.server.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.stop()
+
+
+async def collect(
+    client: TcpClient, address: TransportAddress, path: str, payload: bytes
+) -> list[bytes]:
+    stream = client.stream(address, path, payload, RequestContext("r"))
+    try:
+        return [item async for item in stream]
+    finally:
+        await stream.aclose()
+
+
+def request_frames(*paths: str) -> bytes:
+    writer = FrameWriter()
+    for sid, path in enumerate(paths, 1):
+        writer.append(Frame(Kind.REQUEST, sid, b"a b", path, 0, "r"))
+    return writer.take()
+
+
+async def read_all(reader: asyncio.StreamReader, limit: float = 5.0) -> bytes:
+    """Everything the server sends until it closes the connection (or resets it)."""
+    data = b""
+    try:
+        async with asyncio.timeout(limit):
+            while chunk := await reader.read(65536):
+                data += chunk
+    except (ConnectionError, ssl.SSLError):
+        pass
+    return data
+
+
+def no_frames(data: bytes) -> bool:
+    """True when ``data`` holds no request-plane frame (a TLS alert record is not one)."""
+    try:
+        return not FrameReader(1 << 20).feed(data)
+    except Exception:
+        return True
+
+
+async def test_the_right_client_is_served(ca: TestCa) -> None:
+    worker = Worker(tls(ca.issue("worker")))
+    client = TcpClient(plane_tls=tls(ca.issue("frontend")))
+    try:
+        async with worker as address:
+            assert await collect(client, address, "generate", b"a b c") == [b"a", b"b", b"c"]
+            assert await collect(client, address, ARTIFACT_HANDLER, b"") == [TOKENIZER]
+            assert worker.server.refusals.num_refused == 0
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("send", [True, False], ids=["frames", "silent"])
+async def test_a_raw_tcp_client_gets_nothing_and_is_logged(
+    ca: TestCa, caplog: pytest.LogCaptureFixture, send: bool
+) -> None:
+    worker = Worker(tls(ca.issue("worker")), tls_handshake_timeout=0.3)
+    caplog.set_level(logging.WARNING, "turnout.runtime")
+    async with worker as address:
+        host, port = split_address(address.address)
+        reader, writer = await asyncio.open_connection(host, port)
+        if send:
+            writer.write(request_frames(ARTIFACT_HANDLER, "generate"))
+        local = "{}:{}".format(*writer.get_extra_info("sockname")[:2])
+        try:
+            data = await read_all(reader)
+        finally:
+            writer.close()
+        assert no_frames(data) and TOKENIZER not in data
+        await eventually(lambda: worker.server.refusals.num_refused == 1)
+        assert worker.calls == []
+    lines = [r.getMessage() for r in caplog.records if "refused TLS handshake" in r.getMessage()]
+    assert len(lines) == 1 and local in lines[0], lines
+    reason = "WRONG_VERSION_NUMBER" if send else "handshake"
+    assert reason in lines[0] or (send and "record" in lines[0].lower()), lines[0]
+
+
+async def test_a_client_certificate_from_another_ca_is_refused(
+    ca: TestCa, other_ca: TestCa, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = Worker(tls(ca.issue("worker")))
+    # It trusts the deployment's CA (so it would accept the worker) but shows another's cert.
+    stranger = other_ca.issue("stranger")
+    client = TcpClient(plane_tls=PlaneTls(ca.ca_path.as_posix(), stranger.cert, stranger.key))
+    caplog.set_level(logging.WARNING, "turnout.runtime")
+    try:
+        async with worker as address:
+            for path in ("generate", ARTIFACT_HANDLER):
+                with pytest.raises(PeerUnavailable):
+                    await collect(client, address, path, b"a b")
+            assert worker.calls == []
+            await eventually(lambda: worker.server.refusals.num_refused == 2)
+    finally:
+        await client.close()
+    lines = [
+        r.getMessage() for r in caplog.records if "refused TLS handshake from" in r.getMessage()
+    ]
+    assert len(lines) == 1 and "certificate verify failed" in lines[0], lines
+
+
+async def test_a_client_without_a_certificate_is_refused(ca: TestCa) -> None:
+    worker = Worker(tls(ca.issue("worker")))
+    context = ssl.create_default_context(cafile=str(ca.ca_path))  # verifies, shows nothing
+    async with worker as address:
+        host, port = split_address(address.address)
+        reader, writer = await asyncio.open_connection(host, port, ssl=context)
+        writer.write(request_frames(ARTIFACT_HANDLER, "generate"))
+        try:
+            data = await read_all(reader)
+        finally:
+            writer.close()
+        assert data == b""
+        await eventually(lambda: worker.server.refusals.num_refused == 1)
+        assert worker.calls == []
+        reasons = dict(worker.server.refusals.counts)
+    assert reasons == {"PEER_DID_NOT_RETURN_A_CERTIFICATE": 1}, reasons
+
+
+@pytest.mark.parametrize(
+    "server_hosts, server_ca, reason",
+    [
+        (("127.0.0.1", "localhost"), "other", "unable to get local issuer certificate"),
+        (("worker-7.example",), "deployment", "IP address mismatch"),
+    ],
+    ids=["another-ca", "wrong-host"],
+)
+async def test_the_client_refuses_a_server_it_cannot_authenticate(
+    ca: TestCa, other_ca: TestCa, server_hosts: tuple[str, ...], server_ca: str, reason: str
+) -> None:
+    issuer = ca if server_ca == "deployment" else other_ca
+    leaf = issuer.issue("worker", hosts=server_hosts)
+    # The server itself trusts the deployment CA: only its own certificate is wrong.
+    worker = Worker(PlaneTls(ca.ca_path.as_posix(), leaf.cert, leaf.key))
+    client = TcpClient(plane_tls=tls(ca.issue("frontend")))
+    try:
+        async with worker as address:
+            with pytest.raises(PeerUnavailable, match=reason):
+                await collect(client, address, "generate", b"a b")
+            assert worker.calls == []
+            assert client.refusals.num_refused == 1
+    finally:
+        await client.close()
+
+
+async def test_a_plain_client_cannot_reach_a_tls_server_or_the_reverse(ca: TestCa) -> None:
+    worker = Worker(tls(ca.issue("worker")), tls_handshake_timeout=0.3)
+    plain = TcpClient(handshake_timeout=0.5)
+    try:
+        async with worker as address:
+            with pytest.raises(PeerUnavailable):
+                await collect(plain, address, "generate", b"a")
+        assert worker.calls == []
+    finally:
+        await plain.close()
+    server = TcpServer()
+    server.register("generate", worker._generate)
+    client = TcpClient(plane_tls=tls(ca.issue("frontend")))
+    try:
+        address = await server.start()
+        with pytest.raises(PeerUnavailable, match="TLS handshake"):
+            await collect(client, address, "generate", b"a")
+        assert worker.calls == []
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def test_handshakes_at_once_are_bounded(ca: TestCa) -> None:
+    refusals = RefusalLog("TLS handshake from")
+    acceptor = TlsAcceptor(
+        asyncio.Protocol, tls(ca.issue("worker")).server_context(), refusals, max_pending=1
+    )
+    host, port = acceptor.listen("127.0.0.1", 0)
+    socks = []
+    try:
+        for _ in range(2):  # the first holds the only handshake slot, silent
+            socks.append(socket.create_connection((host, port)))
+        await eventually(lambda: refusals.counts == {"too many TLS handshakes at once": 1})
+    finally:
+        for sock in socks:
+            sock.close()
+        await acceptor.close()
+
+
+async def test_the_frontend_runtime_is_served_through_the_component_layer(ca: TestCa) -> None:
+    store = MemoryStore()
+    worker = await DistributedRuntime.create(store=store, plane_tls=tls(ca.issue("worker")))
+    frontend = await DistributedRuntime.create(store=store, plane_tls=tls(ca.issue("frontend")))
+    try:
+
+        async def generate(payload: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
+            yield payload
+
+        served = await worker.endpoint(EID).serve(generate)
+        client = await frontend.endpoint(EID).client()
+        items = [x async for x in client.stream(served.instance_id, b"hello", RequestContext())]
+        assert items == [b"hello"]
+    finally:
+        await frontend.shutdown()
+        await worker.shutdown()
+        await store.close()
+
+
+def test_the_registry_passes_plane_tls_to_tcp_only(ca: TestCa) -> None:
+    plane_tls = tls(ca.issue("worker"))
+    server = make_server("tcp", plane_tls=plane_tls)
+    client = make_client("tcp", plane_tls=plane_tls)
+    assert isinstance(server, TcpServer) and server._tls is not None
+    assert isinstance(client, TcpClient) and client._tls is not None
+    assert make_server("local", plane_tls=plane_tls).kind == "local"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [("ca",), ("cert",), ("key",), ("ca", "cert"), ("cert", "key"), ("ca", "key")],
+)
+def test_partial_plane_flags_are_a_config_error(ca: TestCa, given: tuple[str, ...]) -> None:
+    leaf = ca.issue("worker")
+    values = {
+        name: getattr(leaf, name) if name in given else None for name in ("ca", "cert", "key")
+    }
+    with pytest.raises(ConfigError, match="missing --plane-"):
+        PlaneTls.from_flags(values["ca"], values["cert"], values["key"])
+
+
+def test_plane_files_that_do_not_load_are_a_config_error(ca: TestCa, tmp_path: Path) -> None:
+    leaf = ca.issue("worker")
+    other_key = TestCa(tmp_path, name="x").issue("y").key
+    with pytest.raises(ConfigError, match="cannot load the plane TLS files"):
+        PlaneTls.from_flags(leaf.ca, leaf.cert, other_key)
+    with pytest.raises(ConfigError, match="cannot load"):
+        PlaneTls.from_flags(str(tmp_path / "absent.pem"), leaf.cert, leaf.key)
+
+
+def test_refusals_are_logged_once_a_minute_per_host(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    log = RefusalLog(
+        "TLS handshake from", interval=60.0, peers=2, max_lines=3, clock=lambda: now[0]
+    )
+    caplog.set_level(logging.WARNING, "turnout.runtime")
+    assert log.refused("10.0.0.1", "10.0.0.1:1", "bad")
+    assert not log.refused("10.0.0.1", "10.0.0.1:2", "bad")  # same host, same minute
+    assert log.refused("10.0.0.2", "10.0.0.2:1", "bad")
+    assert log.refused("10.0.0.3", "10.0.0.3:1", "bad")  # table full: the oldest host goes
+    assert not log.refused("10.0.0.4", "10.0.0.4:1", "bad")  # 3 lines this minute already
+    now[0] = 61.0
+    assert log.refused("10.0.0.3", "10.0.0.3:2", "worse")
+    assert log.num_refused == 6 and log.counts == {"bad": 5, "worse": 1}
+    assert len(log._last) <= 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4
+    assert lines[0] == "tcp request plane: refused TLS handshake from 10.0.0.1:1: bad"
+
+
+def test_the_unlogged_refusals_of_a_host_are_reported_in_its_next_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    log = RefusalLog("TLS handshake from", clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, "turnout.runtime")
+    for _ in range(5):
+        log.refused("10.0.0.1", "10.0.0.1:1", "bad")
+    now[0] = 60.0
+    log.refused("10.0.0.1", "10.0.0.1:1", "bad")
+    assert caplog.records[-1].getMessage().endswith("(4 more from this host since its last line)")
