@@ -10,17 +10,22 @@ import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.certs import Leaf, TestCa
 from tests.polling import eventually
 
+from turnout.cli.flags import planes_config
+from turnout.cli.main import build_parser
+from turnout.cli.serve import worker_argv
 from turnout.errors import ConfigError, PeerUnavailable
 from turnout.protocols.model import ARTIFACT_HANDLER, EndpointId, TransportAddress
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery import MemoryStore
 from turnout.runtime.plane_tls import PlaneTls
+from turnout.runtime.planes import PlanesConfig, open_runtime
 from turnout.runtime.request_plane import TcpClient, TcpServer, make_client, make_server
 from turnout.runtime.request_plane.framing import Frame, FrameReader, FrameWriter, Kind
 from turnout.runtime.request_plane.tcp import split_address
@@ -83,7 +88,7 @@ def request_frames(*paths: str) -> bytes:
     writer = FrameWriter()
     for sid, path in enumerate(paths, 1):
         writer.append(Frame(Kind.REQUEST, sid, b"a b", path, 0, "r"))
-    return writer.take()
+    return bytes(writer.take())
 
 
 async def read_all(reader: asyncio.StreamReader, limit: float = 5.0) -> bytes:
@@ -331,3 +336,138 @@ def test_the_unlogged_refusals_of_a_host_are_reported_in_its_next_line(
     now[0] = 60.0
     log.refused("10.0.0.1", "10.0.0.1:1", "bad")
     assert caplog.records[-1].getMessage().endswith("(4 more from this host since its last line)")
+
+
+# --- which processes take the plane flags, and what they are refused or warned about ------------
+
+
+def planes(**fields: Any) -> PlanesConfig:
+    return PlanesConfig(**fields)
+
+
+@pytest.mark.parametrize("bind_host", ["0.0.0.0", "::", "10.1.2.3", "worker-7.example"])
+def test_binding_a_non_loopback_address_in_the_clear_warns_once(
+    caplog: pytest.LogCaptureFixture, bind_host: str
+) -> None:
+    caplog.set_level(logging.WARNING, "turnout.runtime")
+    assert planes(bind_host=bind_host).maybe_warn_plaintext()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert bind_host in line and "the tcp request plane and the zmq event plane" in line
+    assert "--plane-ca/--plane-cert/--plane-key" in line
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"bind_host": "127.0.0.1"},
+        {"bind_host": "127.0.0.2"},
+        {"bind_host": "::1"},
+        {"bind_host": "localhost"},
+        {"bind_host": "0.0.0.0", "request_plane": "nats", "event_plane": "nats"},
+    ],
+    ids=["loopback", "loopback-8", "loopback-v6", "localhost", "nats-only"],
+)
+def test_no_warning_on_loopback_or_without_a_tcp_or_zmq_plane(
+    caplog: pytest.LogCaptureFixture, fields: dict[str, str]
+) -> None:
+    caplog.set_level(logging.WARNING, "turnout.runtime")
+    assert not planes(**fields).maybe_warn_plaintext()
+    assert caplog.records == []
+
+
+def test_no_warning_with_plane_tls(ca: TestCa, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "turnout.runtime")
+    assert not planes(bind_host="0.0.0.0", plane_tls=tls(ca.issue("w"))).maybe_warn_plaintext()
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"request_plane": "nats", "event_plane": "nats"}, "--nats-ca-cert, --nats-cert"),
+        ({"store": "memory", "request_plane": "local"}, "the local event plane"),
+    ],
+    ids=["nats-only", "local-only"],
+)
+def test_plane_flags_where_no_plane_uses_them_are_a_config_error(
+    ca: TestCa, fields: dict[str, str], message: str
+) -> None:
+    config = planes(plane_tls=tls(ca.issue("w")), **fields)
+    with pytest.raises(ConfigError, match="would protect nothing") as err:
+        config.check_plane_tls()
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "fields, protected",
+    [
+        ({}, ["the tcp request plane", "the zmq event plane"]),
+        ({"request_plane": "nats"}, ["the zmq event plane"]),
+        ({"event_plane": "nats"}, ["the tcp request plane"]),
+        ({"store": "memory"}, ["the tcp request plane"]),  # its event plane is local
+    ],
+)
+def test_plane_flags_protect_the_tcp_and_zmq_planes(
+    ca: TestCa, fields: dict[str, str], protected: list[str]
+) -> None:
+    config = planes(plane_tls=tls(ca.issue("w")), **fields)
+    config.check_plane_tls()
+    assert config.tls_planes() == protected
+
+
+async def test_opening_nats_only_planes_with_plane_flags_fails_before_connecting(
+    ca: TestCa,
+) -> None:
+    config = planes(
+        store="memory", request_plane="nats", event_plane="nats", plane_tls=tls(ca.issue("w"))
+    )
+    with pytest.raises(ConfigError, match="--nats-ca-cert"):
+        await open_runtime(config)
+
+
+def test_etcd_nats_and_plane_tls_flags_compose(ca: TestCa) -> None:
+    """One process with every TLS at once: etcd's client TLS for the store, NATS's for the
+    event plane, and plane TLS on the tcp request plane: each lands where its plane reads it."""
+    store, nats, plane = ca.issue("etcd-client"), ca.issue("nats-client"), ca.issue("worker")
+    args = build_parser().parse_args(
+        ["worker",
+         "--store", "etcd", "--store-endpoints", "https://127.0.0.1:2379",
+         "--store-ca-cert", store.ca, "--store-cert", store.cert, "--store-key", store.key,
+         "--event-plane", "nats", "--nats-url", "tls://127.0.0.1:4222",
+         "--nats-ca-cert", nats.ca, "--nats-cert", nats.cert, "--nats-key", nats.key,
+         "--plane-ca", plane.ca, "--plane-cert", plane.cert, "--plane-key", plane.key]
+    )  # fmt: skip
+    config = planes_config(args)
+    config.check_plane_tls()
+    assert config.store_options == {
+        "endpoints": ["https://127.0.0.1:2379"],
+        "ca_cert": store.ca,
+        "cert": store.cert,
+        "key": store.key,
+    }
+    assert config.nats is not None
+    assert (config.nats.ca_cert, config.nats.cert, config.nats.key) == (
+        nats.ca,
+        nats.cert,
+        nats.key,
+    )
+    assert config.plane_tls == PlaneTls(plane.ca, plane.cert, plane.key)
+    assert config.tls_planes() == ["the tcp request plane"]
+
+
+@pytest.mark.parametrize("command", ["worker", "frontend", "router", "attach", "status", "serve"])
+def test_every_process_that_reaches_a_plane_takes_the_plane_flags(ca: TestCa, command: str) -> None:
+    leaf = ca.issue("p")
+    flags = ["--plane-ca", leaf.ca, "--plane-cert", leaf.cert, "--plane-key", leaf.key]
+    extra = {"serve": ["--engine", "echo"], "attach": ["--url", "http://127.0.0.1:1"]}
+    args = build_parser().parse_args([command, *extra.get(command, []), *flags])
+    assert planes_config(args).plane_tls == PlaneTls(leaf.ca, leaf.cert, leaf.key)
+
+
+def test_serve_hands_its_plane_flags_to_its_workers(ca: TestCa) -> None:
+    leaf = ca.issue("p")
+    flags = ["--plane-ca", leaf.ca, "--plane-cert", leaf.cert, "--plane-key", leaf.key]
+    argv = worker_argv(build_parser().parse_args(["serve", "--engine", "echo", *flags]), "/s", 1)
+    assert " ".join(flags) in " ".join(argv)
+    plain = worker_argv(build_parser().parse_args(["serve", "--engine", "echo"]), "/s", 1)
+    assert not any(arg.startswith("--plane-") for arg in plain)

@@ -114,6 +114,10 @@ def worker_argv(
     ]  # fmt: skip
     if getattr(args, "device_type", None):
         argv += ["--device-type", args.device_type]
+    for name in ("plane_ca", "plane_cert", "plane_key"):
+        # Each worker shows serve's certificate too: they are one deployment on one machine.
+        if getattr(args, name, None):
+            argv += ["--" + name.replace("_", "-"), getattr(args, name)]
     if args.engine == "mocker":
         # One process simulates every worker: the mocker is built for many per process.
         argv += ["--num-workers", str(worker_count(args) if count is None else count)]
