@@ -26,6 +26,13 @@ socket (``rcvhwm``) into the subscription's ``EventBuffer`` (``max_pending``, co
 While the consumer keeps the event loop turning, the buffer is where drops happen; ZeroMQ's
 own drops (a starved event loop) are invisible here but show up as event-id gaps all the same.
 
+Security: with plane credentials (``plane_tls``) publishers are CurveZMQ servers and
+subscriptions CurveZMQ clients, every connection authenticated and encrypted. A publisher's
+record carries the attestation of its Curve key (``curve``); a subscriber connects only to
+publishers whose attestation verifies against the plane CA, and a publisher admits only
+subscribers whose attested key is in the store (``zap``). Without credentials, nothing of this
+runs and the records are the same as ever; a plain plane and a CURVE one refuse each other.
+
 Shutdown: sockets are closed with linger 0 (pending messages are discarded, nothing waits),
 watch and reader tasks are cancelled and awaited, publishers' leases are revoked (so their
 records vanish at once for everyone), and the plane's ZeroMQ context is destroyed last.
@@ -34,7 +41,6 @@ records vanish at once for everyone), and the plane's ZeroMQ context is destroye
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import secrets
@@ -46,56 +52,46 @@ import zmq
 import zmq.asyncio
 
 from turnout.errors import ConfigError
-from turnout.runtime.discovery.base import DiscoveryStore, WatchEventKind
-from turnout.runtime.event_plane.base import (
-    Event,
-    EventPlane,
-    EventPublisher,
-    EventSubscription,
-    check_topic,
+from turnout.runtime.discovery.base import DiscoveryStore
+from turnout.runtime.event_plane.base import EventPlane, EventPublisher, check_topic
+from turnout.runtime.event_plane.curve import CurveCredentials
+from turnout.runtime.event_plane.zap import (
+    AUTH_GRACE,
+    HANDSHAKE_IVL_MS,
+    KeyRegistration,
+    SubscriberGate,
 )
+from turnout.runtime.event_plane.zmq_discovery import (
+    PUBLISHERS_ROOT,
+    EventPublisherRecord,
+    publishers_key,
+    publishers_prefix,
+)
+from turnout.runtime.event_plane.zmq_subscription import ZmqEventSubscription
 from turnout.runtime.lease import Lease
+from turnout.runtime.plane_tls import PlaneTls
+
+__all__ = [
+    "PUBLISHERS_ROOT",
+    "EventPublisherRecord",
+    "ZmqEventPlane",
+    "ZmqEventPublisher",
+    "ZmqEventSubscription",
+    "make_zmq_event_plane",
+    "publishers_key",
+    "publishers_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Root of the publishers' records in the discovery store (a wire format: keep it stable).
-PUBLISHERS_ROOT = "v1/event_publishers"
 DEFAULT_LEASE_TTL = 10.0
 #: Messages ZeroMQ queues per connection before dropping (PUB side) or refusing (SUB side).
 DEFAULT_SNDHWM = 10_000
 DEFAULT_RCVHWM = 10_000
-#: After one awaited receive, drain up to this many already-queued messages without awaiting.
-_RECV_BATCH = 256
-# Flags and options as plain ints, the option read without pyzmq's sugar layer: these run
-# several times per message, and the enum arithmetic showed in profiles.
+# Flags as plain ints: they are used twice per message, and enum arithmetic showed in profiles.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_get = zmq.backend.Socket.get
-_RCVMORE = int(zmq.RCVMORE)
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", "[::]", ""})
-
-
-class EventPublisherRecord(msgspec.Struct, kw_only=True):
-    """What a publisher writes at ``publishers_key``; JSON in the store."""
-
-    address: str
-    publisher_id: int
-    namespace: str
-    component: str
-    hostname: str = ""
-    pid: int = 0
-
-
-_record_decoder = msgspec.json.Decoder(EventPublisherRecord)
-
-
-def publishers_prefix(namespace: str, component: str) -> str:
-    """The prefix a subscriber watches (the trailing ``/`` keeps ``kv`` apart from ``kv2``)."""
-    return f"{PUBLISHERS_ROOT}/{namespace}/{component}/"
-
-
-def publishers_key(namespace: str, component: str, publisher_id: int) -> str:
-    return f"{publishers_prefix(namespace, component)}{publisher_id:x}"
 
 
 def _close_socket(sock: zmq.asyncio.Socket) -> None:
@@ -142,6 +138,9 @@ class ZmqEventPublisher(EventPublisher["ZmqEventPlane"]):
             component=self.component,
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            attestation=None
+            if self._plane.curve is None
+            else self._plane.curve.identity.attestation,
         )
         try:
             await store.put(self.key, msgspec.json.encode(record), lease_id=lease.id)
@@ -199,200 +198,13 @@ class ZmqEventPublisher(EventPublisher["ZmqEventPlane"]):
         _close_socket(self._sock)
 
 
-class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
-    """A SUB socket connected to every publisher of a component, following the store.
-
-    Two tasks: the watch (connects and disconnects as records come and go) and the reader
-    (moves messages from the socket into the ``EventBuffer``, filtering the exact topic).
-    """
-
-    def __init__(
-        self,
-        plane: ZmqEventPlane,
-        namespace: str,
-        component: str,
-        topic: str,
-        max_pending: int,
-    ) -> None:
-        super().__init__(plane, namespace, component, topic, max_pending)
-        self._topic_bytes = topic.encode()
-        sock = plane._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, plane.rcvhwm)
-        # Back off reconnects to a publisher that died but whose lease has not expired yet.
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
-        sock.setsockopt(zmq.SUBSCRIBE, self._topic_bytes)
-        self._sock = sock
-        self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        #: key -> address of the publishers we connected to; the watch task alone changes it.
-        self._publishers: dict[str, str] = {}
-        #: address -> number of keys naming it (ZeroMQ would duplicate a doubly connected pipe).
-        self._address_refs: collections.Counter[str] = collections.Counter()
-        self._changed = asyncio.Event()
-        self.num_invalid = 0
-        self._watch_task: asyncio.Task[None] | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-
-    def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._reader_task = loop.create_task(self._read(), name=f"{self._buffer.name}-reader")
-        self._watch_task = loop.create_task(self._watch(), name=f"{self._buffer.name}-watch")
-
-    # -- following the publishers -------------------------------------------------------------
-
-    @property
-    def num_publishers(self) -> int:
-        """Publishers this subscription has connected to (the handshake may still be running)."""
-        return len(self._publishers)
-
-    @property
-    def publisher_addresses(self) -> frozenset[str]:
-        return frozenset(self._address_refs)
-
-    async def wait_num_publishers(self, n: int) -> None:
-        """Wait until exactly ``n`` publishers are connected (see the module's joining note)."""
-        while len(self._publishers) != n:
-            self._changed.clear()
-            await self._changed.wait()
-
-    async def _watch(self) -> None:
-        prefix = publishers_prefix(self.namespace, self.component)
-        store = self._plane.store
-        revision: int | None = None
-        while True:
-            events = store.watch_prefix(prefix, start_revision=revision)
-            try:
-                async for event in events:
-                    revision = event.kv.revision
-                    if event.kind is WatchEventKind.PUT:
-                        self._on_put(event.kv.key, event.kv.value)
-                    else:
-                        self._on_delete(event.kv.key)
-                logger.info("event subscription %s: the store closed its watch", self._buffer.name)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.warning(
-                    "event subscription %s: watch failed, resuming after revision %s: %s",
-                    self._buffer.name,
-                    revision,
-                    exc,
-                )
-                await asyncio.sleep(1.0)
-            finally:
-                aclose = getattr(events, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-
-    def _on_put(self, key: str, value: bytes) -> None:
-        try:
-            address = _record_decoder.decode(value).address
-        except msgspec.DecodeError as exc:
-            logger.warning("ignoring malformed event publisher record %s: %s", key, exc)
-            return
-        old = self._publishers.get(key)
-        if old == address:
-            return
-        if old is not None:
-            self._on_delete(key)
-        self._publishers[key] = address
-        self._address_refs[address] += 1
-        if self._address_refs[address] == 1:
-            self._sock.connect(address)
-            logger.debug("event subscription %s connected to %s", self._buffer.name, address)
-        self._changed.set()
-
-    def _on_delete(self, key: str) -> None:
-        address = self._publishers.pop(key, None)
-        if address is None:
-            return
-        self._address_refs[address] -= 1
-        if self._address_refs[address] == 0:
-            del self._address_refs[address]
-            try:
-                self._sock.disconnect(address)
-            except zmq.ZMQError as exc:  # already gone: nothing to undo
-                logger.debug("disconnect from %s: %s", address, exc)
-            logger.debug("event subscription %s disconnected from %s", self._buffer.name, address)
-        self._changed.set()
-
-    # -- receiving ------------------------------------------------------------------------------
-
-    async def _read(self) -> None:
-        """Move messages from the socket to the buffer until cancelled.
-
-        Waits with the asyncio socket only when the socket is empty; whatever is queued is
-        taken with plain non-blocking receives (no future per message), and after a full batch
-        the loop yields so that the consumer runs even under a flood. Every frame of a message
-        is received in one run: the awaited receive takes whole messages (pyzmq reads all
-        their frames in one callback), since a first frame handed to a task that resumes later
-        would leave a window in which a disconnect (a publisher leaving) ends the pipe
-        mid-message, which libzmq answers with an abort
-        (``Assertion failed: !_more (src/fq.cpp:80)``).
-        """
-        wait_message, recv = self._sock.recv_multipart, self._shadow.recv
-        while True:
-            frames = await wait_message()
-            if len(frames) == 2:
-                self._offer(frames[0], frames[1])
-            else:
-                self.num_invalid += 1
-            for _ in range(_RECV_BATCH):
-                try:
-                    first = recv(_NOBLOCK)
-                except zmq.Again:
-                    break
-                self._deliver(first)
-            else:
-                await asyncio.sleep(0)
-
-    def _deliver(self, topic_bytes: bytes) -> None:
-        """Take the rest of the message whose first frame is ``topic_bytes`` and offer it.
-
-        ZeroMQ delivers a multipart message whole, so the rest is there to take at once.
-        """
-        shadow = self._shadow
-        if not _get(shadow, _RCVMORE):
-            self.num_invalid += 1
-            return
-        payload = shadow.recv()
-        if _get(shadow, _RCVMORE):  # more than [topic, payload]: not ours
-            while _get(shadow, _RCVMORE):
-                shadow.recv()
-            self.num_invalid += 1
-            return
-        self._offer(topic_bytes, payload)
-
-    def _offer(self, topic_bytes: bytes, payload: bytes) -> None:
-        if self._topic_bytes:
-            # ZeroMQ matched a prefix; keep the exact topic only.
-            if topic_bytes != self._topic_bytes:
-                return
-            topic = self.topic
-        else:
-            try:
-                topic = topic_bytes.decode()
-            except UnicodeDecodeError:
-                self.num_invalid += 1
-                return
-        self._buffer.offer(Event(topic, payload))
-
-    async def _release(self) -> None:
-        tasks = [t for t in (self._watch_task, self._reader_task) if t is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            # wait(), not gather(): our own cancellation must propagate, the tasks' must not.
-            await asyncio.wait(tasks)
-        _close_socket(self._sock)
-
-
 class ZmqEventPlane(EventPlane[ZmqEventPublisher, ZmqEventSubscription]):
     """Brokerless PUB/SUB over TCP; publishers are found in the discovery ``store``.
 
     ``host`` is the interface publishers bind to; ``advertise_host`` the name subscribers
     connect to (default: ``host``, or this machine's hostname when ``host`` is a wildcard).
+    ``plane_tls``: CurveZMQ with keys attested by these credentials (see the module
+    docstring); ``auth_grace``: how long a publisher waits for a subscriber's key record.
     """
 
     kind = "zmq"
@@ -406,6 +218,8 @@ class ZmqEventPlane(EventPlane[ZmqEventPublisher, ZmqEventSubscription]):
         lease_ttl: float = DEFAULT_LEASE_TTL,
         sndhwm: int = DEFAULT_SNDHWM,
         rcvhwm: int = DEFAULT_RCVHWM,
+        plane_tls: PlaneTls | None = None,
+        auth_grace: float = AUTH_GRACE,
     ) -> None:
         if lease_ttl <= 0:
             raise ConfigError(f"event plane lease TTL must be positive, got {lease_ttl}")
@@ -419,12 +233,27 @@ class ZmqEventPlane(EventPlane[ZmqEventPublisher, ZmqEventSubscription]):
         self.sndhwm = sndhwm
         self.rcvhwm = rcvhwm
         self._ctx = zmq.asyncio.Context()
+        #: This plane's Curve identity and the CA's verifier; None without plane credentials.
+        self.curve = None if plane_tls is None else CurveCredentials.load(plane_tls)
+        self._gate: SubscriberGate | None = None
+        self._registration: KeyRegistration | None = None
+        if self.curve is not None:
+            self._gate = SubscriberGate(self._ctx, store, self.curve.verifier, grace=auth_grace)
+            self._registration = KeyRegistration(
+                store, secrets.randbits(63) or 1, self.curve.identity.attestation, lease_ttl
+            )
 
     async def _open_publisher(self, namespace: str, component: str) -> ZmqEventPublisher:
+        if self._gate is not None:
+            self._gate.start()  # before any CURVE server socket: it asks the gate
         sock = self._ctx.socket(zmq.PUB)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
+            if self.curve is not None:
+                sock.setsockopt(zmq.CURVE_SERVER, 1)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.identity.secret_key)
+                sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
             bind_host = "*" if self.host in _WILDCARD_HOSTS else self.host
             try:
                 sock.bind(f"tcp://{bind_host}:*")
@@ -448,11 +277,17 @@ class ZmqEventPlane(EventPlane[ZmqEventPublisher, ZmqEventSubscription]):
     async def _open_subscription(
         self, namespace: str, component: str, topic: str, max_pending: int
     ) -> ZmqEventSubscription:
+        if self._registration is not None:
+            await self._registration.start()  # publishers admit the key once they see it
         sub = ZmqEventSubscription(self, namespace, component, topic, max_pending)
         sub._start()
         return sub
 
     async def _release(self) -> None:
+        if self._gate is not None:
+            await self._gate.close()
+        if self._registration is not None:
+            await self._registration.close()
         self._ctx.destroy(linger=0)
 
 

@@ -1,0 +1,333 @@
+"""Which CurveZMQ subscribers a publisher lets in: ZAP answered from the store's attested keys.
+
+Mental model::
+
+    subscribing plane ──put (under its lease)──▶ store: v1/plane_keys/{plane id:x}
+                                                        (JSON Attestation of its Curve key)
+    publishing plane ──watch v1/plane_keys/──▶ verified keys (AllowedKeys)
+    subscriber ──CURVE handshake──▶ PUB socket ──ZAP request (inproc)──▶ SubscriberGate
+                                    200: in; 300: out, it retries
+
+A CURVE server socket asks its context's ZAP handler (``inproc://zeromq.zap.01``) about every
+client key before the connection carries a message. The gate answers from the keys of the
+attestations it has verified (``curve.AttestationVerifier``). A subscriber registers its key
+before it connects, but the publisher's watch may not have it yet: the gate then holds the
+answer up to ``AUTH_GRACE`` seconds for the key to arrive. Past that it answers 300 (a
+temporary failure: libzmq closes the connection without telling the client, which reconnects
+after the server's handshake timeout, ``HANDSHAKE_IVL_MS``), so a subscriber whose record is
+late gets in on a later try; 400 would end its connection for good. A refused peer is logged
+(``DenialLog``: rate-limited per host) and counted.
+
+Bounds: ``MAX_PLANE_KEYS`` records are followed (past it new ones are ignored, with a warning);
+``MAX_PENDING_ZAP`` answers are held at once (past it a request is answered 300 at once).
+An admitted connection stays up when its key's record goes away later: keys are checked at
+the handshake only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils import z85
+
+from turnout.runtime.discovery.base import DiscoveryStore, WatchEventKind
+from turnout.runtime.event_plane.curve import Attestation, AttestationVerifier, decode_attestation
+from turnout.runtime.lease import Lease
+
+logger = logging.getLogger(__name__)
+
+#: Root of the subscribers' key records in the discovery store (a wire format: keep it stable).
+PLANE_KEYS_ROOT = "v1/plane_keys/"
+#: Key records a publishing plane follows.
+MAX_PLANE_KEYS = 10_000
+#: Seconds a ZAP answer waits for an unknown key's record to arrive.
+AUTH_GRACE = 2.0
+#: Milliseconds a CURVE server gives a handshake, ZAP answer included.
+HANDSHAKE_IVL_MS = 5_000
+#: ZAP answers held at once (waiting for a key).
+MAX_PENDING_ZAP = 256
+#: Seconds between two refusal lines about the same peer host.
+DENIAL_LOG_INTERVAL = 60.0
+#: Peer hosts whose last refusal line is remembered (the oldest are forgotten first).
+DENIAL_LOG_PEERS = 1024
+#: Refusal lines per interval, all hosts together.
+DENIAL_LOG_LINES = 30
+
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+
+
+def plane_key_record(plane_id: int) -> str:
+    return f"{PLANE_KEYS_ROOT}{plane_id:x}"
+
+
+class DenialLog:
+    """Logs refused subscribers at warning level, rate-limited, and counts every refusal.
+
+    At most one line per peer host per ``interval`` and ``max_lines`` lines per interval in
+    all; a line reports the refusals of its host not logged since the host's last line.
+    ``clock`` is injectable for tests."""
+
+    def __init__(
+        self,
+        *,
+        interval: float = DENIAL_LOG_INTERVAL,
+        peers: int = DENIAL_LOG_PEERS,
+        max_lines: int = DENIAL_LOG_LINES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval = interval
+        self.peers = peers
+        self.max_lines = max_lines
+        self.clock = clock
+        self.num_denied = 0
+        #: Host -> (time of its last line, refusals not logged since); oldest first.
+        self._last: dict[str, tuple[float, int]] = {}
+        self._window_start = -float("inf")
+        self._window_lines = 0
+
+    def denied(self, host: str, what: str) -> bool:
+        """Count a refusal of ``host`` (``what``: the peer and why); True when it was logged."""
+        self.num_denied += 1
+        now = self.clock()
+        last = self._last.get(host)
+        if last is not None and now - last[0] < self.interval:
+            self._last[host] = (last[0], last[1] + 1)
+            return False
+        if now - self._window_start >= self.interval:
+            self._window_start, self._window_lines = now, 0
+        if self._window_lines >= self.max_lines:
+            return False
+        self._window_lines += 1
+        self._last.pop(host, None)
+        if len(self._last) >= self.peers:
+            del self._last[next(iter(self._last))]
+        self._last[host] = (now, 0)
+        more = f" ({last[1]} more from this host since its last line)" if last and last[1] else ""
+        logger.warning("zmq event plane: refused %s%s", what, more)
+        return True
+
+
+class KeyRegistration:
+    """This plane's attestation at ``plane_key_record(plane_id)``, kept under its own lease and
+    written again under a new one whenever the lease is lost."""
+
+    def __init__(
+        self, store: DiscoveryStore, plane_id: int, attestation: Attestation, ttl: float
+    ) -> None:
+        self._store = store
+        self.key = plane_key_record(plane_id)
+        self._value = msgspec.json.encode(attestation)
+        self._ttl = ttl
+        self._lease: Lease | None = None
+        self._guard: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Write the record (once registered, later calls return at once)."""
+        if self._lease is not None:
+            return
+        await self._register()
+        self._guard = asyncio.get_running_loop().create_task(
+            self._keep_registered(), name=f"plane-key-{self.key}"
+        )
+
+    async def _register(self) -> None:
+        lease = await Lease.grant(self._store, self._ttl)
+        try:
+            await self._store.put(self.key, self._value, lease_id=lease.id)
+        except BaseException:
+            await lease.revoke()
+            raise
+        self._lease = lease
+
+    async def _keep_registered(self) -> None:
+        delay = 0.1
+        while True:
+            assert self._lease is not None
+            await self._lease.lost.wait()
+            logger.error("plane key record %s lost its lease; registering it again", self.key)
+            try:
+                await self._register()
+                delay = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("plane key record %s: registering failed: %s", self.key, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._ttl)
+
+    async def close(self) -> None:
+        """Withdraw the record (its lease revoked)."""
+        if self._guard is not None:
+            self._guard.cancel()
+            await asyncio.wait([self._guard])
+            self._guard = None
+        if self._lease is not None:
+            await self._lease.revoke()
+            self._lease = None
+
+
+class SubscriberGate:
+    """The ZAP handler of one ZeroMQ context, answering from the verified keys in the store.
+
+    Two tasks: the watch (follows ``PLANE_KEYS_ROOT``, verifying each record) and the ZAP
+    reader; one more task per answer held for an unknown key (at most ``MAX_PENDING_ZAP``).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        store: DiscoveryStore,
+        verifier: AttestationVerifier,
+        *,
+        grace: float = AUTH_GRACE,
+    ) -> None:
+        self._ctx = ctx
+        self._store = store
+        self._verifier = verifier
+        self.grace = grace
+        #: Record key -> its verified Curve key (Z85); the watch task alone changes it.
+        self._records: dict[str, bytes] = {}
+        #: Curve key (Z85) -> records naming it.
+        self._allowed: dict[bytes, int] = {}
+        #: Set (and replaced) whenever a key is allowed: held answers look again.
+        self._added = asyncio.Event()
+        self._pending: set[asyncio.Task[None]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sock: zmq.asyncio.Socket | None = None
+        self.denials = DenialLog()
+
+    @property
+    def num_allowed(self) -> int:
+        """Distinct Curve keys that may subscribe."""
+        return len(self._allowed)
+
+    def start(self) -> None:
+        """Bind the context's ZAP endpoint and start following the store (once)."""
+        if self._sock is not None:
+            return
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(_ZAP_ENDPOINT)
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._watch(), name="plane-keys-watch"),
+            loop.create_task(self._serve(), name="plane-keys-zap"),
+        ]
+
+    async def close(self) -> None:
+        tasks = self._tasks + list(self._pending)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._tasks = []
+        if self._sock is not None:
+            self._sock.close(linger=0)
+
+    # -- following the store ------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        revision: int | None = None
+        while True:
+            events = self._store.watch_prefix(PLANE_KEYS_ROOT, start_revision=revision)
+            try:
+                async for event in events:
+                    revision = event.kv.revision
+                    if event.kind is WatchEventKind.PUT:
+                        self._on_put(event.kv.key, event.kv.value)
+                    else:
+                        self._forget(event.kv.key)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("plane keys watch failed, resuming after %s: %s", revision, exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await events.aclose()
+
+    def _on_put(self, key: str, value: bytes) -> None:
+        self._forget(key)
+        try:
+            attestation = decode_attestation(value)
+        except msgspec.DecodeError as exc:
+            self.denials.denied("store", f"plane key record {key}: malformed: {exc}")
+            return
+        why = self._verifier.check(attestation)
+        if why is not None:
+            self.denials.denied("store", f"plane key record {key}: {why}")
+            return
+        if len(self._records) >= MAX_PLANE_KEYS:
+            self.denials.denied("store", f"plane key record {key}: past {MAX_PLANE_KEYS} keys")
+            return
+        curve_key = attestation.curve_key.encode()
+        self._records[key] = curve_key
+        self._allowed[curve_key] = self._allowed.get(curve_key, 0) + 1
+        added, self._added = self._added, asyncio.Event()
+        added.set()
+
+    def _forget(self, key: str) -> None:
+        curve_key = self._records.pop(key, None)
+        if curve_key is None:
+            return
+        left = self._allowed[curve_key] - 1
+        if left:
+            self._allowed[curve_key] = left
+        else:
+            del self._allowed[curve_key]
+
+    # -- answering ZAP --------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        """Read ZAP requests (from libzmq, in this process): ``[routing id, "", "1.0", request
+        id, domain, address, identity, mechanism, credentials...]``."""
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) < 8:
+                logger.debug("ignoring a malformed ZAP request of %d frames", len(frames))
+                continue
+            mechanism, credentials = frames[7], frames[8:]
+            if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+                await self._answer(frames, False, f"mechanism {mechanism!r}")
+                continue
+            key = z85.encode(credentials[0])
+            if key in self._allowed:
+                await self._answer(frames, True)
+            elif len(self._pending) >= MAX_PENDING_ZAP:
+                await self._answer(frames, False, f"Curve key {key.decode()} (busy)")
+            else:
+                task = asyncio.get_running_loop().create_task(self._hold(frames, key))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+
+    async def _hold(self, frames: list[bytes], key: bytes) -> None:
+        """Answer once ``key`` is allowed, or refuse after the grace period."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace
+        while key not in self._allowed:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._added.wait()
+            except TimeoutError:
+                break
+        allowed = key in self._allowed
+        await self._answer(frames, allowed, f"Curve key {key.decode()} has no verified record")
+
+    async def _answer(self, frames: list[bytes], allowed: bool, why: str = "") -> None:
+        assert self._sock is not None
+        if not allowed:
+            host = frames[5].decode(errors="replace")
+            self.denials.denied(host, f"subscriber {host}: {why}")
+        status = (b"200", b"OK") if allowed else (b"300", b"not allowed")
+        await self._sock.send_multipart([frames[0], b"", b"1.0", frames[3], *status, b"", b""])
