@@ -17,9 +17,17 @@ engine that yields one ``LLMEngineOutput`` per event-loop iteration, and the con
 each item as the frontend does: the per-token path of a worker and its request plane, not the
 transport alone. Per-token figures then count tokens (a merged item counts all it holds).
 
-Usage: ``python benchmarks/request_plane.py [--kinds tcp,nats,local] [--handler worker]``;
-writes ``benchmarks/results/request_plane.json`` (``request_plane_worker.json``) and prints a
-table.
+``--plane-tls`` adds ``tcp+tls``: the tcp plane under mutual TLS (``--plane-ca/--plane-cert/
+--plane-key``; certificates from a throwaway CA made here), measured beside plain ``tcp`` in
+the same rounds, and reports what TLS adds per streamed token (both ends' CPU: the server's
+encryption and the client's decryption) and the ratio. ``--repeat`` runs that many rounds,
+each kind once per round, interleaved, and reports each figure's median. ``--loop uvloop``
+runs on uvloop, as turnout's processes do (its TLS is compiled; asyncio's is Python).
+
+Usage: ``python benchmarks/request_plane.py [--kinds tcp,nats,local] [--handler worker]
+[--plane-tls] [--repeat 5] [--loop uvloop]``; writes ``benchmarks/results/request_plane.json``
+(``request_plane_worker.json``; ``request_plane_tls[_worker].json`` with ``--plane-tls``) and
+prints a table.
 """
 
 from __future__ import annotations
@@ -30,16 +38,20 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgspec
+from tests.certs import TestCa
 from tests.servers.nats import NatsServerProcess
 
 from turnout.engines.worker import Worker
@@ -47,6 +59,7 @@ from turnout.protocols.llm import FinishReason, LLMEngineOutput, PreprocessedReq
 from turnout.protocols.model import EndpointId, TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.nats import NatsConnection, NatsOptions, connect_nats
+from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.request_plane import RequestPlaneClient, make_client, make_server
 
 RESULTS = Path(__file__).parent / "results"
@@ -148,19 +161,36 @@ def _cpu(proc: psutil.Process | None) -> float:
     return float(times.user + times.system)
 
 
+def plane_credentials(directory: Path) -> tuple[PlaneTls, PlaneTls]:
+    """A worker's and a frontend's plane credentials from one throwaway CA."""
+    ca = TestCa(directory)
+    worker, frontend = ca.issue("worker"), ca.issue("frontend")
+    return (
+        PlaneTls(worker.ca, worker.cert, worker.key),
+        PlaneTls(frontend.ca, frontend.cert, frontend.key),
+    )
+
+
 async def measure(
-    kind: str, args: argparse.Namespace, nats_url: str | None, nats_proc: psutil.Process | None
+    kind: str,
+    args: argparse.Namespace,
+    nats_url: str | None,
+    nats_proc: psutil.Process | None,
+    tls: tuple[PlaneTls, PlaneTls] | None,
 ) -> dict[str, Any]:
+    """One round of ``kind`` (``tcp+tls``: tcp with ``tls``, the server's and client's)."""
+    plane, _, suffix = kind.partition("+")
+    server_tls, client_tls = tls if suffix == "tls" and tls is not None else (None, None)
     conn: NatsConnection | None = None
-    if kind == "nats":
+    if plane == "nats":
         assert nats_url is not None
         conn = await connect_nats(NatsOptions(servers=[nats_url]))
-    server = make_server(kind, nats=conn)
+    server = make_server(plane, nats=conn, plane_tls=server_tls)
     handler = make_handler(args.size) if args.handler == "bytes" else make_worker_handler()
     server.register("bench/w/gen", handler)
     address = await server.start()
-    client = make_client(kind, nats=conn)
-    broker = nats_proc if kind == "nats" else None
+    client = make_client(plane, nats=conn, plane_tls=client_tls)
+    broker = nats_proc if plane == "nats" else None
     result: dict[str, Any] = {"kind": kind}
     try:
         # warm-up: connections, subscriptions
@@ -197,9 +227,48 @@ async def measure(
     return result
 
 
-async def main() -> None:
+def median_run(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one kind folded into one: each figure's median."""
+    first = rounds[0]
+    out: dict[str, Any] = {"kind": first["kind"], "rounds": len(rounds)}
+    for key, value in first.items():
+        if isinstance(value, dict):
+            out[key] = {name: statistics.median(r[key][name] for r in rounds) for name in value}
+    return out
+
+
+def tls_cost(plain: dict[str, Any], tls: dict[str, Any], streams: list[int]) -> dict[str, Any]:
+    """What mutual TLS adds to the tcp plane: CPU per streamed token and per short request,
+    plain against TLS, and their ratio."""
+    cost: dict[str, Any] = {}
+    for n in streams:
+        a = plain[f"stream_x{n}"]["cpu_us_per_token"]
+        b = tls[f"stream_x{n}"]["cpu_us_per_token"]
+        cost[f"stream_x{n}"] = {
+            "plain_cpu_us_per_token": a,
+            "tls_cpu_us_per_token": b,
+            "added_cpu_us_per_token": b - a,
+            "ratio": b / a,
+        }
+    a, b = plain["short"]["cpu_us_per_request"], tls["short"]["cpu_us_per_request"]
+    cost["short"] = {
+        "plain_cpu_us_per_request": a,
+        "tls_cpu_us_per_request": b,
+        "ratio": b / a,
+    }
+    return cost
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="tcp,nats,local")
+    parser.add_argument(
+        "--plane-tls",
+        action="store_true",
+        help="also measure tcp+tls (mutual TLS) right after tcp in every round",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="rounds, kinds interleaved")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--streams", default="1,32", help="concurrent streams, comma separated")
     parser.add_argument("--tokens", type=int, default=5000, help="items per stream")
     parser.add_argument("--size", type=int, default=16, help="bytes per item")
@@ -213,12 +282,21 @@ async def main() -> None:
         help="bytes: a handler yielding ready items; worker: the worker's generate handler",
     )
     parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
+    kinds = args.kinds.split(",")
+    if args.plane_tls and "tcp+tls" not in kinds:
+        if "tcp" not in kinds:
+            kinds.insert(0, "tcp")
+        kinds.insert(kinds.index("tcp") + 1, "tcp+tls")
     if args.output is None:
-        suffix = "" if args.handler == "bytes" else "_worker"
+        suffix = ("_tls" if "tcp+tls" in kinds else "") + (
+            "" if args.handler == "bytes" else "_worker"
+        )
         args.output = RESULTS / f"request_plane{suffix}.json"
     args.streams = [int(s) for s in args.streams.split(",")]
-    kinds = args.kinds.split(",")
 
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
@@ -228,9 +306,18 @@ async def main() -> None:
             nats = stack.enter_context(NatsServerProcess())
             assert nats.process is not None
             nats_url, nats_proc = nats.url, psutil.Process(nats.process.pid)
-        runs = [await measure(kind, args, nats_url, nats_proc) for kind in kinds]
-    report = {
+        certs = stack.enter_context(tempfile.TemporaryDirectory(prefix="turnout-bench-certs-"))
+        tls = plane_credentials(Path(certs)) if "tcp+tls" in kinds else None
+        rounds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+        for _ in range(args.repeat):
+            for kind in kinds:
+                rounds[kind].append(await measure(kind, args, nats_url, nats_proc, tls))
+    runs = [median_run(rounds[kind]) for kind in kinds]
+    by_kind = {run["kind"]: run for run in runs}
+    report: dict[str, Any] = {
         "benchmark": "request_plane",
+        "loop": args.loop,
+        "rounds": args.repeat,
         "handler": args.handler,
         "tokens_per_stream": args.tokens,
         "item_bytes": args.size,
@@ -240,27 +327,45 @@ async def main() -> None:
         "loadavg_1m_after": os.getloadavg()[0],
         "runs": runs,
     }
+    if "tcp+tls" in by_kind and "tcp" in by_kind:
+        report["plane_tls"] = tls_cost(by_kind["tcp"], by_kind["tcp+tls"], args.streams)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
 
     head = (
         f"{'kind':>6} {'streams':>7} {'wall µs/tok':>12} {'cpu µs/tok':>11} {'broker µs/tok':>14}"
     )
+    head = head.replace(f"{'kind':>6}", f"{'kind':>7}")
     print(head + f" {'tok/s':>10}")
     for run in runs:
         for streams in args.streams:
             r = run[f"stream_x{streams}"]
             print(
-                f"{run['kind']:>6} {streams:>7} {r['wall_us_per_token']:>12.2f} "
+                f"{run['kind']:>7} {streams:>7} {r['wall_us_per_token']:>12.2f} "
                 f"{r['cpu_us_per_token']:>11.2f} {r['nats_server_cpu_us_per_token']:>14.2f} "
                 f"{r['tokens_per_s']:>10,.0f}"
             )
-    print(f"\n{'kind':>6} {'short req/s':>12} {'cpu µs/req':>11}  ({args.short_tokens} items each)")
+    print(f"\n{'kind':>7} {'short req/s':>12} {'cpu µs/req':>11}  ({args.short_tokens} items each)")
     for run in runs:
         s = run["short"]
-        print(f"{run['kind']:>6} {s['requests_per_s']:>12,.0f} {s['cpu_us_per_request']:>11.1f}")
+        print(f"{run['kind']:>7} {s['requests_per_s']:>12,.0f} {s['cpu_us_per_request']:>11.1f}")
+    if "plane_tls" in report:
+        print(f"\nplane TLS ({args.loop}, median of {args.repeat}): cpu µs per streamed token")
+        for n in args.streams:
+            c = report["plane_tls"][f"stream_x{n}"]
+            print(
+                f"  {n:>3} streams: plain {c['plain_cpu_us_per_token']:.2f}, "
+                f"tls {c['tls_cpu_us_per_token']:.2f}, +{c['added_cpu_us_per_token']:.2f} "
+                f"(x{c['ratio']:.2f})"
+            )
+        c = report["plane_tls"]["short"]
+        print(
+            f"  short: plain {c['plain_cpu_us_per_request']:.1f}, "
+            f"tls {c['tls_cpu_us_per_request']:.1f} µs/request (x{c['ratio']:.2f})"
+        )
     print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    arguments = parse_args()
+    (uvloop.run if arguments.loop == "uvloop" else asyncio.run)(main(arguments))
