@@ -22,7 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from turnout.protocols.kv import KV_EVENTS_TOPIC
 from turnout.runtime.discovery.memory import MemoryStore
-from turnout.runtime.event_plane import EventPublisher, EventSubscription
+from turnout.runtime.event_plane import EventPublisher, EventSubscription, zap
 from turnout.runtime.event_plane import zmq as zmq_plane
 from turnout.runtime.event_plane.curve import (
     Attestation,
@@ -241,6 +241,42 @@ async def test_plain_and_curve_planes_refuse_each_other(
                     await anext(curve_sub)
             assert from_curve.num_received == 0 and from_plain.num_received == 0
     assert "requires CurveZMQ" in caplog.text and "no Curve key attestation" in caplog.text
+
+
+async def test_a_plane_keeps_one_key_record_and_writes_it_again_when_its_lease_is_lost(
+    store: MemoryStore, ca: TestCa
+) -> None:
+    async with ZmqEventPlane(store, plane_tls=tls_of(ca.issue("router")), lease_ttl=0.3) as plane:
+        await asyncio.gather(*(plane.subscribe("dyn", c, "") for c in ("a", "b", "c")))
+        [record] = await store.get_prefix(PLANE_KEYS_ROOT)
+        assert record.lease_id is not None
+        await store.revoke_lease(record.lease_id)
+
+        async def rewritten() -> bool:
+            kvs = await store.get_prefix(PLANE_KEYS_ROOT)
+            return len(kvs) == 1 and kvs[0].lease_id not in (None, record.lease_id)
+
+        async with asyncio.timeout(10):
+            while not await rewritten():
+                await asyncio.sleep(0.01)
+    assert await store.get_prefix(PLANE_KEYS_ROOT) == []
+
+
+async def test_a_publisher_follows_a_bounded_number_of_key_records(
+    store: MemoryStore, ca: TestCa, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(zap, "MAX_PLANE_KEYS", 2)
+    attestations = [CurveIdentity.make(tls_of(ca.issue(f"p{i}"))).attestation for i in range(3)]
+    async with ZmqEventPlane(store, plane_tls=tls_of(ca.issue("worker"))) as plane:
+        await plane.publisher("dyn", "backend")
+        gate = plane._gate
+        assert gate is not None
+        for i, attestation in enumerate(attestations):
+            await store.put(f"{PLANE_KEYS_ROOT}{i}", msgspec.json.encode(attestation))
+        await eventually(lambda: gate.denials.num_denied == 1, what="the third record refused")
+        assert gate.num_allowed == 2
+        await store.delete(f"{PLANE_KEYS_ROOT}0")
+        await eventually(lambda: gate.num_allowed == 1)
 
 
 class LateKeyStore(MemoryStore):

@@ -126,15 +126,18 @@ class KeyRegistration:
         self._ttl = ttl
         self._lease: Lease | None = None
         self._guard: asyncio.Task[None] | None = None
+        #: Held by the first ``start`` while it writes: concurrent callers wait for it.
+        self._starting = asyncio.Lock()
 
     async def start(self) -> None:
         """Write the record (once registered, later calls return at once)."""
-        if self._lease is not None:
-            return
-        await self._register()
-        self._guard = asyncio.get_running_loop().create_task(
-            self._keep_registered(), name=f"plane-key-{self.key}"
-        )
+        async with self._starting:
+            if self._guard is not None:
+                return
+            await self._register()
+            self._guard = asyncio.get_running_loop().create_task(
+                self._keep_registered(), name=f"plane-key-{self.key}"
+            )
 
     async def _register(self) -> None:
         lease = await Lease.grant(self._store, self._ttl)
