@@ -159,7 +159,7 @@ async def test_a_client_certificate_from_another_ca_is_refused(
     try:
         async with worker as address:
             for path in ("generate", ARTIFACT_HANDLER):
-                with pytest.raises(PeerUnavailable):
+                with pytest.raises(PeerUnavailable, match="refuse this process's --plane-cert"):
                     await collect(client, address, path, b"a b")
             assert worker.calls == []
             await eventually(lambda: worker.server.refusals.num_refused == 2)

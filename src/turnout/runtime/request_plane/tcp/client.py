@@ -27,8 +27,8 @@ With plane credentials (``plane_tls``) every connection runs mutual TLS: the cli
 certificate, and checks the server's against the deployment CA and the host it dials (the
 host of the instance's published address), so a worker's certificate must name its
 advertised host. A server that fails that check is ``PeerUnavailable`` (logged, rate-limited
-per host), as is one that refuses this client's certificate (TLS 1.3 says so on the first
-read, before any ACK).
+per host), as is one that refuses this client's certificate (under TLS 1.3 the client learns
+it only as the connection closes before any ACK; the server logs why).
 """
 
 from __future__ import annotations
@@ -181,10 +181,6 @@ class _ClientConnection(_Connection):
             inbox.end(kind, frame.text)
 
     def on_lost(self, exc: Exception | None) -> None:
-        if isinstance(exc, ssl.SSLError) and not self._verified:
-            # The server refused this client's certificate (TLS 1.3 tells after the handshake).
-            host = self.address.rpartition(":")[0].strip("[]")
-            self.client.refusals.refused(host, self.address, describe_tls_failure(exc))
         self.client._forget(self)
         self.client.silent_peers.gone(self.address)
         if self._handshake_timer is not None:
@@ -192,6 +188,10 @@ class _ClientConnection(_Connection):
         inboxes = list(self.inboxes.values())
         self.inboxes.clear()
         reason = f": {exc}" if exc else (f": {self._lost_reason}" if self._lost_reason else "")
+        if self.client._tls is not None and not self._verified and not self._lost_reason:
+            # Under TLS 1.3 a server refuses a client's certificate after the client's side of
+            # the handshake is done: all the client sees is the connection closing.
+            reason += " before the server answered (did it refuse this process's --plane-cert?)"
         for inbox in inboxes:
             inbox.finish(inbox.lost(f"connection lost{reason}"))
 

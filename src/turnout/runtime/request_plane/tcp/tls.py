@@ -46,6 +46,8 @@ REFUSAL_LOG_LINES = 30
 BACKLOG = 100
 #: Seconds the acceptor waits when the process is out of descriptors or memory.
 ACCEPT_RETRY_DELAY = 1.0
+#: Seconds ``close`` waits for the acceptor's tasks to end once cancelled.
+CLOSE_TIMEOUT = 1.0
 
 
 def describe_tls_failure(exc: BaseException) -> str:
@@ -172,6 +174,8 @@ class TlsAcceptor:
         while True:
             try:
                 conn, peer = await loop.sock_accept(sock)
+            except ConnectionError:
+                continue  # the peer gave up before it was accepted
             except OSError as exc:  # out of descriptors or memory: accept again later
                 logger.error("tcp request plane: cannot accept a connection: %s", exc)
                 await asyncio.sleep(ACCEPT_RETRY_DELAY)
@@ -203,7 +207,7 @@ class TlsAcceptor:
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
