@@ -91,10 +91,10 @@ def make_event_plane(
 
     ``store`` is the discovery store (``zmq`` needs one; ``local`` ignores it); ``host`` is
     the interface distributed publishers bind to. ``options`` go to the implementation
-    (``zmq``: ``advertise_host``, ``lease_ttl``, ``sndhwm``, ``rcvhwm``; ``nats``:
-    ``max_outbox``). ``nats`` is the process's NATS connection, which the ``nats`` kind needs
-    and the others ignore. Raises ``ConfigError`` for an unknown kind, naming the known ones,
-    and for a ``nats`` kind without a connection.
+    (``zmq``: ``advertise_host``, ``lease_ttl``, ``sndhwm``, ``rcvhwm``, ``plane_tls`` for
+    CurveZMQ, ``auth_grace``; ``nats``: ``max_outbox``). ``nats`` is the process's NATS
+    connection, which the ``nats`` kind needs and the others ignore. Raises ``ConfigError``
+    for an unknown kind, naming the known ones, and for a ``nats`` kind without a connection.
     """
     factory = _FACTORIES.get(kind)
     if factory is None:
