@@ -1,18 +1,29 @@
-"""The frontend process: runtime + model watcher + HTTP server, with a clean lifecycle."""
+"""The frontend process: runtime + model watcher + HTTP server, with a clean lifecycle.
+
+Security: with ``api_keys``, ``api_keys_file`` or ``jwt`` set, callers need a credential
+(``access.authenticator``), and ``SIGHUP`` reloads the keys and JWKS files; with
+``tls_cert``/``tls_key`` the HTTP server speaks HTTPS only. A frontend bound to an address
+other than loopback with no credentials says so in one warning line at start.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
+import signal
 import socket
+import ssl
 from dataclasses import dataclass, field
 
 from turnout.errors import ConfigError, TurnoutError
+from turnout.frontend.access.authenticator import Authenticator
+from turnout.frontend.access.jwt import JwtConfig
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController, AdmissionLimits, Clock
-from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, HttpService
+from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, PUBLIC_ROUTE_CHOICES, HttpService
 from turnout.frontend.http.errors import REJECT_STATUSES
 from turnout.frontend.metrics.affinity import SessionAffinityCollector
 from turnout.frontend.metrics.disagg import DisaggMetrics
@@ -116,6 +127,58 @@ class FrontendConfig:
     #: The largest record stored (one response's input items and body); a larger response is
     #: answered but not stored (``store: false``).
     response_store_max_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    #: API keys (``--api-key``: tenant ``default``), the keys file (``--api-keys-file``)
+    #: and JWT bearer tokens (``--jwt-*``); with none of them the frontend is open to
+    #: anyone who reaches it. Never in a repr: a config may be logged.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_file: str | None = None
+    jwt: JwtConfig | None = None
+    #: Of ``PUBLIC_ROUTE_CHOICES``, the routes open to callers without a key
+    #: (``--public-route``); ``/health`` and ``/live`` always are.
+    public_routes: tuple[str, ...] = ()
+    #: HTTPS: the server's certificate chain and its private key, PEM (``--tls-cert``,
+    #: ``--tls-key``); None: plain HTTP.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+def server_ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The HTTPS context of ``--tls-cert``/``--tls-key`` (TLS 1.2 at least; HTTP/1.1 by
+    ALPN), or None when neither is given; a ``ConfigError`` naming the file when one is
+    missing or does not load."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ConfigError("--tls-cert and --tls-key go together")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["http/1.1"])
+    try:
+        context.load_cert_chain(cert, key)
+    except OSError as exc:
+        raise ConfigError(f"--tls-cert {cert} / --tls-key {key}: {exc.strerror or exc}") from None
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"--tls-cert {cert} / --tls-key {key}: not a certificate and its key: {exc.reason}"
+        ) from None
+    return context
+
+
+def make_authenticator(config: FrontendConfig) -> Authenticator | None:
+    """The frontend's authenticator, or None when no credential is configured."""
+    if not config.api_keys and config.api_keys_file is None and config.jwt is None:
+        return None
+    return Authenticator(config.api_keys, config.api_keys_file, config.jwt)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server to this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Frontend:
@@ -146,6 +209,16 @@ class Frontend:
             raise ConfigError(
                 "--response-store-ttl and --response-store-max-bytes must be positive"
             )
+        unknown = set(config.public_routes) - set(PUBLIC_ROUTE_CHOICES)
+        if unknown:
+            raise ConfigError(
+                f"--public-route {', '.join(sorted(unknown))}: only "
+                f"{', '.join(PUBLIC_ROUTE_CHOICES)} can be public"
+            )
+        #: Who may call (None: anyone); the HTTPS context (None: plain HTTP).
+        self.auth = make_authenticator(config)
+        self._ssl = server_ssl_context(config.tls_cert, config.tls_key)
+        self._sighup = False
         #: The Responses API's store (None: ``off``); opened by ``start``.
         self.response_store = make_response_store(config.response_store)
         self.admission = AdmissionController(
@@ -179,7 +252,8 @@ class Frontend:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.port}"
+        scheme = "https" if self._ssl is not None else "http"
+        return f"{scheme}://{self.config.host}:{self.config.port}"
 
     async def start(self) -> None:
         cfg = self.config
@@ -240,17 +314,37 @@ class Frontend:
             prefill=self._prefill_health,
             limits=cfg.limits,
             history=history,
+            auth=self.auth,
+            public_routes=cfg.public_routes,
         )
         self.http = service
         limits = dataclasses.replace(cfg.http, reject_status=cfg.reject_status)
-        self._server = HttpServer(service, cfg.host, cfg.port, limits=limits)
+        self._server = HttpServer(service, cfg.host, cfg.port, limits=limits, ssl=self._ssl)
         await self._server.start()
+        self._log_access()
         self.metrics.watch_http(self._server)
         self._tasks.append(asyncio.create_task(self._server.serve(), name="http"))
         if store is not None:
             sweep = history.sweep_forever(min(SWEEP_INTERVAL_S, cfg.response_store_ttl))
             self._tasks.append(asyncio.create_task(sweep, name="response-store-sweep"))
         log.info("frontend listening on %s", self.url)
+
+    def _log_access(self) -> None:
+        """Say who may call, and install the ``SIGHUP`` reload when there are files to read."""
+        cfg = self.config
+        auth = self.auth
+        if auth is None:
+            if not is_loopback(cfg.host):
+                log.warning(
+                    "frontend bound to %s with no --api-key, --api-keys-file or --jwt-issuer: "
+                    "anyone who reaches it may use every model and the control routes",
+                    cfg.host,
+                )
+            return
+        log.info("frontend access: %s", auth.describe())
+        if cfg.api_keys_file is not None or cfg.jwt is not None:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, auth.reload)
+            self._sighup = True
 
     def _prefill_health(self, name: str) -> dict[str, object] | None:
         """``/health``'s disaggregation view of a model: its workers' role, its prefill
@@ -279,6 +373,9 @@ class Frontend:
             raise TurnoutError(f"frontend task {task.get_name()!r} stopped: {reason}") from exc
 
     async def stop(self) -> None:
+        if self._sighup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._sighup = False
         if self._server is not None:
             self._server.stop()
         self.admission.close()

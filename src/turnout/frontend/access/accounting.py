@@ -35,9 +35,12 @@ class TenantAdmission(Protocol):
 
 
 class UsageRecorder(Protocol):
-    """Per-tenant usage counters (``access.usage.TenantUsage``)."""
+    """Per-tenant usage counters (``access.usage.TenantUsage``): recorded per request, read
+    whole by ``/admin/usage``."""
 
     def record(self, tenant: str, *, prompt: int, cached: int, output: int) -> None: ...
+
+    def snapshot(self) -> dict[str, dict[str, int]]: ...
 
 
 class TenantAccount:

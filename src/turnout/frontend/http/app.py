@@ -30,21 +30,41 @@ per call.
 Admission (``admission.AdmissionController``) comes after the body is decoded and the model
 resolved (a 400 or 404 never takes a slot or a place in the queue) and before preprocessing
 (tokenizing is work worth bounding); the slot is held until the response's last byte.
+
+Access (``access``): with credentials configured (``auth``), every route but ``/health`` and
+``/live`` (and those ``public_routes`` opens: ``/metrics``, ``/v1/models``,
+``/openapi.json``) needs a key, checked before the body is read: 401 in the route's error
+shape otherwise. The control routes (``http.admin``) need an admin key (403). A generation
+request then opens its tenant's account (``access.accounting``): the tenant's limits admit it
+(429 with ``Retry-After`` past one) before the admission queue, which orders it by the
+tenant's priority (the request's ``nvext.priority`` may lower it); the account is closed
+when the request ends, however it ends. Without credentials every caller is ``ANONYMOUS``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
 
 from turnout.errors import FrontendOverloaded, NoInstanceAvailable, TurnoutError
+from turnout.frontend.access.accounting import (
+    ACCOUNT_METADATA,
+    TenantAccount,
+    TenantAdmission,
+    UsageRecorder,
+    request_priority,
+)
+from turnout.frontend.access.audit import AuditLog
+from turnout.frontend.access.authenticator import Authenticator, require_admin
+from turnout.frontend.access.principal import ANONYMOUS, Principal
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController
 from turnout.frontend.anthropic.api import count_tokens_surface, messages_surface
+from turnout.frontend.http.admin import BUSY_THRESHOLD, USAGE, AdminRoutes, Handler
 from turnout.frontend.http.errors import HttpError, to_http_error
 from turnout.frontend.http.openapi import build_openapi
 from turnout.frontend.http.surface import (
@@ -91,6 +111,10 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 #: Routes of other APIs that a token-input chat model serves (text-input ones are refused
 #: there: the worker, not the frontend, templates their requests).
 CHAT_SURFACE_ROUTES = ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
+#: Routes anyone may call, with credentials configured or not.
+OPEN_ROUTES = frozenset({"/health", "/live"})
+#: Routes ``public_routes`` (``--public-route``) may open to callers without a key.
+PUBLIC_ROUTE_CHOICES = ("/metrics", "/v1/models", "/openapi.json")
 #: Headers that name a conversation, in order of precedence: ours, then those coding agents
 #: send by themselves (Claude Code; Codex, in its current and legacy spelling; OpenCode).
 SESSION_HEADERS = (
@@ -130,10 +154,22 @@ class HttpService:
         prefill: Callable[[str], dict[str, Any] | None] | None = None,
         limits: RequestLimits | None = None,
         history: ResponseHistory | None = None,
+        auth: Authenticator | None = None,
+        public_routes: Collection[str] = (),
+        tenants: TenantAdmission | None = None,
+        usage: UsageRecorder | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         """``limits``: what one request may ask for (the preprocessors check them; surfaces
         that translate another API's request check the costly parts before translating).
-        ``history``: the Responses API's store (None: none, as ``--response-store off``)."""
+        ``history``: the Responses API's store (None: none, as ``--response-store off``).
+        ``auth``: who may call (None: anyone, as ``ANONYMOUS``); ``public_routes``: of
+        ``PUBLIC_ROUTE_CHOICES``, those open without a key. ``tenants``: the tenants' limits
+        (None: unlimited); ``usage``: where each tenant's tokens are counted (None: nowhere;
+        a ``snapshot`` method serves ``/admin/usage``)."""
+        unknown = set(public_routes) - set(PUBLIC_ROUTE_CHOICES)
+        if unknown:
+            raise ValueError(f"not a route that can be public: {', '.join(sorted(unknown))}")
         self.manager = manager
         #: A model's disaggregated-serving state for ``/health`` (None: none to report).
         self._prefill_health = prefill
@@ -146,9 +182,13 @@ class HttpService:
         self.reject_status = reject_status
         if admission is not None:
             metrics.watch_admission(lambda: admission.queued)
-        self._routes: dict[tuple[str, str], Any] = {
-            ("POST", "/v1/chat/completions"): self._bind(self._openai_surface(is_chat=True)),
-            ("POST", "/v1/completions"): self._bind(self._openai_surface(is_chat=False)),
+        self.auth = auth
+        #: Paths callers reach without a key (every path when ``auth`` is None).
+        self._open_paths = OPEN_ROUTES | frozenset(public_routes)
+        self.tenants = tenants
+        self.usage = usage
+        self.audit = audit if audit is not None else AuditLog()
+        self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/live"): self._live,
@@ -157,12 +197,23 @@ class HttpService:
         }
         #: None: the frontend has no routers to tune (e.g. a bare service in tests).
         self.busy_thresholds = busy_thresholds
-        if busy_thresholds is not None:
-            self._routes[("GET", "/busy_threshold")] = self._busy_threshold_get
-            self._routes[("POST", "/busy_threshold")] = self._busy_threshold_post
+        admin = AdminRoutes(
+            self._read_body,
+            self.audit,
+            busy_thresholds=busy_thresholds,
+            usage=usage,
+        )
+        admin_routes = admin.routes()
+        self._routes.update(admin_routes)
+        #: Paths that need an admin key once credentials are configured.
+        self._admin_paths = frozenset(path for _, path in admin_routes) | {BUSY_THRESHOLD, USAGE}
         history = history if history is not None else ResponseHistory(None)
         store = StoreRoutes(history, self._read_body)
-        self._routes[("POST", CONVERSATIONS)] = store.create_conversation
+
+        async def create_conversation(scope: Scope, proto: Exchange, _: Principal) -> None:
+            await store.create_conversation(scope, proto)
+
+        self._routes[("POST", CONVERSATIONS)] = create_conversation
         self._paths = {path for _, path in self._routes}
         #: (prefix, handler(scope, proto, path)): routes whose paths carry ids, tried in order
         #: when no exact route matches.
@@ -172,6 +223,10 @@ class HttpService:
         )
         #: Each surface's error body by path (OpenAI's elsewhere): its 405s have its shape too.
         self._error_bodies: dict[str, Callable[[HttpError], bytes]] = {}
+        #: Each generation route's ``endpoint`` metric label by path (refusals are counted).
+        self._endpoints: dict[str, str] = {}
+        self.add_surface("POST", "/v1/chat/completions", self._openai_surface(is_chat=True))
+        self.add_surface("POST", "/v1/completions", self._openai_surface(is_chat=False))
         self.add_surface("POST", "/v1/responses", responses_surface(metrics, limits, history))
         self.add_surface("POST", "/v1/messages", messages_surface(metrics))
         self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
@@ -190,27 +245,41 @@ class HttpService:
 
     async def __call__(self, scope: Scope, proto: Exchange) -> None:
         path = scope.path.rstrip("/") or "/"
-        handler = self._routes.get((scope.method, path))
-        if handler is None:
+        try:
+            principal = self._caller(scope, path)
+            handler = self._routes.get((scope.method, path))
+            if handler is not None:
+                await handler(scope, proto, principal)
+                return
             for prefix, routed in self._prefix_routes:
                 if path.startswith(prefix):
-                    try:
-                        await routed(scope, proto, path)
-                    except HttpError as exc:
-                        self._send_error(proto, exc)
+                    await routed(scope, proto, path)
                     return
             if path in self._paths:
-                err = HttpError(
+                raise HttpError(
                     405, f"method {scope.method} not allowed on {path}", code="method_not_allowed"
                 )
-            else:
-                err = HttpError(404, f"no route for {scope.method} {path}", code="unknown_url")
-            self._send_error(proto, err, self._error_bodies.get(path))
-            return
-        try:
-            await handler(scope, proto)
+            raise HttpError(404, f"no route for {scope.method} {path}", code="unknown_url")
         except HttpError as exc:
+            endpoint = self._endpoints.get(path)
+            if endpoint is not None:  # a generation request refused before it was read
+                self.metrics.count_request(UNKNOWN_MODEL, endpoint, False, exc.status)
             self._send_error(proto, exc, self._error_bodies.get(path))
+
+    def _caller(self, scope: Scope, path: str) -> Principal:
+        """Who the request speaks for: ``ANONYMOUS`` without credentials configured and on
+        open paths; else its credential's principal (401 without a valid one), which must
+        be an admin's on the control routes (403, audited)."""
+        auth = self.auth
+        if auth is None or path in self._open_paths:
+            return ANONYMOUS
+        principal = auth.authenticate(scope.headers)
+        if path in self._admin_paths and not principal.admin:
+            self.audit.record(
+                principal, method=scope.method, route=path, client=scope.client, allowed=False
+            )
+            require_admin(principal)
+        return principal
 
     @staticmethod
     def _send_error(
@@ -249,7 +318,7 @@ class HttpService:
 
     # ------------------------------------------------------------------ simple routes
 
-    async def _models(self, scope: Scope, proto: Exchange) -> None:
+    async def _models(self, scope: Scope, proto: Exchange, _: Principal) -> None:
         manager = self.manager
         models = [
             ModelObject(
@@ -282,7 +351,7 @@ class HttpService:
                 routes += CHAT_SURFACE_ROUTES
         return routes
 
-    async def _health(self, scope: Scope, proto: Exchange) -> None:
+    async def _health(self, scope: Scope, proto: Exchange, _: Principal) -> None:
         models = []
         for name in self.manager.list_models():
             instances = self.manager.model_instances(name)
@@ -297,23 +366,14 @@ class HttpService:
         body = {"status": "healthy" if healthy else "unhealthy", "models": models}
         proto.response_bytes(200 if healthy else 503, JSON_HEADERS, _json.encode(body))
 
-    async def _live(self, scope: Scope, proto: Exchange) -> None:
+    async def _live(self, scope: Scope, proto: Exchange, _: Principal) -> None:
         proto.response_bytes(200, JSON_HEADERS, b'{"status":"live"}')
 
-    async def _openapi(self, scope: Scope, proto: Exchange) -> None:
+    async def _openapi(self, scope: Scope, proto: Exchange, _: Principal) -> None:
         proto.response_bytes(200, JSON_HEADERS, self._openapi_body)
 
-    async def _metrics(self, scope: Scope, proto: Exchange) -> None:
+    async def _metrics(self, scope: Scope, proto: Exchange, _: Principal) -> None:
         proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
-
-    async def _busy_threshold_get(self, scope: Scope, proto: Exchange) -> None:
-        assert self.busy_thresholds is not None
-        proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.get_all()))
-
-    async def _busy_threshold_post(self, scope: Scope, proto: Exchange) -> None:
-        assert self.busy_thresholds is not None
-        body = await self._read_body(scope, proto)
-        proto.response_bytes(200, JSON_HEADERS, _json.encode(self.busy_thresholds.post(body)))
 
     # ------------------------------------------------------------------ generation
 
@@ -322,10 +382,11 @@ class HttpService:
         self._routes[(method, path)] = self._bind(surface)
         self._paths.add(path)
         self._error_bodies[path] = surface.error_body
+        self._endpoints[path] = surface.endpoint
 
-    def _bind(self, surface: Surface) -> Any:
-        async def handler(scope: Scope, proto: Exchange) -> None:
-            await self._generate(scope, proto, surface)
+    def _bind(self, surface: Surface) -> Handler:
+        async def handler(scope: Scope, proto: Exchange, principal: Principal) -> None:
+            await self._generate(scope, proto, surface, principal)
 
         return handler
 
@@ -340,7 +401,7 @@ class HttpService:
             priority = nvext.priority if nvext is not None else None
             key = getattr(request, "prompt_cache_key", None)
             return SurfaceRequest(
-                request.model, request.stream, request, priority or 0,
+                request.model, request.stream, request, priority,
                 body_session_key(key, "prompt_cache_key"),
             )  # fmt: skip
 
@@ -405,7 +466,9 @@ class HttpService:
                 )
                 pipeline = current
 
-    async def _generate(self, scope: Scope, proto: Exchange, surface: Surface) -> None:
+    async def _generate(
+        self, scope: Scope, proto: Exchange, surface: Surface, principal: Principal
+    ) -> None:
         endpoint = surface.endpoint
         # The metrics label: a served model's name once resolved, never a client's string.
         model = UNKNOWN_MODEL
@@ -434,21 +497,27 @@ class HttpService:
             pipeline = self.manager.get_engine(surface.serves, request.model)
             model = request.model
             metrics = self.metrics.model(model)
-            ticket = None
-            if self.admission is not None:
-                ticket = await self.admission.acquire(model, request.priority)
-                metrics.queue_wait.observe(ticket.waited)
-            inflight = metrics.inflight
-            inflight.inc()
+            account = self._open_account(principal, ctx)
             try:
-                session_id = session_id_from(scope.headers) or request.session_key
-                await self._serve_on_served_card(
-                    surface, proto, pipeline, request, body, ctx, session_id
-                )
+                ticket = None
+                if self.admission is not None:
+                    priority = request_priority(request.priority, principal.policy)
+                    ticket = await self.admission.acquire(model, priority)
+                    metrics.queue_wait.observe(ticket.waited)
+                inflight = metrics.inflight
+                inflight.inc()
+                try:
+                    session_id = session_id_from(scope.headers) or request.session_key
+                    await self._serve_on_served_card(
+                        surface, proto, pipeline, request, body, ctx, session_id
+                    )
+                finally:
+                    inflight.dec()
+                    if ticket is not None:
+                        ticket.release()
             finally:
-                inflight.dec()
-                if ticket is not None:
-                    ticket.release()
+                if account is not None:
+                    account.close()
         except asyncio.CancelledError:
             if not client_gone:
                 raise
@@ -472,6 +541,17 @@ class HttpService:
         finally:
             disconnect.remove_done_callback(on_disconnect)
             self.metrics.count_request(model, endpoint, stream, status)
+
+    def _open_account(self, principal: Principal, ctx: RequestContext) -> TenantAccount | None:
+        """The request's account with its tenant, in ``ctx`` for the run to charge (None:
+        neither limits nor usage to keep); raises the limits' ``TenantLimitExceeded``."""
+        tenants, usage = self.tenants, self.usage
+        if tenants is None and usage is None:
+            return None
+        ticket = tenants.admit(principal) if tenants is not None else None
+        account = TenantAccount(principal.tenant, ticket, usage)
+        ctx.metadata[ACCOUNT_METADATA] = account
+        return account
 
 
 #: How much of a refused (too large) body is read and dropped before the 413 goes out: a

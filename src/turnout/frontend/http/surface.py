@@ -29,8 +29,9 @@ class SurfaceRequest:
     stream: bool
     #: The surface's own decoded request, handed back to its ``serve``.
     request: Any
-    #: Admission priority (``nvext.priority``; 0 when the surface has none).
-    priority: int = 0
+    #: Admission priority the request asks for (``nvext.priority``; None: it names none, or
+    #: the surface has none).
+    priority: int | None = None
     #: The session key the body names (OpenAI's ``prompt_cache_key``): the routing session
     #: when no session header names one (``body_session_key``).
     session_key: str | None = None

@@ -19,6 +19,11 @@ request (they share the prompt, so KV routing sends them where it is cached). Th
 meet in one bounded queue; each choice ends on its own. Usage counts the prompt once and the
 completion tokens of all choices. Closing the run cancels every unfinished sub-request.
 
+Tenants (``access.accounting``): when the request's context holds its tenant's account, the
+prompt is charged once tokenized (past the tenant's token budget: refused, before any work
+is routed), each delta's tokens as they come, and the usage (prompt, cached, output tokens)
+is settled when the run closes.
+
 Timing: the request's clock starts with the run (the request admitted, before templating
 and tokenization, which the client waits for too, as Dynamo's frontend counts them); the
 first token (``turnout_time_to_first_token_seconds``) and the gaps between tokens
@@ -38,6 +43,7 @@ from typing import Protocol
 
 import msgspec
 
+from turnout.frontend.access.accounting import ACCOUNT_METADATA, TenantAccount
 from turnout.frontend.http.errors import HttpError, to_http_error, worker_error
 from turnout.frontend.metrics.frontend import FrontendMetrics, ModelMetrics, StreamTimer
 from turnout.frontend.models.pipeline import Generation, TokensPipeline
@@ -130,13 +136,21 @@ class RunWriter(Protocol):
 class ChatRun:
     """One running request: ``n`` choices of one preprocessed prompt."""
 
-    __slots__ = ("_first", "_metrics", "_pumps", "_queue", "_timer", "choices", "echo", "request")
+    __slots__ = (
+        "_account", "_first", "_metrics", "_pumps", "_queue", "_timer", "choices", "echo",
+        "request",
+    )  # fmt: skip
 
     def __init__(
-        self, request: ChatCompletionRequest | CompletionRequest, metrics: ModelMetrics
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        metrics: ModelMetrics,
+        account: TenantAccount | None = None,
     ) -> None:
         self.request = request
         self._metrics = metrics
+        #: The tenant's account the run charges (None: no tenant accounting).
+        self._account = account
         self._timer = StreamTimer(metrics)
         self.choices: list[Choice] = []
         #: Completions' ``echo``: the prompt the text of the (only) choice starts with.
@@ -165,8 +179,11 @@ class ChatRun:
         (``ChoiceOutput.whole``), which then keep what they say; a surface that writes its
         own items (or streams) leaves it off, and a choice costs no memory per token."""
         model_metrics = metrics.model(request.model)
-        run = cls(request, model_metrics)
+        account: TenantAccount | None = ctx.metadata.get(ACCOUNT_METADATA)
+        run = cls(request, model_metrics, account)
         pre = await pipeline.preprocess(request)
+        if account is not None:
+            account.charge_prompt(len(pre.token_ids))
         pre.session_id = session_id
         if pre.backend_instance_id is not None:
             # Every router mode: an unknown pin is a 404 before any work, a known instance
@@ -243,7 +260,10 @@ class ChatRun:
         if plain_text is not None and send is not None:
             # The per-token path (one choice, streamed plain text): the loop at its leanest.
             on_tokens = self._timer.on_tokens
+            account = self._account
             while True:
+                if account is not None and delta.token_ids:
+                    account.charge_output(len(delta.token_ids))
                 if delta.text:
                     on_tokens()
                     await send(plain_text(delta.text))
@@ -292,6 +312,8 @@ class ChatRun:
 
     def _take(self, choice: Choice, delta: DecodedDelta, writer: RunWriter) -> bytes:
         """What a delta that brings tokens adds to ``choice``, as the writer writes it."""
+        if self._account is not None and delta.token_ids:
+            self._account.charge_output(len(delta.token_ids))
         if self._queue is None:
             self._timer.on_tokens()
         else:
@@ -352,10 +374,13 @@ class ChatRun:
         for choice in choices:
             await choice.generation.aclose()
         metrics = self._metrics
-        metrics.output_tokens.observe(self.output_tokens)
+        output = self.output_tokens
+        metrics.output_tokens.observe(output)
         cached = choices[0].generation.decoder.cached_tokens
         if cached:
             metrics.cached_tokens.inc(cached)
+        if self._account is not None:
+            self._account.settle(prompt=self.prompt_tokens, cached=cached or 0, output=output)
         metrics.duration.observe(time.perf_counter() - self._timer.start)
 
 

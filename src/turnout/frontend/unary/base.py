@@ -43,7 +43,7 @@ def unary_surface(
         request = decode_json(decoder, body)
         nvext = request.nvext
         priority = nvext.priority if nvext is not None else None
-        return SurfaceRequest(request.model, False, request, priority or 0)
+        return SurfaceRequest(request.model, False, request, priority)
 
     async def serve(
         proto: Exchange,
