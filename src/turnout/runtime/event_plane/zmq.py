@@ -129,7 +129,7 @@ class ZmqEventPublisher(EventPublisher["ZmqEventPlane"]):
 
     async def _register(self) -> None:
         """Grant a lease and write the record under it."""
-        store = self._plane.store
+        store, curve = self._plane.store, self._plane.curve
         lease = await Lease.grant(store, self._plane.lease_ttl)
         record = EventPublisherRecord(
             address=self.address,
@@ -138,9 +138,7 @@ class ZmqEventPublisher(EventPublisher["ZmqEventPlane"]):
             component=self.component,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            attestation=None
-            if self._plane.curve is None
-            else self._plane.curve.identity.attestation,
+            attestation=curve.identity.attestation if curve is not None else None,
         )
         try:
             await store.put(self.key, msgspec.json.encode(record), lease_id=lease.id)
