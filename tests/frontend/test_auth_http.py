@@ -208,6 +208,14 @@ async def test_open_and_keyed_routes(secured: Secured) -> None:
             assert (await http.get(path)).status_code == 401, path
         ok = await http.get("/metrics", headers={"authorization": f"Bearer {KEY_A}"})
         assert ok.status_code == 200
+        document = (
+            await http.get("/openapi.json", headers={"authorization": f"Bearer {KEY_A}"})
+        ).json()
+    paths = document["paths"]
+    assert "401" in paths["/v1/chat/completions"]["post"]["responses"]
+    assert "401" not in paths["/health"]["get"]["responses"]
+    assert "403" in paths["/busy_threshold"]["post"]["responses"]
+    assert "bearer" in document["components"]["securitySchemes"]
 
 
 async def test_public_routes_open_without_a_key(gguf_path: str, tmp_path: Path) -> None:

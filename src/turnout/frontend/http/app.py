@@ -233,7 +233,11 @@ class HttpService:
         self.add_surface("POST", "/v1/embeddings", embeddings_surface())
         self.add_surface("POST", "/v1/tensor", tensor_surface())
         self._openapi_body = _json.encode(
-            build_openapi(busy_thresholds=busy_thresholds is not None)
+            build_openapi(
+                busy_thresholds=busy_thresholds is not None,
+                usage=usage is not None,
+                open_paths=self._open_paths if auth is not None else None,
+            )
         )
 
     @property

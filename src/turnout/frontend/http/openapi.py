@@ -7,6 +7,7 @@ document cannot drift from what is accepted; responses list every status a route
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import msgspec
@@ -47,8 +48,16 @@ _GENERATION_ERRORS = {
 }
 
 
-def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
-    """The document; ``busy_thresholds``: whether the ``/busy_threshold`` routes exist."""
+def build_openapi(
+    *,
+    busy_thresholds: bool = True,
+    usage: bool = False,
+    open_paths: Collection[str] | None = None,
+) -> dict[str, Any]:
+    """The document; ``busy_thresholds``: whether the ``/busy_threshold`` routes exist;
+    ``usage``: whether ``/admin/usage`` does; ``open_paths``: with credentials configured,
+    the paths callers reach without one (every other route may answer 401, the control
+    routes 403); None: no credentials, every route open."""
     _, schemas = msgspec.json.schema_components(
         [
             ChatCompletionRequest,
@@ -182,12 +191,40 @@ def build_openapi(*, busy_thresholds: bool = True) -> dict[str, Any]:
                 },
             },
         }
+    if usage:
+        paths["/admin/usage"] = {
+            "get": {
+                "summary": "Each tenant's requests and prompt, cached and output tokens",
+                "responses": {"200": _json_response("usage by tenant", {"type": "object"})},
+            }
+        }
+    components: dict[str, Any] = {"schemas": schemas}
+    if open_paths is not None:
+        _secure(paths, open_paths)
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
     return {
         "openapi": "3.1.0",
         "info": {"title": "turnout", "version": __version__},
         "paths": paths,
-        "components": {"schemas": schemas},
+        "components": components,
     }
+
+
+def _secure(paths: dict[str, Any], open_paths: Collection[str]) -> None:
+    """Every operation outside ``open_paths``: a credential needed (401 without one); the
+    control routes: an admin's (403 for another)."""
+    for path, operations in paths.items():
+        if path in open_paths:
+            continue
+        for operation in operations.values():
+            responses = operation["responses"]
+            responses["401"] = _error("missing or invalid API key")
+            if path == "/busy_threshold" or path.startswith("/admin/"):
+                responses["403"] = _error("the key is not an admin's")
+            operation["security"] = [{"bearer": []}, {"apiKey": []}]
 
 
 #: Statuses every route of the response store may answer besides 200.
