@@ -62,7 +62,7 @@ def describe_tls_failure(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no TLS handshake within the timeout"
     if isinstance(exc, ConnectionResetError) and not str(exc):
-        return "the peer closed the connection during the handshake (not TLS?)"
+        return "the peer closed the connection in the handshake (no TLS, or it refused ours)"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
