@@ -10,6 +10,7 @@ from typing import Any
 from turnout.runtime.addresses import DEFAULT_HOST
 from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.planes import PlanesConfig
+from turnout.runtime.redact import disable_prompt_logging, enable_prompt_logging
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes
 
 
@@ -96,6 +97,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -
                   "the same value")  # fmt: skip
     add_flag(parser, "--log-level", default="info",
              choices=["debug", "info", "warning", "error"], help="log level")  # fmt: skip
+    add_flag(parser, "--log-prompts", action="store_true",
+             help="log prompts and request bodies at debug level, for debugging only: they "
+                  "are user data (one warning line at start says it is on)")  # fmt: skip
 
 
 def _split(value: str | None) -> list[str]:
@@ -144,8 +148,14 @@ def planes_config(args: argparse.Namespace) -> PlanesConfig:
     return config
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, *, log_prompts: bool = False) -> None:
+    """Log lines to stderr at ``level``; prompts and bodies only with ``log_prompts``
+    (``turnout.runtime.redact``)."""
     logging.basicConfig(
         level=getattr(logging, level.upper()),
         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
     )
+    if log_prompts:
+        enable_prompt_logging()
+    else:
+        disable_prompt_logging()

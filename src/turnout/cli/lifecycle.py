@@ -27,7 +27,7 @@ Step = Callable[[], Awaitable[object]]
 
 
 def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any, None]]) -> int:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, log_prompts=getattr(args, "log_prompts", False))
     try:
         uvloop.run(main())
     except TurnoutError as exc:

@@ -114,6 +114,8 @@ def worker_argv(
     ]  # fmt: skip
     if getattr(args, "device_type", None):
         argv += ["--device-type", args.device_type]
+    if getattr(args, "log_prompts", False):
+        argv.append("--log-prompts")
     for name in ("plane_ca", "plane_cert", "plane_key"):
         # Each worker shows serve's certificate too: they are one deployment on one machine.
         if getattr(args, name, None):

@@ -59,6 +59,7 @@ from turnout.protocols.model import (
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPublisher
+from turnout.runtime.redact import log_prompt
 from turnout.runtime.request_plane.base import Handler
 from turnout.runtime.serving import ServingInstance
 
@@ -284,6 +285,7 @@ class Worker:
                     reply_type(error=f"invalid request: {exc}", error_kind=ErrorKind.BAD_REQUEST)
                 )
                 return
+            log_prompt("worker request", ctx.request_id, request)
             yield _encode(await self._run_unary(engine, request, ctx))
 
         return handle
@@ -338,6 +340,7 @@ class Worker:
                 )
             )
             return
+        log_prompt("worker request", ctx.request_id, request)
         refusal = self._refusal(request)
         if refusal is not None:
             yield _encode(

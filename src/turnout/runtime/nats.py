@@ -52,8 +52,8 @@ class NatsOptions:
 
     servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
     user: str | None = None
-    password: str | None = None
-    token: str | None = None
+    password: str | None = field(default=None, repr=False)  # a secret: never in a repr
+    token: str | None = field(default=None, repr=False)  # a secret: never in a repr
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None

@@ -37,8 +37,9 @@ class PlanesConfig:
     store: str = "file"
     #: The SQLite file of the ``file`` store (None: a per-user temp path).
     store_path: str | None = None
-    #: Options of the store (``etcd``: endpoints, ca_cert, cert, key, user, password).
-    store_options: dict[str, Any] = field(default_factory=dict)
+    #: Options of the store (``etcd``: endpoints, ca_cert, cert, key, user, password); out
+    #: of the repr, which must not show the password.
+    store_options: dict[str, Any] = field(default_factory=dict, repr=False)
     #: ``tcp``, ``nats`` or ``local``.
     request_plane: str = "tcp"
     #: ``zmq``, ``nats`` or ``local``; None: local on the memory store, else zmq.

@@ -72,6 +72,7 @@ from turnout.runtime.discovery.etcd_client import (
     ThreadStream,
     prefix_range_end,
 )
+from turnout.runtime.redact import redact_url
 
 logger = logging.getLogger("turnout.runtime.discovery.etcd")
 
@@ -139,19 +140,20 @@ class _Compacted(Exception):
 def _parse_endpoint(endpoint: str) -> tuple[str, bool | None]:
     """``http://h:2379`` → (``h:2379``, False); ``https://…`` → True; bare ``h:2379`` → None."""
     text = endpoint.strip()
+    shown = redact_url(text)  # errors quote it; a password in it must not reach the logs
     if "://" not in text:
         target, tls = text, None
     else:
         parts = urlsplit(text)
         if parts.scheme not in ("http", "https"):
-            raise ConfigError(f"etcd endpoint {endpoint!r}: scheme must be http or https")
+            raise ConfigError(f"etcd endpoint {shown!r}: scheme must be http or https")
         if parts.path not in ("", "/"):
-            raise ConfigError(f"etcd endpoint {endpoint!r}: no path expected")
+            raise ConfigError(f"etcd endpoint {shown!r}: no path expected")
         if "@" in parts.netloc:
-            raise ConfigError(f"etcd endpoint {endpoint!r}: give credentials as user/password")
+            raise ConfigError(f"etcd endpoint {shown!r}: give credentials as user/password")
         target, tls = parts.netloc, parts.scheme == "https"
     if not target:
-        raise ConfigError(f"etcd endpoint {endpoint!r}: no host")
+        raise ConfigError(f"etcd endpoint {shown!r}: no host")
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit() or host.endswith(":"):
         target += ":2379"  # etcd's client port when none is named
