@@ -11,6 +11,13 @@ import httpx
 import pytest
 from tests.conformance import Conformance
 from tests.helpers import smollm2_path
+from tests.log_check import LogCheck
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Installs the suite-wide check that no test secret reaches a log line
+    (``tests/log_check.py``)."""
+    config.pluginmanager.register(LogCheck(), "turnout-log-check")
 
 
 @pytest.fixture

@@ -156,7 +156,8 @@ def test_reload_swaps_the_ring_and_keeps_it_on_a_bad_file(
     Path(path).write_text("[[keys]]\nkey = 1\n")
     with caplog.at_level(logging.ERROR, logger="turnout.frontend.auth"):
         assert not auth.reload()
-    assert len(caplog.records) == 1 and "previous keys stay in use" in caplog.text
+    (error,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "previous keys stay in use" in error.getMessage()
     assert auth.authenticate(headers(x_api_key=KEY_B)).tenant == "b"
 
 
