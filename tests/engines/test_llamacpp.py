@@ -251,16 +251,6 @@ async def test_a_prompt_longer_than_the_context_is_an_error(engine: LlamaCppEngi
     assert outs[0].error is not None and "context" in outs[0].error
 
 
-async def test_a_cache_salt_is_refused_not_ignored(engine: LlamaCppEngine) -> None:
-    """llama.cpp cannot keep tenants' prompt caches apart: a salted request is a bad request."""
-    request = make_request([504] * 8, 4)
-    request.cache_salt = "tenant-a"
-    outs = await asyncio.wait_for(collect(engine, request), 30)
-    assert len(outs) == 1 and outs[0].finish_reason is FinishReason.ERROR
-    assert outs[0].error_kind == ErrorKind.BAD_REQUEST.value
-    assert outs[0].error is not None and "cache_salt" in outs[0].error
-
-
 @pytest.mark.parametrize(
     "grammar",
     ['%llguidance {}\nstart: ("a"', 'root ::= "a"', '%llguidance {}\nstart: %json {"type": 3}'],

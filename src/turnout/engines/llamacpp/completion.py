@@ -1,7 +1,7 @@
 """llama.cpp's completion API, as the in-process engine speaks it: the body of a streamed
 completion built from a ``PreprocessedRequest`` (``make_body``), the chunks llama.cpp streams
-back (``Chunk``, only the fields read), and the checks a request's grammar must pass before
-llama.cpp may run it (``request_grammar_problem``)."""
+back (``Chunk``, only the fields read), the slot it runs on (``pin_slot``), and the checks a
+request's grammar must pass before llama.cpp may run it (``request_grammar_problem``)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ _encode = msgspec.json.Encoder().encode
 
 
 def make_body(request: PreprocessedRequest) -> bytes:
-    """The streamed completion llama.cpp runs for ``request`` (JSON)."""
+    """The streamed completion llama.cpp runs for ``request`` (JSON), but for its slot: the
+    slot is chosen when the request starts, and ``pin_slot`` adds it."""
     sc = request.stop_conditions
     body: dict[str, Any] = {
         "prompt": request.token_ids,
@@ -109,7 +110,6 @@ def make_body(request: PreprocessedRequest) -> bytes:
         # as asked.
         "n_probs": max(1, request.output_options.logprobs or 0),
         "timings_per_token": True,
-        "cache_prompt": True,
     }
     if sc.ignore_eos:
         body["ignore_eos"] = True
@@ -122,6 +122,15 @@ def make_body(request: PreprocessedRequest) -> bytes:
         if value is not None:
             body[theirs] = value
     return _encode(body)
+
+
+def pin_slot(body: bytes, slot: int, reuse: bool) -> bytes:
+    """``body`` (a JSON object from ``make_body``) run on llama.cpp's slot ``slot``, reusing
+    that slot's cached prompt prefix only when ``reuse``. Appended to the encoded body rather
+    than encoded with it: the slot is known only when a pool thread starts the request, and
+    the prompt's token ids are the bulk of the body."""
+    reuse_json = b"true" if reuse else b"false"
+    return b'%s,"id_slot":%d,"cache_prompt":%s}' % (body[:-1], slot, reuse_json)
 
 
 def alternatives(entry: TokenLogprob, k: int) -> list[tuple[int, float]]:

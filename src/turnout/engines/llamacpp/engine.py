@@ -32,6 +32,11 @@ What we ask llama.cpp for, and why:
 * ``kv_unified``: one KV pool shared by the slots, so any request may use the whole
   ``n_ctx``; ``ctx_shift`` off: a full context ends the stream instead of silently dropping
   the prompt's start.
+* ``id_slot`` and ``cache_prompt``: the engine picks each request's slot itself, so that a
+  cache partition (``cache_salt``; unsalted requests are one of their own) reuses only its
+  own cached prompts and no request's prefill time depends on another partition's prompts
+  (``slots``). Its prompt cache is the ``n_parallel`` slots' last prompts: llama.cpp's RAM
+  prompt cache, which would mix partitions, is off.
 
 Stop token ids (``stop_token_ids_hidden``, and ``eos_token_ids`` unless ``ignore_eos``) are
 checked on the pool thread; llama.cpp itself stops at the model's end-of-generation tokens.
@@ -43,8 +48,8 @@ plus ``max_waiting`` queued are refused as ``overloaded``. ``min_tokens`` is not
 llama.cpp's server: the card's capabilities say so, and the frontend refuses such requests.
 
 The parts: ``completion`` (the body sent, the chunks read back), ``stream`` (one request on
-its pool thread, and what a stalled reader costs), ``load`` (load reports), ``vocab`` (the
-token bytes that recover held-back ids).
+its pool thread, and what a stalled reader costs), ``slots`` (which slot a request runs on),
+``load`` (load reports), ``vocab`` (the token bytes that recover held-back ids).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ from turnout.runtime.context import RequestContext
 
 from .completion import MAX_TOP_LOGPROBS, STRUCTURED_OUTPUTS, make_body, request_grammar_problem
 from .load import LoadReportSink, LoadTracker
+from .slots import SlotTable
 from .stream import End, RequestStream, run_native
 from .vocab import VocabBytes
 
@@ -142,6 +148,9 @@ class LlamaCppEngine(Engine):
         self._card: ModelDeploymentCard | None = None
         #: Streams in flight, so ``stop`` can end them.
         self._live: dict[RequestStream, None] = {}
+        #: llama.cpp's slots as the engine assigns them: each request is pinned to one, so
+        #: that a cache partition reuses only its own prompts (``slots``).
+        self._slots = SlotTable(n_parallel)
 
     # ------------------------------------------------------------ load reports
 
@@ -251,6 +260,10 @@ class LlamaCppEngine(Engine):
         p.kv_unified = True
         p.ctx_shift = False
         p.cache_prompt = True
+        if hasattr(p, "cache_ram_mib"):  # llama.cpp builds older than its RAM cache lack it
+            # No RAM prompt cache: it restores any partition's prompt into any slot, and it
+            # empties idle slots whenever another starts (the engine pins slots: see ``slots``).
+            p.cache_ram_mib = 0
         p.endpoint_metrics = True
         p.sampling.seed = self.seed
         p.verbosity = 3 if self.verbose else -1
@@ -325,17 +338,6 @@ class LlamaCppEngine(Engine):
                 usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
             )
             return
-        if request.cache_salt:
-            # llama.cpp's slots reuse any earlier prompt's cache: it cannot keep tenants apart,
-            # so a salted request is refused rather than served without the isolation it asked.
-            yield LLMEngineOutput(
-                finish_reason=FinishReason.ERROR,
-                error="'cache_salt' is not supported by this worker (llama.cpp cannot "
-                "partition its prompt cache)",
-                error_kind=ErrorKind.BAD_REQUEST.value,
-                usage=CompletionUsage(prompt_tokens=n_prompt, completion_tokens=0),
-            )
-            return
         problem = request_grammar_problem(request)
         if problem:
             yield LLMEngineOutput(
@@ -380,7 +382,12 @@ class LlamaCppEngine(Engine):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[LLMEngineOutput | End] = asyncio.Queue()
         stream = RequestStream(
-            loop=loop, queue=queue, request=request, vocab=self._vocab, load=self._load
+            loop=loop,
+            queue=queue,
+            request=request,
+            vocab=self._vocab,
+            load=self._load,
+            slots=self._slots,
         )
 
         def on_cancel(task: asyncio.Task[None]) -> None:

@@ -1,11 +1,12 @@
 """One request of the llama.cpp engine, from its native call on a pool thread to the outputs
 the event loop reads.
 
-``run_native`` drives llama.cpp's blocking ``handle_completions`` on a pool thread; every
-streamed chunk reaches ``RequestStream.on_chunk`` there, which turns it into an
-``LLMEngineOutput`` (token ids, recovered held-back ids, log probabilities, stop ids, usage)
-and hands it to the loop's queue; its return value tells llama.cpp to stop. The stream also
-turns llama.cpp's running timings into step samples for the load tracker (``load``).
+``run_native`` takes a slot for the request (``slots``) and drives llama.cpp's blocking
+``handle_completions`` on it, on a pool thread; every streamed chunk reaches
+``RequestStream.on_chunk`` there, which turns it into an ``LLMEngineOutput`` (token ids,
+recovered held-back ids, log probabilities, stop ids, usage) and hands it to the loop's queue;
+its return value tells llama.cpp to stop. The stream also turns llama.cpp's running timings
+into step samples for the load tracker (``load``).
 
 Back-pressure: what a stalled consumer costs, and what bounds it. llama.cpp cannot pause a
 slot: its loop decodes every active slot at each step and queues each result for the
@@ -42,8 +43,9 @@ from turnout.protocols.llm import (
     PreprocessedRequest,
 )
 
-from .completion import Timings, alternatives, decode_chunk
+from .completion import Timings, alternatives, decode_chunk, pin_slot
 from .load import WAITING, LoadTracker
+from .slots import Claim, SlotTable
 from .vocab import VocabBytes
 
 #: A decoding request offers one decode sample per this much of its ``predicted_ms``.
@@ -63,7 +65,9 @@ class RequestStream:
 
     __slots__ = (
         "aborted",
+        "cache_salt",
         "cached_tokens",
+        "claim",
         "decoding",
         "eos_ids",
         "finished",
@@ -73,9 +77,11 @@ class RequestStream:
         "phase",
         "prompt_tokens",
         "queue",
+        "slots",
         "stop_ids",
         "timed_ms",
         "timed_n",
+        "token_ids",
         "vocab",
         "want_logprobs",
         "want_top",
@@ -89,12 +95,19 @@ class RequestStream:
         request: PreprocessedRequest,
         vocab: VocabBytes,
         load: LoadTracker,
+        slots: SlotTable,
     ) -> None:
         sc = request.stop_conditions
         self.loop = loop
         self.queue = queue
         self.vocab = vocab
         self.load = load
+        self.slots = slots
+        #: Pool thread: the slot the request holds (None before it takes one, and once given
+        #: back).
+        self.claim: Claim | None = None
+        self.cache_salt = request.cache_salt
+        self.token_ids = request.token_ids
         self.prompt_tokens = len(request.token_ids)
         self.eos_ids = frozenset(() if sc.ignore_eos else request.eos_token_ids)
         self.stop_ids = self.eos_ids | frozenset(sc.stop_token_ids_hidden or ())
@@ -117,6 +130,27 @@ class RequestStream:
         self.timed_n = -1
         self.timed_ms = 0.0
 
+    @property
+    def prompt_processed(self) -> bool:
+        """Whether llama.cpp processed the prompt: a chunk with timings came (the first token's
+        chunk carries them; a refusal or an error does not)."""
+        return self.cached_tokens is not None
+
+    def take_slot(self) -> Claim:
+        """Take a slot for the request (pool thread): ``slots.choose_slot`` over the free ones."""
+        self.claim = self.slots.acquire(self.cache_salt, self.token_ids)
+        return self.claim
+
+    def give_slot_back(self) -> None:
+        """Give the request's slot back, once (pool thread). Called as soon as the stream's
+        last output is decided, before it is queued, so that the request that follows it (a
+        conversation's next turn) finds the slot free, its prompt cached; llama.cpp frees
+        the slot itself right after it sends the last chunk, and a task pinned to a slot it
+        has not freed yet waits in llama.cpp for that."""
+        claim, self.claim = self.claim, None
+        if claim is not None:
+            self.slots.release(claim, self.token_ids, prompt_processed=self.prompt_processed)
+
     def usage(self) -> CompletionUsage:
         return CompletionUsage(
             prompt_tokens=self.prompt_tokens,
@@ -128,7 +162,9 @@ class RequestStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def fail(self, message: str, kind: ErrorKind | None = None) -> None:
+        """End the stream with an error (pool thread)."""
         self.finished = True
+        self.give_slot_back()
         self._put(
             LLMEngineOutput(
                 finish_reason=FinishReason.ERROR,
@@ -210,6 +246,8 @@ class RequestStream:
         elif not ids:
             return False  # nothing new (e.g. an empty keep-alive chunk)
         self.finished = finish is not None
+        if self.finished:
+            self.give_slot_back()
         self._put(
             LLMEngineOutput(
                 token_ids=ids,
@@ -242,23 +280,27 @@ class RequestStream:
 def run_native(
     server: Any, body: bytes, stream: RequestStream, on_failure: Callable[[str], None]
 ) -> None:
-    """The blocking part, on a pool thread: drive one request to its end. A native exception
-    is the engine's failure: the stream ends as ``engine_failed`` and ``on_failure`` is
-    called on the event loop. The load tracker hears, on the loop, when the request takes
-    its slot and when it gives it back."""
+    """The blocking part, on a pool thread: take a slot for the request (``slots``), drive
+    the request to its end on it, give the slot back (on every path: at the stream's last
+    output, or when the native call returns). A native exception is the engine's failure:
+    the stream ends as ``engine_failed`` and ``on_failure`` is called on the event loop. The
+    load tracker hears, on the loop, when the request takes its slot and when it gives it
+    back."""
     loop = stream.loop
     started = False
     try:
         if not stream.aborted:
+            claim = stream.take_slot()
             started = True
             loop.call_soon_threadsafe(stream.load.started, stream)
-            server.handle_completions(body, stream.on_chunk)
+            server.handle_completions(pin_slot(body, claim.slot, claim.reuse), stream.on_chunk)
     except Exception as e:
         message = f"llama.cpp failed: {e!r}"
         if not stream.finished:
             stream.fail(message, ErrorKind.ENGINE_FAILED)
         loop.call_soon_threadsafe(on_failure, message)
     finally:
+        stream.give_slot_back()
         if started:
             loop.call_soon_threadsafe(stream.load.ended, stream)
         stream.end()
