@@ -28,6 +28,16 @@ per request, split into the event-loop thread (all the Python) and its other thr
 (tokenizers' pool, the etcd client's gRPC threads), requests/s, client-side p50/p99 latency (and
 p50 time to the first SSE chunk), RSS, and the CPU the client and the workers spent.
 
+Security (``--security off auth auth+tls``): one stack per variant, all up at once, and every
+measured run of a row taken in turn on each (interleaved, so load on the machine hits them
+alike). ``auth``: the frontend takes an ``--api-keys-file`` of ``SECURITY_KEYS`` keys over
+``SECURITY_TENANTS`` tenants whose limits (rps, tokens per minute, concurrency) are far above
+what the load reaches, so every request is authenticated and charged to its tenant's account
+but never refused; requests carry ``Authorization: Bearer``. ``auth+tls``: the same, with the
+planes under mutual TLS (``--plane-ca/--plane-cert/--plane-key``, a throwaway CA). The run
+ends with a ``security`` summary: each variant's CPU per request against ``off``, and plane
+TLS's CPU per streamed token (frontend and workers) as ``auth+tls`` minus ``auth``.
+
 Usage::
 
     python benchmarks/frontend_overhead.py                    # defaults, JSON to results/
@@ -35,6 +45,8 @@ Usage::
     python benchmarks/frontend_overhead.py --profile cprofile # cProfile in thread CPU time
     python benchmarks/frontend_overhead.py --router-mode kv   # KV-aware routing's cost
     python benchmarks/frontend_overhead.py --scenarios multi_turn --prompt-cache-mib 64 0
+    python benchmarks/frontend_overhead.py --security off auth auth+tls --repeat 5 \
+        --scenarios short long_stream paced_stream --concurrency 16
 
 For scale (issue #2): Dynamo 1.6.1's Rust frontend spends ~0.6 ms CPU/request on ``short``
 and 1.4-2.1 ms on ``long_stream`` on this kind of machine.
@@ -46,10 +58,13 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import hashlib
 import itertools
 import json
 import os
 import pstats
+import secrets
 import shutil
 import signal
 import statistics
@@ -69,10 +84,11 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
+from tests.certs import TestCa  # noqa: E402
 from tests.servers.etcd import EtcdServer  # noqa: E402
 from tests.servers.nats import NatsServerProcess  # noqa: E402
 
-from bench_http import LoadResult, percentile, render_post, run_load  # noqa: E402
+from bench_http import LoadResult, percentile, run_load  # noqa: E402
 from multi_turn import cache_row, prompt_cache_counters, run_conversations  # noqa: E402
 from turnout.frontend.service import free_port  # noqa: E402
 
@@ -160,6 +176,58 @@ def plane_services(planes: str, tmp: Path) -> Iterator[list[str]]:
             nats = stack.enter_context(NatsServerProcess())
             flags += ["--nats-url", nats.url]
         yield flags
+
+
+#: The security variants ``--security`` may name (see the module docstring).
+SECURITY = ("off", "auth", "auth+tls")
+#: Keys in the ``auth`` variants' keys file, spread over this many tenants.
+SECURITY_KEYS = 8
+SECURITY_TENANTS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """What one security variant adds: the frontend's flags, the workers' flags, and the
+    headers every request carries."""
+
+    variant: str
+    frontend: list[str]
+    workers: list[str]
+    headers: list[tuple[str, str]]
+
+
+def security_setup(variant: str, tmp: Path) -> Security:
+    """Write what ``variant`` needs (a keys file, a CA and its leaves) under ``tmp``."""
+    if variant == "off":
+        return Security(variant, [], [], [])
+    keys = [f"sk-turnout-bench-{secrets.token_hex(16)}" for _ in range(SECURITY_KEYS)]
+    tables = [
+        f'[[keys]]\nsha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
+        f'tenant = "tenant-{i % SECURITY_TENANTS}"\n'
+        # Limits no run comes near: the cost of checking them, never a refusal.
+        "rps = 1000000\ntokens_per_minute = 1000000000\nmax_concurrent = 100000\n"
+        for i, key in enumerate(keys)
+    ]
+    keys_file = tmp / f"keys-{variant}.toml"
+    keys_file.write_text("\n".join(tables))
+    frontend = ["--api-keys-file", str(keys_file), "--public-route", "/metrics"]
+    workers: list[str] = []
+    if variant == "auth+tls":
+        ca = TestCa(tmp, name=variant.replace("+", "-"))
+        for role, flags in (("frontend", frontend), ("worker", workers)):
+            leaf = ca.issue(role)
+            flags += ["--plane-ca", leaf.ca, "--plane-cert", leaf.cert, "--plane-key", leaf.key]
+    # The last key's tenant: the others are configured only to make the ring realistic.
+    return Security(variant, frontend, workers, [("authorization", f"Bearer {keys[-1]}")])
+
+
+def render_request(host: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> bytes:
+    """A complete POST request with a JSON body and ``headers`` (sent as is every time)."""
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"{extra}content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 def wait_ready(url: str, workers: int, models: int = 1, timeout: float = 120) -> None:
@@ -282,6 +350,7 @@ def scenario_load(
     port: int,
     conc: int,
     nonces: Iterator[int],
+    headers: list[tuple[str, str]],
 ) -> tuple[_Load, _Load, int, bool]:
     """(a measured run, its warm-up, requests per run, streamed) of scenario ``name``."""
     if name == "multi_turn":
@@ -296,7 +365,7 @@ def scenario_load(
         return conversations(n), conversations(max(n // 4, conc)), n * turns, False
     body, streamed, total = bodies[name]
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    raw = render_post(f"127.0.0.1:{port}", path, json.dumps(body).encode())
+    raw = render_request(f"127.0.0.1:{port}", path, json.dumps(body).encode(), headers)
 
     def repeated(count: int) -> _Load:
         return lambda: run_load("127.0.0.1", port, raw, count, conc, streamed=streamed)
@@ -304,21 +373,34 @@ def scenario_load(
     return repeated(total), repeated(max(total // 5, 2 * conc)), total, streamed
 
 
-def run_stack(
+@dataclasses.dataclass
+class Stack:
+    """One running frontend and its workers, and what its rows are labelled with."""
+
+    label: dict[str, Any]
+    url: str
+    port: int
+    front: psutil.Process
+    workers: list[psutil.Process]
+    bodies: dict[str, tuple[dict[str, Any], bool, int]]
+    headers: list[tuple[str, str]]
+
+
+@contextlib.contextmanager
+def start_stack(
     args: argparse.Namespace,
     planes: str,
     common: list[str],
-    tmp: Path,
+    security: Security,
     prof_out: Path,
     mib: float | None,
-) -> tuple[list[dict[str, Any]], int]:
+) -> Iterator[Stack]:
     """Start a frontend (prompt cache of ``mib`` MiB; None: its default) and echo workers on
-    ``common``'s planes; measure every scenario. Returns the rows and the frontend's pid
-    (what a profile is of)."""
+    ``common``'s planes with ``security``'s flags; stop them all on exit."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     py = sys.executable
-    front_only = ["--router-mode", args.router_mode]
+    front_only = ["--router-mode", args.router_mode, *security.frontend]
     if mib is not None:
         front_only += ["--prompt-cache-mib", str(mib)]
     front_args = ["frontend", "--port", str(port), *front_only, *common]
@@ -333,32 +415,27 @@ def run_stack(
         front_cmd = [py, "-m", "turnout", "serve", "--in-process", "--engine", "echo",
                      "--model-name", "echo", "--num-workers", str(args.workers),
                      "--port", str(port), *front_only, *common]  # fmt: skip
+    worker_cmd = [py, "-m", "turnout", "worker", "--engine", "echo", *common,
+                  *security.workers]  # fmt: skip
     procs = [subprocess.Popen(front_cmd, start_new_session=True)]
     for _ in range(args.workers if planes != IN_PROCESS else 0):
-        procs.append(subprocess.Popen(
-            [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name", "echo", *common],
-            start_new_session=True,
-        ))  # fmt: skip
+        procs.append(subprocess.Popen([*worker_cmd, "--model-name", "echo"],
+                                      start_new_session=True))  # fmt: skip
         if paced:
             procs.append(subprocess.Popen(
-                [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name",
-                 "echo-paced", "--echo-delay-ms", str(args.paced_delay_ms),
-                 "--endpoint", "turnout/paced/generate", *common],
+                [*worker_cmd, "--model-name", "echo-paced", "--echo-delay-ms",
+                 str(args.paced_delay_ms), "--endpoint", "turnout/paced/generate"],
                 start_new_session=True,
             ))  # fmt: skip
         if parsed:
             procs.append(subprocess.Popen(
-                [py, "-m", "turnout", "worker", "--engine", "echo", "--model-name",
-                 "echo-parsed", "--tool-call-parser", "hermes", "--reasoning-parser",
-                 "deepseek_r1", "--endpoint", "turnout/parsed/generate", *common],
+                [*worker_cmd, "--model-name", "echo-parsed", "--tool-call-parser", "hermes",
+                 "--reasoning-parser", "deepseek_r1", "--endpoint", "turnout/parsed/generate"],
                 start_new_session=True,
             ))  # fmt: skip
-    rows: list[dict[str, Any]] = []
     front_pid = procs[0].pid
     try:
         wait_ready(url, args.workers, models=1 + paced + parsed)
-        front = psutil.Process(front_pid)
-        workers = [psutil.Process(p.pid) for p in procs[1:]]
         bodies = {
             "short": ({"model": "echo", "prompt": "Hello, how are you?", "max_tokens": 1},
                       False, args.short_requests),
@@ -370,38 +447,11 @@ def run_stack(
             "chat_stream_parsed": (chat_body("echo-parsed", parsed=True), True,
                                    args.stream_requests),
         }  # fmt: skip
-        spy = None
-        if args.profile == "py-spy":
-            # Attached once the stack is up, so start-up (imports, tokenizer load) stays out
-            # of the profile; the per-row warm-ups below are steady state and stay in.
-            pyspy = shutil.which("py-spy") or str(Path(py).parent / "py-spy")
-            spy = subprocess.Popen([pyspy, "record", "--pid", str(front_pid), "--nonblocking",
-                                    "--threads", "-r", "250", "-f", "raw", "-o", str(prof_out)],
-                                   start_new_session=True)  # fmt: skip
-            time.sleep(1.0)
-        nonces = itertools.count()
-        for name in args.scenarios:
-            for conc in args.concurrency:
-                load, warm_up, total, streamed = scenario_load(args, name, bodies, port, conc,
-                                                               nonces)  # fmt: skip
-                asyncio.run(warm_up())
-                runs = []
-                for _ in range(args.repeat):
-                    before = prompt_cache_counters(url)
-                    run = measure(front, workers, load, total, streamed)
-                    runs.append({**run, **cache_row(before, prompt_cache_counters(url))})
-                key = "frontend_cpu_ms_per_request"
-                med = statistics.median_low([r[key] for r in runs])
-                row = {"planes": planes, "router_mode": args.router_mode,
-                       "prompt_cache_mib": mib, "scenario": name, "concurrency": conc,
-                       **next(r for r in runs if r[key] == med)}  # fmt: skip
-                if args.repeat > 1:
-                    row["cpu_ms_per_request_runs"] = [r[key] for r in runs]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)
-            spy.wait(timeout=30)
+        label = {"planes": planes, "security": security.variant,
+                 "router_mode": args.router_mode, "prompt_cache_mib": mib}  # fmt: skip
+        yield Stack(label, url, port, psutil.Process(front_pid),
+                    [psutil.Process(p.pid) for p in procs[1:]], bodies,
+                    security.headers)  # fmt: skip
     finally:
         os.killpg(front_pid, signal.SIGINT)
         try:
@@ -412,7 +462,90 @@ def run_stack(
         for p in procs[1:]:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    return rows, front_pid
+
+
+@contextlib.contextmanager
+def profiled(profile: str | None, front_pid: int, prof_out: Path) -> Iterator[None]:
+    """py-spy on the frontend for the block (``--profile py-spy``); cProfile runs inside the
+    frontend's own process (``profile_frontend.py``) and needs nothing here."""
+    if profile != "py-spy":
+        yield
+        return
+    # Attached once the stack is up, so start-up (imports, tokenizer load) stays out of the
+    # profile; the per-row warm-ups are steady state and stay in.
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    spy = subprocess.Popen([pyspy, "record", "--pid", str(front_pid), "--nonblocking",
+                            "--threads", "-r", "250", "-f", "raw", "-o", str(prof_out)],
+                           start_new_session=True)  # fmt: skip
+    time.sleep(1.0)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=30)
+
+
+def measure_stacks(args: argparse.Namespace, stacks: list[Stack]) -> list[dict[str, Any]]:
+    """Every scenario at every concurrency on every stack: a warm-up each, then ``--repeat``
+    rounds that measure one run on each stack in turn. A row per stack keeps the run with the
+    median frontend CPU/request."""
+    rows: list[dict[str, Any]] = []
+    nonces = itertools.count()
+    key = "frontend_cpu_ms_per_request"
+    for name in args.scenarios:
+        for conc in args.concurrency:
+            loads = [scenario_load(args, name, st.bodies, st.port, conc, nonces, st.headers)
+                     for st in stacks]  # fmt: skip
+            for _, warm_up, _, _ in loads:
+                asyncio.run(warm_up())
+            runs: list[list[dict[str, Any]]] = [[] for _ in stacks]
+            for _ in range(args.repeat):
+                for st, (load, _, total, streamed), kept in zip(stacks, loads, runs, strict=True):
+                    before = prompt_cache_counters(st.url)
+                    run = measure(st.front, st.workers, load, total, streamed)
+                    kept.append({**run, **cache_row(before, prompt_cache_counters(st.url))})
+            for st, kept in zip(stacks, runs, strict=True):
+                med = statistics.median_low([r[key] for r in kept])
+                row = {**st.label, "scenario": name, "concurrency": conc,
+                       **next(r for r in kept if r[key] == med)}  # fmt: skip
+                if name in st.bodies and st.bodies[name][1]:
+                    row["tokens_per_request"] = st.bodies[name][0].get("max_tokens")
+                if args.repeat > 1:
+                    row["cpu_ms_per_request_runs"] = [r[key] for r in kept]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def security_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scenario and concurrency: each variant's frontend CPU/request against ``off``'s,
+    and plane TLS's CPU per streamed token (``auth+tls`` minus ``auth``; frontend and
+    workers)."""
+    Key = tuple[str, float | None, str, int]
+    by: dict[Key, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
+    for row in rows:
+        key = (row["planes"], row["prompt_cache_mib"], row["scenario"], row["concurrency"])
+        by[key][row["security"]] = row
+    summary = []
+    for (planes, mib, scenario, conc), variants in by.items():
+        entry: dict[str, Any] = {"planes": planes, "prompt_cache_mib": mib,
+                                 "scenario": scenario, "concurrency": conc}  # fmt: skip
+        off = variants.get("off")
+        for variant, row in variants.items():
+            entry[f"{variant}_cpu_ms_per_request"] = row["frontend_cpu_ms_per_request"]
+            if off is not None and variant != "off":
+                ratio = row["frontend_cpu_ms_per_request"] / off["frontend_cpu_ms_per_request"]
+                entry[f"{variant}_vs_off_pct"] = round(100 * (ratio - 1), 1)
+        auth, tls = variants.get("auth"), variants.get("auth+tls")
+        tokens = (tls or {}).get("tokens_per_request")
+        if auth is not None and tls is not None and tokens:
+            for side, field in (("frontend", "frontend_cpu_ms_per_request"),
+                                ("workers", "workers_cpu_ms_per_request")):  # fmt: skip
+                extra_ms = tls[field] - auth[field]
+                entry[f"plane_tls_{side}_us_per_token"] = round(1000 * extra_ms / tokens, 2)
+        summary.append(entry)
+        print(json.dumps({"security": entry}), flush=True)
+    return summary
 
 
 def main() -> None:
@@ -440,6 +573,10 @@ def main() -> None:
                     help="multi_turn: conversations per run")  # fmt: skip
     ap.add_argument("--multi-turn-turns", type=int, default=12,
                     help="multi_turn: requests per conversation")  # fmt: skip
+    ap.add_argument("--security", nargs="+", default=["off"], choices=SECURITY,
+                    help="security variants, one stack each, measured interleaved: off, "
+                         "auth (keys file, tenants' limits), auth+tls (and plane "
+                         "mutual TLS)")  # fmt: skip
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/frontend_overhead.json"))
     args = ap.parse_args()
@@ -456,15 +593,31 @@ def main() -> None:
         "client": "bench_http (raw asyncio HTTP/1.1 keep-alive)",
         "scenarios": [],
     }
+    if args.profile is not None and len(args.security) > 1:
+        raise SystemExit("--profile profiles one frontend: give one --security variant")
+    if "multi_turn" in args.scenarios and set(args.security) != {"off"}:
+        raise SystemExit("multi_turn sends no key: run it with --security off")
     tmp = Path(tempfile.mkdtemp(prefix="turnout-bench-"))
     prof_out = tmp / ("frontend.prof" if args.profile == "cprofile" else "frontend.pyspy.txt")
+    front_pid = 0
     for planes in args.planes:
         for mib in args.prompt_cache_mib:
-            # A store of its own: the last stack's killed workers are not this one's.
-            stack_tmp = Path(tempfile.mkdtemp(dir=tmp))
-            with plane_services(planes, stack_tmp) as common:
-                rows, front_pid = run_stack(args, planes, common, tmp, prof_out, mib)
-                results["scenarios"] += rows
+            with contextlib.ExitStack() as running:
+                stacks = []
+                for variant in args.security:
+                    # A store of its own per stack: no frontend sees another stack's workers
+                    # (nor the last stack's killed ones).
+                    stack_tmp = Path(tempfile.mkdtemp(dir=tmp))
+                    common = running.enter_context(plane_services(planes, stack_tmp))
+                    security = security_setup(variant, stack_tmp)
+                    stacks.append(running.enter_context(
+                        start_stack(args, planes, common, security, prof_out, mib)
+                    ))  # fmt: skip
+                front_pid = stacks[0].front.pid
+                with profiled(args.profile, front_pid, prof_out):
+                    results["scenarios"] += measure_stacks(args, stacks)
+    if len(args.security) > 1:
+        results["security"] = security_summary(results["scenarios"])
     if args.profile == "cprofile" and prof_out.exists():
         stats = pstats.Stats(str(prof_out))
         stats.sort_stats("tottime").print_stats(30)
