@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from turnout.errors import ConfigError, TurnoutError
 from turnout.frontend.access.authenticator import Authenticator
 from turnout.frontend.access.jwt import JwtConfig
+from turnout.frontend.access.limits import TenantLimits
+from turnout.frontend.access.usage import TenantUsage
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController, AdmissionLimits, Clock
 from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, PUBLIC_ROUTE_CHOICES, HttpService
@@ -140,6 +142,9 @@ class FrontendConfig:
     #: ``--tls-key``); None: plain HTTP.
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: Tenants with their own label in ``turnout_tenant_*`` and ``/admin/usage``; the
+    #: others are counted together under ``_other``.
+    tenant_metrics_max: int = 100
 
 
 def server_ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
@@ -231,6 +236,13 @@ class Frontend:
             clock=clock,
         )
         self.metrics = FrontendMetrics()
+        #: Tenants' usage (``/admin/usage``, ``turnout_tenant_*``) and limits: kept once
+        #: callers have credentials (None without: one anonymous caller, nothing to divide).
+        self.usage: TenantUsage | None = None
+        self.tenants: TenantLimits | None = None
+        if self.auth is not None:
+            self.usage = TenantUsage(self.metrics.registry, max_tenants=config.tenant_metrics_max)
+            self.tenants = TenantLimits(rejections=self.usage)
         if config.prompt_cache_bytes < 0:
             raise ConfigError("--prompt-cache-mib must be >= 0 (0 turns the cache off)")
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
@@ -316,6 +328,8 @@ class Frontend:
             history=history,
             auth=self.auth,
             public_routes=cfg.public_routes,
+            tenants=self.tenants,
+            usage=self.usage,
         )
         self.http = service
         limits = dataclasses.replace(cfg.http, reject_status=cfg.reject_status)

@@ -40,6 +40,10 @@ class UsageRecorder(Protocol):
 
     def record(self, tenant: str, *, prompt: int, cached: int, output: int) -> None: ...
 
+    def begin(self, tenant: str) -> None: ...
+
+    def end(self, tenant: str) -> None: ...
+
     def snapshot(self) -> dict[str, dict[str, int]]: ...
 
 
@@ -47,7 +51,7 @@ class TenantAccount:
     """See the module's docstring. ``ticket`` None: the tenants are not limited (usage is
     still recorded)."""
 
-    __slots__ = ("_settled", "_ticket", "_usage", "tenant")
+    __slots__ = ("_closed", "_settled", "_ticket", "_usage", "tenant")
 
     def __init__(
         self, tenant: str, ticket: LimitsTicket | None, usage: UsageRecorder | None
@@ -56,6 +60,9 @@ class TenantAccount:
         self._ticket = ticket
         self._usage = usage
         self._settled = False
+        self._closed = False
+        if usage is not None:
+            usage.begin(tenant)
 
     def charge_prompt(self, tokens: int) -> None:
         """Charge the request's prompt; raises the limits' ``TenantLimitExceeded`` when the
@@ -76,9 +83,15 @@ class TenantAccount:
         self._usage.record(self.tenant, prompt=prompt, cached=cached, output=output)
 
     def close(self) -> None:
-        """Give the request's concurrency slot back (idempotent)."""
+        """Give the request's concurrency slot back, and count it out of the tenant's
+        requests in flight (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._ticket is not None:
             self._ticket.release()
+        if self._usage is not None:
+            self._usage.end(self.tenant)
 
 
 def request_priority(asked: int | None, policy: TenantPolicy) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -187,7 +188,11 @@ def _entry(path: str, index: int, table: object) -> _Entry:
     for name in ("rps", "tokens_per_minute"):
         if name in table:
             value = table[name]
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < math.inf
+            ):
                 raise bad(name, "must be a positive number")
             limits[name] = float(value)
     if "max_concurrent" in table:

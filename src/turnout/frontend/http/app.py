@@ -55,12 +55,13 @@ from turnout.frontend.access.accounting import (
     ACCOUNT_METADATA,
     TenantAccount,
     TenantAdmission,
-    UsageRecorder,
     request_priority,
 )
 from turnout.frontend.access.audit import AuditLog
 from turnout.frontend.access.authenticator import Authenticator, require_admin
+from turnout.frontend.access.limits import PRINCIPAL_METADATA
 from turnout.frontend.access.principal import ANONYMOUS, Principal
+from turnout.frontend.access.usage import TenantUsage, outcome_of
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController
 from turnout.frontend.anthropic.api import count_tokens_surface, messages_surface
@@ -157,7 +158,7 @@ class HttpService:
         auth: Authenticator | None = None,
         public_routes: Collection[str] = (),
         tenants: TenantAdmission | None = None,
-        usage: UsageRecorder | None = None,
+        usage: TenantUsage | None = None,
         audit: AuditLog | None = None,
     ) -> None:
         """``limits``: what one request may ask for (the preprocessors check them; surfaces
@@ -545,10 +546,15 @@ class HttpService:
         finally:
             disconnect.remove_done_callback(on_disconnect)
             self.metrics.count_request(model, endpoint, stream, status)
+            if self.usage is not None:
+                self.usage.count_request(principal.tenant, outcome_of(status))
 
     def _open_account(self, principal: Principal, ctx: RequestContext) -> TenantAccount | None:
         """The request's account with its tenant, in ``ctx`` for the run to charge (None:
-        neither limits nor usage to keep); raises the limits' ``TenantLimitExceeded``."""
+        neither limits nor usage to keep); raises the limits' ``TenantLimitExceeded``. The
+        principal goes in ``ctx`` too: the preprocessor salts the prompt's blocks by tenant."""
+        if self.auth is not None:
+            ctx.metadata[PRINCIPAL_METADATA] = principal
         tenants, usage = self.tenants, self.usage
         if tenants is None and usage is None:
             return None

@@ -1,7 +1,9 @@
 """HTTP errors with OpenAI's body, and the translation of turnout's errors into them.
 
-Status codes: 400 bad request, 404 unknown model or pinned instance, 405 wrong method,
-413 body too large, 499 client gone, 502 a worker broke the protocol, 503 no instance (with
+Status codes: 400 bad request, 401 no valid credential, 403 not an admin's on a control
+route, 404 unknown model or pinned instance, 405 wrong method, 413 body too large, 429 a
+tenant past one of its limits (``Retry-After``, ``code`` ``tenant_<limit>_limit``), 499 client
+gone, 502 a worker broke the protocol, 503 no instance (with
 ``Retry-After``), 429/503/529 (``--reject-status``, with ``Retry-After``) the frontend's
 admission limits, 500 only for a bug.
 
@@ -20,6 +22,7 @@ name wins, and ``code`` says it once more for clients that only read ``code``.
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import msgspec
@@ -38,6 +41,7 @@ from turnout.errors import (
     TemplateLimitExceeded,
     WorkerProtocolError,
 )
+from turnout.frontend.access.limits import TenantLimitExceeded
 from turnout.protocols.openai import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("turnout.frontend")
@@ -54,6 +58,7 @@ _RETRY_AFTER = [("retry-after", str(RETRY_AFTER_S))]
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 OVERLOADED = "overloaded_error"
+RATE_LIMITED = "rate_limit_error"
 
 #: msgspec's error suffix naming the offending field: ``... - at `$.nvext.priority```.
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -144,6 +149,8 @@ def to_http_error(exc: BaseException, *, reject_status: int = 503) -> HttpError:
         return HttpError(404, str(exc), param=exc.param, code="instance_not_found")
     if isinstance(exc, FrontendOverloaded):
         return overloaded_error(exc, reject_status)
+    if isinstance(exc, TenantLimitExceeded):
+        return tenant_limited(exc)
     if isinstance(exc, NotYetSupported):
         return HttpError(400, str(exc), code="unsupported_parameter")
     if isinstance(exc, NoInstanceAvailable):
@@ -175,6 +182,19 @@ def to_http_error(exc: BaseException, *, reject_status: int = 503) -> HttpError:
         f"internal error: {type(exc).__name__}: {exc}",
         type=SERVER_ERROR,
         code="internal_error",
+    )
+
+
+def tenant_limited(exc: TenantLimitExceeded) -> HttpError:
+    """A 429 for a tenant past ``exc.limit``, with ``Retry-After`` in whole seconds (at
+    least 1, rounded up: a client retrying then finds room)."""
+    retry_after = max(1, math.ceil(exc.retry_after))
+    return HttpError(
+        429,
+        str(exc),
+        type=RATE_LIMITED,
+        code=f"tenant_{exc.limit}_limit",
+        headers=[("retry-after", str(retry_after))],
     )
 
 
