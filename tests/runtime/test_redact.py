@@ -52,6 +52,10 @@ def test_a_secret_is_named_by_a_prefix_of_its_digest() -> None:
         ("nats://h:4222", "nats://h:4222"),
         ("http://127.0.0.1:2379/", "http://127.0.0.1:2379/"),
         ("a nats://u:x@h b tls://v:y@k", "a nats://u:***@h b tls://v:***@k"),
+        ("postgresql://h/db?user=u&password=pw&sslmode=require",
+         "postgresql://h/db?user=u&password=***&sslmode=require"),
+        ("host=h password='a b\\'c' dbname=x", "host=h password=*** dbname=x"),
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
     ],
 )
 def test_urls_keep_their_user_but_not_their_password(url: str, shown: str) -> None:

@@ -32,6 +32,11 @@ prompt_log.setLevel(_OFF)
 # ``scheme://user:password@`` and ``scheme://token@``: everything between ``//`` and ``@``
 # that is not a host.
 _USERINFO = re.compile(r"(?P<head>//)(?P<userinfo>[^/@\s]*)@")
+# ``?password=...`` in a query, ``password=... host=...`` in a libpq key=value DSN.
+_SECRET_PARAM = re.compile(
+    r"(?i)\b(?P<name>password|passwd|pwd|token|secret|api_?key|sslpassword)="
+    r"(?P<value>'(?:[^'\\]|\\.)*'|[^&\s]+)"
+)
 
 
 def secret_id(secret: str | bytes) -> str:
@@ -48,10 +53,10 @@ def _redact_userinfo(match: re.Match[str]) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` (or a text holding URLs) with each password replaced by ``***``
-    (``nats://u:***@h:4222``); a lone user-info part, which NATS reads as a token, becomes
-    ``***``."""
-    return _USERINFO.sub(_redact_userinfo, url)
+    """``url`` (or a text holding URLs, or a libpq ``key=value`` DSN) with each password
+    replaced by ``***``: ``nats://u:***@h:4222``, ``?password=***``, ``password=*** host=h``.
+    A lone user-info part, which NATS reads as a token, becomes ``***``."""
+    return _SECRET_PARAM.sub(r"\g<name>=***", _USERINFO.sub(_redact_userinfo, url))
 
 
 def describe_content(content: object) -> str:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from turnout.frontend.responses.store.base import ResponseStoreError
 from turnout.frontend.responses.store.sql import schema
+from turnout.runtime.redact import redact_url
 
 #: Seconds one statement may take, and to open a connection.
 COMMAND_TIMEOUT_S = 10.0
@@ -30,7 +31,7 @@ class PostgresResponseStore:
 
     def __init__(self, dsn: str, clock: Callable[[], float] = time.time) -> None:
         self.dsn = dsn
-        self.description = _without_password(dsn)
+        self.description = redact_url(dsn)
         self._clock = clock
         self._pool: Any = None
 
@@ -248,14 +249,3 @@ def _count(status: str) -> int:
     """The row count of a command status (``DELETE 3`` -> 3)."""
     tail = status.rsplit(" ", 1)[-1]
     return int(tail) if tail.isdigit() else 0
-
-
-def _without_password(dsn: str) -> str:
-    """The DSN for logs: a password in it replaced by ``***``."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from turnout.frontend.responses.store.base import ResponseStoreError
+from turnout.runtime.redact import redact_url
 
 #: Seconds to connect, and for any one reply.
 SOCKET_TIMEOUT_S = 10.0
@@ -53,7 +54,7 @@ class RedisResponseStore:
         """``clock``: unused by Redis, which expires keys by its own clock; taken for the
         same constructor as the other backends."""
         self.url = url
-        self.description = _without_password(url)
+        self.description = redact_url(url)
         self._redis: Any = None
         self._add_items: Any = None
         self._delete_item: Any = None
@@ -225,13 +226,3 @@ def _conversation_keys(tenant: str, conversation_id: str) -> tuple[str, str, str
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
-
-
-def _without_password(url: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
