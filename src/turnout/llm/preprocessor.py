@@ -37,6 +37,7 @@ from turnout.protocols.llm import (
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 
+from .cache_salt import client_cache_salt, tenant_cache_salt
 from .chat_template import ChatTemplate
 from .limits import RequestLimits
 from .prompt_cache import PromptCache, PromptEncoder
@@ -130,7 +131,11 @@ class Preprocessor:
 
     # ---------------------------------------------------------------- chat
 
-    async def preprocess_chat(self, req: ChatCompletionRequest) -> PreprocessedRequest:
+    async def preprocess_chat(
+        self, req: ChatCompletionRequest, tenant: str | None = None
+    ) -> PreprocessedRequest:
+        """``tenant``: the cache space of the request's tenant (``llm.cache_salt``; None:
+        the un-tenanted space)."""
         if not req.messages:
             raise RequestError("'messages' must contain at least one message", param="messages")
         self.limits.check_messages(len(req.messages))
@@ -194,13 +199,16 @@ class Preprocessor:
         size = prompt_chars + tools_chars + MESSAGE_COST_CHARS * len(req.messages)
         token_ids = await _maybe_offload(size, render_and_encode)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs)
+        pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs, tenant)
         pre.structured = structured
         return pre
 
     # ---------------------------------------------------------------- completions
 
-    async def preprocess_completion(self, req: CompletionRequest) -> PreprocessedRequest:
+    async def preprocess_completion(
+        self, req: CompletionRequest, tenant: str | None = None
+    ) -> PreprocessedRequest:
+        """``tenant``: as ``preprocess_chat``'s."""
         self._validate(req, req.max_tokens, "max_tokens")
         if req.best_of is not None and req.best_of != 1:
             raise RequestError("'best_of' other than 1 is not supported yet", param="best_of")
@@ -225,7 +233,9 @@ class Preprocessor:
             token_ids = await _maybe_offload(len(prompt), self.tokenizer.encode, prompt, True)
         else:
             token_ids = self._check_ids(prompt)
-        pre = self._build(req, token_ids, req.max_tokens, "max_tokens", "prompt", req.logprobs)
+        pre = self._build(
+            req, token_ids, req.max_tokens, "max_tokens", "prompt", req.logprobs, tenant
+        )
         pre.structured = structured
         return pre
 
@@ -350,7 +360,7 @@ class Preprocessor:
             raise RequestError("'min_p' must be between 0 and 1", param="min_p")
         if req.repetition_penalty is not None and req.repetition_penalty <= 0:
             raise RequestError("'repetition_penalty' must be positive", param="repetition_penalty")
-        _cache_salt(req)
+        client_cache_salt(req)
 
     def _check_response(
         self,
@@ -418,6 +428,7 @@ class Preprocessor:
         max_param: str,
         prompt_param: str,
         logprobs: int | None,
+        tenant: str | None,
     ) -> PreprocessedRequest:
         n_prompt = len(token_ids)
         self._check_length(n_prompt, max_tokens, max_param, prompt_param)
@@ -466,13 +477,11 @@ class Preprocessor:
             eos_token_ids=list(self.card.eos_token_ids),
             lora_name=self.card.lora.name if self.card.lora else None,
             backend_instance_id=nvext.backend_instance_id if nvext else None,
-            cache_salt=_cache_salt(req),
+            cache_salt=tenant_cache_salt(tenant, client_cache_salt(req)),
             mdc_sum=self._mdc_sum,
         )
 
 
-#: Longest cache salt accepted (a tenant id or a random token, not a document).
-MAX_CACHE_SALT_CHARS = 256
 #: OpenAI's bounds on ``metadata``: pairs, a key's and a value's characters.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -535,27 +544,6 @@ def check_openai_fields(req: ChatCompletionRequest) -> None:
             f"'safety_identifier' is longer than {MAX_USER_ID_CHARS} characters",
             param="safety_identifier",
         )
-
-
-def _cache_salt(req: _Request) -> str | None:
-    """The request's cache salt, from ``cache_salt`` or ``nvext.cache_salt`` (equal if both)."""
-    top = req.cache_salt
-    ext = req.nvext.cache_salt if req.nvext is not None else None
-    if top is not None and ext is not None and top != ext:
-        raise RequestError(
-            "'cache_salt' and 'nvext.cache_salt' differ; give one", param="cache_salt"
-        )
-    salt = top if top is not None else ext
-    if salt is None:
-        return None
-    param = "cache_salt" if top is not None else "nvext.cache_salt"
-    if not salt:
-        raise RequestError(f"'{param}' must not be empty", param=param)
-    if len(salt) > MAX_CACHE_SALT_CHARS:
-        raise RequestError(
-            f"'{param}' is longer than {MAX_CACHE_SALT_CHARS} characters", param=param
-        )
-    return salt
 
 
 __all__ = ["OFFLOAD_THRESHOLD_CHARS", "Preprocessor", "check_openai_fields"]

@@ -308,7 +308,7 @@ def count_tokens_surface() -> Surface:
         request: CountTokensRequest = req.request
         tokens = _tokens_pipeline(pipeline, request.model)
         chat = to_chat(request, tokens.card, max_tokens=1, limits=tokens.preprocessor.limits)
-        pre = await tokens.preprocess(chat)
+        pre = await tokens.preprocess(chat, None)
         proto.response_bytes(200, JSON_HEADERS, _json.encode({"input_tokens": len(pre.token_ids)}))
 
     return Surface("count_tokens", ModelKind.CHAT, decode, serve, anthropic_error_body)

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from turnout.errors import ConfigError, TemplateLimitExceeded
+from turnout.frontend.access.cache_space import CacheSpaces
 from turnout.frontend.metrics.disagg import DisaggMetrics
 from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.frontend.models.accepted_instances import ModelClient
@@ -118,6 +119,7 @@ class PipelineFactory:
         limits: RequestLimits | None = None,
         max_artifact_bytes: int | None = None,
         prompt_cache: PromptCache | None = None,
+        cache_spaces: CacheSpaces | None = None,
     ) -> None:
         # Fail at start-up for a mode that is not built, not at the first request.
         if router_mode is not RouterMode.KV:
@@ -191,6 +193,8 @@ class PipelineFactory:
         self.disagg_metrics = disagg_metrics
         #: Chat prompts' pieces' ids, shared by every model's preprocessor (None: none).
         self.prompt_cache = prompt_cache
+        #: Which cache space each request's prompt hashes into (``--shared-cache-tenants``).
+        self.cache_spaces = cache_spaces if cache_spaces is not None else CacheSpaces()
 
     def _routing(self, card: ModelDeploymentCard, client: ModelClient) -> CardRouting:
         """The shared parts of the pipelines of ``card`` routed through ``client``."""
@@ -477,6 +481,7 @@ class PipelineFactory:
             client=client,
             is_chat=is_chat,
             gate=self._gate(client),
+            cache_spaces=self.cache_spaces,
         )
 
     def _prefill_router(
@@ -533,6 +538,7 @@ class PipelineFactory:
             is_chat=is_chat,
             gate=self._gate(client),
             request_timeout=self.request_timeout,
+            cache_spaces=self.cache_spaces,
         )
 
     async def build_embeddings(

@@ -48,9 +48,9 @@ class LoraPipeline:
         return self.base.is_chat
 
     async def preprocess(
-        self, request: ChatCompletionRequest | CompletionRequest
+        self, request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext | None
     ) -> PreprocessedRequest:
-        pre = await self.base.preprocess(request)
+        pre = await self.base.preprocess(request, ctx)
         pre.lora_name = self.adapter
         return pre
 

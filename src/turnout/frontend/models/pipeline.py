@@ -9,15 +9,24 @@ prefill worker appears (disaggregated serving).
 
 Text-input models do their own pre/post-processing; the frontend only routes the OpenAI
 request to a worker and relays the OpenAI chunks it streams back.
+
+Both keep tenants' prompts in their own cache spaces (``access.cache_space``): a tokens
+pipeline salts the ``PreprocessedRequest`` it builds, a text pipeline sets the relayed body's
+``cache_salt`` (which the server behind the worker reads: vLLM's partitions its prefix cache).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from turnout.errors import NoInstanceAvailable
+import msgspec
+
+from turnout.errors import NoInstanceAvailable, RequestError
+from turnout.frontend.access.cache_space import CacheSpaces
 from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
+from turnout.llm.cache_salt import MAX_CACHE_SALT_CHARS, TENANT_SALT_PREFIX, tenant_cache_salt
 from turnout.llm.migration import Migration, deadline_stream
 from turnout.llm.preprocessor import Preprocessor
 from turnout.protocols.llm import FinishReason, PreprocessedRequest
@@ -90,14 +99,19 @@ class TokensPipeline:
     client: InstanceSource
     is_chat: bool
     gate: WorkerGate | None = None
+    #: Which cache space each request's prompt hashes into (its tenant's, by default).
+    cache_spaces: CacheSpaces = field(default_factory=CacheSpaces)
 
     async def preprocess(
-        self, request: ChatCompletionRequest | CompletionRequest
+        self, request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext | None
     ) -> PreprocessedRequest:
+        """The request's token-level form, salted with its tenant's cache space (``ctx``
+        None: the un-tenanted space, for a request that only counts its prompt's tokens)."""
+        tenant = self.cache_spaces.tenant_of(ctx) if ctx is not None else None
         if isinstance(request, ChatCompletionRequest):
-            pre = await self.preprocessor.preprocess_chat(request)
+            pre = await self.preprocessor.preprocess_chat(request, tenant)
         else:
-            pre = await self.preprocessor.preprocess_completion(request)
+            pre = await self.preprocessor.preprocess_completion(request, tenant)
         nvext = request.nvext
         if nvext is not None and nvext.request_timeout is not None:
             pre.request_timeout = nvext.request_timeout
@@ -144,12 +158,47 @@ class TextPipeline:
     #: ``--request-timeout`` (0: none); the per-request ``nvext`` override is not read here
     #: (the body is relayed as it is).
     request_timeout: float = 0.0
+    #: Which cache space each request's prompt hashes into (its tenant's, by default).
+    cache_spaces: CacheSpaces = field(default_factory=CacheSpaces)
 
     def generate(self, body: bytes, ctx: RequestContext) -> AsyncIterator[bytes]:
         if self.gate is not None:
             self.gate.check()
+        tenant = self.cache_spaces.tenant_of(ctx)
+        if tenant is not None:
+            body = _salted_body(body, tenant)
         if self.request_timeout > 0:
             # ``RequestTimedOut`` past it: 504 before the first chunk, an SSE error event
             # after (``http.errors.to_http_error``).
             return deadline_stream(self.router.generate(body, ctx), self.request_timeout, ctx)
         return self.router.generate(body, ctx)
+
+
+def _salted_body(body: bytes, tenant: str) -> bytes:
+    """A relayed OpenAI body with ``cache_salt`` set to ``tenant``'s cache space, the
+    client's own salt (``cache_salt`` or ``nvext.cache_salt``) within it. A body that is not
+    a JSON object goes as it is: the worker's relay refuses it."""
+    try:
+        doc: Any = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body
+    if not isinstance(doc, dict):
+        return body
+    nvext = doc.get("nvext")
+    salt = doc.get("cache_salt")
+    param = "cache_salt"
+    if salt is None and isinstance(nvext, dict):
+        salt, param = nvext.get("cache_salt"), "nvext.cache_salt"
+    if salt is not None and (
+        not isinstance(salt, str)
+        or not salt
+        or len(salt) > MAX_CACHE_SALT_CHARS
+        or salt.startswith(TENANT_SALT_PREFIX)
+    ):
+        raise RequestError(
+            f"'{param}' must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters that does "
+            f"not start with {TENANT_SALT_PREFIX!r}",
+            param=param,
+        )
+    doc["cache_salt"] = tenant_cache_salt(tenant, salt)
+    return msgspec.json.encode(doc)

@@ -181,7 +181,7 @@ class ChatRun:
         model_metrics = metrics.model(request.model)
         account: TenantAccount | None = ctx.metadata.get(ACCOUNT_METADATA)
         run = cls(request, model_metrics, account)
-        pre = await pipeline.preprocess(request)
+        pre = await pipeline.preprocess(request, ctx)
         if account is not None:
             account.charge_prompt(len(pre.token_ids))
         pre.session_id = session_id

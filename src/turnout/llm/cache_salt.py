@@ -1,0 +1,59 @@
+"""A request's cache salt: the block space its prompt hashes into (``protocols.block_hashing``
+seeds the hashes with it, engines partition their prefix caches by it, the KV router credits a
+worker only with blocks of the same space).
+
+Two things choose it. The client may send one (``cache_salt`` or ``nvext.cache_salt``), to
+keep its own prompts apart. The frontend puts each tenant in its own space, so that no tenant
+is served, or can time, another's cached prefix: ``tenant_cache_salt`` joins the tenant's
+name and the client's salt into one string. The tenant's name goes first with its length, so
+no (tenant, salt) pair spells another's; it starts with ``TENANT_SALT_PREFIX``, a prefix a
+client's own salt may not take, so no client of the un-tenanted space (no tenant, or a tenant
+that shares it: ``--shared-cache-tenants``) can name a tenant's space either.
+"""
+
+from __future__ import annotations
+
+from turnout.errors import RequestError
+from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
+
+#: Longest cache salt a client may send (a tenant id or a random token, not a document).
+MAX_CACHE_SALT_CHARS = 256
+#: How every tenant's salt starts; refused at the start of a client's salt.
+TENANT_SALT_PREFIX = "\x00tenant:"
+
+
+def tenant_cache_salt(tenant: str | None, salt: str | None) -> str | None:
+    """The salt of a request by ``tenant`` (None: the un-tenanted space) that asked for
+    ``salt`` (None: none)."""
+    if tenant is None:
+        return salt
+    space = f"{TENANT_SALT_PREFIX}{len(tenant)}:{tenant}"
+    return space if salt is None else f"{space}:{salt}"
+
+
+def client_cache_salt(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The request's own cache salt, from ``cache_salt`` or ``nvext.cache_salt`` (equal if
+    both); ``RequestError`` for an empty one, one past ``MAX_CACHE_SALT_CHARS``, or one that
+    starts like a tenant's."""
+    top = req.cache_salt
+    ext = req.nvext.cache_salt if req.nvext is not None else None
+    if top is not None and ext is not None and top != ext:
+        raise RequestError(
+            "'cache_salt' and 'nvext.cache_salt' differ; give one", param="cache_salt"
+        )
+    salt = top if top is not None else ext
+    if salt is None:
+        return None
+    param = "cache_salt" if top is not None else "nvext.cache_salt"
+    if not salt:
+        raise RequestError(f"'{param}' must not be empty", param=param)
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise RequestError(
+            f"'{param}' is longer than {MAX_CACHE_SALT_CHARS} characters", param=param
+        )
+    if salt.startswith(TENANT_SALT_PREFIX):
+        raise RequestError(
+            f"'{param}' must not start with {TENANT_SALT_PREFIX!r} (tenants' cache spaces)",
+            param=param,
+        )
+    return salt
