@@ -256,3 +256,18 @@ async def test_a_refused_prompt_gives_its_slot_back_to_no_partition(
     assert outs[-1].finish_reason is FinishReason.ERROR
     await eventually(lambda: all_free(engine), timeout=20, what="every slot free")
     assert not any(r.salt == "tenant-f" for r in engine._slots.snapshot())
+
+
+@pytest.mark.slow
+async def test_the_last_token_carries_the_usage(
+    engine: LlamaCppEngine, tokenizer: Tokenizer
+) -> None:
+    """A consumer that stops at ``max_tokens`` tokens (the worker, the frontend) still gets
+    the cached prompt tokens: the output with the last token ends the stream."""
+    user = "List the planets of the solar system."
+    await run(engine, request(tokenizer, user, "tenant-g", 3))
+    outs = await run(engine, request(tokenizer, user, "tenant-g", 3))
+    assert [len(o.token_ids) for o in outs] == [1, 1, 1]
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    usage = usage_of(outs)
+    assert usage.completion_tokens == 3 and usage.cached_tokens == usage.prompt_tokens - 1

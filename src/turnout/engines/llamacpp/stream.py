@@ -73,6 +73,7 @@ class RequestStream:
         "finished",
         "load",
         "loop",
+        "max_tokens",
         "num_tokens",
         "phase",
         "prompt_tokens",
@@ -109,6 +110,7 @@ class RequestStream:
         self.cache_salt = request.cache_salt
         self.token_ids = request.token_ids
         self.prompt_tokens = len(request.token_ids)
+        self.max_tokens = sc.max_tokens
         self.eos_ids = frozenset(() if sc.ignore_eos else request.eos_token_ids)
         self.stop_ids = self.eos_ids | frozenset(sc.stop_token_ids_hidden or ())
         self.want_logprobs = request.output_options.logprobs is not None
@@ -230,6 +232,12 @@ class RequestStream:
                         del tops[i + 1 :]
                     break
         self.num_tokens += len(ids)
+        max_tokens = self.max_tokens
+        if finish is None and ids and max_tokens is not None and self.num_tokens >= max_tokens:
+            # The last token llama.cpp decodes: end here, with the usage. Its own last chunk
+            # (no token) follows, but a consumer that counts tokens stops first, and would
+            # never see the usage (the cached prompt tokens).
+            finish = FinishReason.LENGTH
         usage: CompletionUsage | None = None
         if finish is not None:
             usage = self.usage()
