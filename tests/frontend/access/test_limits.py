@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 from turnout.frontend.access.limits import (
     CONCURRENCY_RETRY_AFTER,
     EVICTION_SCAN,
+    OUTPUT_FLUSH_TOKENS,
     TenantLimitExceeded,
     TenantLimits,
     check_policy,
@@ -140,6 +141,27 @@ def test_output_tokens_overdraw_and_the_debt_refuses_the_next_request() -> None:
     assert caught.value.retry_after == pytest.approx(30.0)
     clock.time += 30
     limits.admit(alice).release()
+
+
+def test_a_streams_output_reaches_the_budget_while_it_streams_and_the_rest_at_release() -> None:
+    clock = Clock()
+    limits = TenantLimits(clock)
+    alice = who("alice", tokens_per_minute=60)  # 1 a second, 60 at most
+    stream = limits.admit(alice)
+    stream.charge_prompt(60)
+    for _ in range(OUTPUT_FLUSH_TOKENS - 1):
+        stream.charge_output(1)
+    limits.admit(alice).release()  # nothing taken yet: not in debt
+    stream.charge_output(1)
+    with pytest.raises(TenantLimitExceeded) as caught:
+        limits.admit(alice)  # the stream's output so far overdrew the budget
+    assert caught.value.retry_after == pytest.approx(OUTPUT_FLUSH_TOKENS)
+    stream.charge_output(3)
+    stream.release()
+    stream.release()  # charges the 3 owed once
+    with pytest.raises(TenantLimitExceeded) as caught:
+        limits.admit(alice)
+    assert caught.value.retry_after == pytest.approx(OUTPUT_FLUSH_TOKENS + 3)
 
 
 def test_a_reloaded_policy_applies_at_the_next_admission() -> None:

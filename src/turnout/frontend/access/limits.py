@@ -7,7 +7,10 @@ is in debt (output tokens of earlier requests overdrew it), and a request past t
 bucket. Once the prompt is tokenized, ``charge_prompt`` takes its tokens from the
 tokens-per-minute bucket (refused if the bucket cannot pay them now); output tokens are
 charged as they stream (``charge_output``), never refused: a stream is not cut, the debt
-makes the tenant's next request wait. A refusal is ``TenantLimitExceeded``: HTTP 429 with
+makes the tenant's next request wait. A ticket passes its output on to the bucket every
+``OUTPUT_FLUSH_TOKENS`` tokens and when released (a bucket read per token would cost more
+than the rest of the accounting), so admission sees a stream's output at most that many
+tokens late. A refusal is ``TenantLimitExceeded``: HTTP 429 with
 ``Retry-After`` and a message naming the limit.
 
 Buckets hold one second's requests (``rps``, at least one) and one minute's tokens
@@ -46,6 +49,8 @@ CONCURRENCY_RETRY_AFTER = 1.0
 #: How many of the least recently admitted tenants an eviction looks through for one with
 #: no request in flight.
 EVICTION_SCAN = 32
+#: Output tokens a ticket gathers before it charges them to its tenant's bucket.
+OUTPUT_FLUSH_TOKENS = 16
 
 
 class TenantLimitExceeded(TurnoutError):
@@ -131,7 +136,7 @@ def check_policy(policy: TenantPolicy) -> None:
 class TenantTicket:
     """An admitted request's hold on its tenant's limits. ``release`` when it ends."""
 
-    __slots__ = ("_counter", "_released", "_state", "_tenant")
+    __slots__ = ("_counter", "_owed", "_released", "_state", "_tenant", "_tpm")
 
     def __init__(
         self, tenant: str, state: _TenantState | None, counter: RejectionCounter | None
@@ -140,6 +145,10 @@ class TenantTicket:
         self._state = state
         self._counter = counter
         self._released = state is None
+        #: The tenant's tokens-per-minute bucket when the request was admitted (None: none).
+        self._tpm = state.tpm if state is not None else None
+        #: Output tokens charged and not yet taken from ``_tpm``.
+        self._owed = 0
 
     def charge_prompt(self, tokens: int) -> None:
         """Take the prompt's tokens from the tenant's tokens-per-minute budget; raises
@@ -157,17 +166,28 @@ class TenantTicket:
 
     def charge_output(self, tokens: int) -> None:
         """Take generated tokens from the budget, into debt if need be (never refused)."""
-        state = self._state
-        if state is not None and state.tpm is not None:
-            state.tpm.force_take(tokens)
+        tpm = self._tpm
+        if tpm is None:
+            return
+        owed = self._owed + tokens
+        if owed < OUTPUT_FLUSH_TOKENS:
+            self._owed = owed
+            return
+        self._owed = 0
+        tpm.force_take(owed)
 
     def release(self) -> None:
-        """Give the request's concurrency slot back (idempotent)."""
+        """Charge the output still owed and give the request's concurrency slot back
+        (idempotent)."""
         if self._released:
             return
         self._released = True
-        assert self._state is not None
-        self._state.inflight -= 1
+        state = self._state
+        assert state is not None
+        state.inflight -= 1
+        if self._owed and self._tpm is not None:
+            self._tpm.force_take(self._owed)
+        self._owed = 0
 
 
 class TenantLimits:
