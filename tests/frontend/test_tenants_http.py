@@ -62,14 +62,17 @@ class Tenanted:
         return anthropic.AsyncAnthropic(base_url=self.stack.url, api_key=key, max_retries=0)
 
 
-@pytest.fixture
-async def tenanted(gguf_path: str, tmp_path: Path) -> AsyncIterator[Tenanted]:
+@pytest.fixture(params=[frozenset()], ids=["isolated"])
+async def tenanted(
+    gguf_path: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Tenanted]:
     """A frontend with the keys above and one mocker worker (model ``mock``, blocks of 16):
-    every request meets the same KV cache."""
+    every request meets the same KV cache. ``request.param``: the tenants that share one
+    cache space (``--shared-cache-tenants``)."""
     before = set(asyncio.all_tasks())
     keys_file = tmp_path / "keys.toml"
     keys_file.write_text(KEYS)
-    stack = await make_stack(api_keys_file=str(keys_file))
+    stack = await make_stack(api_keys_file=str(keys_file), shared_cache_tenants=request.param)
     config = MockerConfig(num_gpu_blocks=256, block_size=16, speedup_ratio=0)
     (engine,) = make_mocker_engines(config, 1, model_path=gguf_path)
     await stack.add_worker(engine, model_name=MODEL)
@@ -128,3 +131,28 @@ async def test_usage_per_tenant_for_admins(tenanted: Tenanted) -> None:
     assert usage["a"]["output_tokens"] == 6 and usage["b"]["output_tokens"] == 3
     assert usage["a"]["prompt_tokens"] == 2 * first.usage.prompt_tokens
     assert 'turnout_tenant_tokens_total{kind="output",tenant="a"} 6.0' in metrics
+
+
+def cached_tokens(out: openai.types.Completion) -> int:
+    assert out.usage is not None
+    details = out.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+#: A prompt of 6 full blocks of 16 tokens (and 4 more).
+PROMPT = list(range(2000, 2100))
+
+
+async def test_tenants_never_share_cached_prompts(tenanted: Tenanted) -> None:
+    assert cached_tokens(await complete(tenanted, KEY_A, PROMPT)) == 0
+    assert cached_tokens(await complete(tenanted, KEY_B, PROMPT)) == 0  # a's blocks: not b's
+    assert cached_tokens(await complete(tenanted, KEY_A2, PROMPT)) >= 96  # a's, by another key
+    assert cached_tokens(await complete(tenanted, KEY_B, PROMPT)) >= 96  # b's own
+
+
+@pytest.mark.parametrize("tenanted", [frozenset({"a", "b"})], ids=["shared"], indirect=True)
+async def test_shared_cache_tenants_share_cached_prompts(tenanted: Tenanted) -> None:
+    assert cached_tokens(await complete(tenanted, KEY_A, PROMPT)) == 0
+    assert cached_tokens(await complete(tenanted, KEY_B, PROMPT)) >= 96
+    # A tenant outside the shared set keeps its own space.
+    assert cached_tokens(await complete(tenanted, KEY_ADMIN, PROMPT)) == 0

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
 
 from turnout.errors import ConfigError
-from turnout.frontend.access.jwt import JwtConfig
-from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, PUBLIC_ROUTE_CHOICES
+from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES
 from turnout.frontend.http.errors import REJECT_STATUSES
 from turnout.frontend.responses.history import DEFAULT_MAX_RECORD_BYTES, DEFAULT_TTL_S
 from turnout.frontend.responses.store import DEFAULT_RESPONSE_STORE, default_sqlite_path
@@ -21,7 +19,8 @@ from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
 from turnout.runtime.http import HttpLimits
 
-from .flags import add_flag, add_runtime_flags, env_name, planes_config
+from .access_flags import add_access_flags, jwt_config, tenant_config
+from .flags import add_flag, add_runtime_flags, planes_config
 from .lifecycle import run_command, run_until_signal
 
 log = logging.getLogger("turnout.cli")
@@ -122,62 +121,6 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     add_access_flags(p)
 
 
-def _env_list(flag: str) -> list[str]:
-    """A repeatable flag's default: its environment variable's comma-separated values."""
-    value = os.environ.get(env_name(flag), "")
-    return [item.strip() for item in value.split(",") if item.strip()]
-
-
-def add_access_flags(p: argparse.ArgumentParser) -> None:
-    """Who may call the frontend (``frontend.access``), and HTTPS."""
-    g = p.add_argument_group("access: API keys, JWTs, HTTPS (without keys or JWTs the "
-                             "frontend is open to whoever reaches it)")  # fmt: skip
-    # Not add_flag: a key must never be printed as a default in --help.
-    g.add_argument("--api-key", action="append", default=_env_list("--api-key"),
-                   help="a key callers send as 'Authorization: Bearer' or 'x-api-key' "
-                        "(repeatable; tenant 'default', not admin) "
-                        f"[env {env_name('--api-key')}, comma-separated]")  # fmt: skip
-    add_flag(g, "--api-keys-file",
-             help="TOML of [[keys]] tables: key or sha256, tenant, and optional admin, rps, "
-                  "tokens_per_minute, max_concurrent, priority; SIGHUP reloads it")  # fmt: skip
-    g.add_argument("--public-route", action="append", default=_env_list("--public-route"),
-                   choices=PUBLIC_ROUTE_CHOICES,
-                   help="a route open without a key (repeatable; /health and /live always "
-                        f"are) [env {env_name('--public-route')}, comma-separated]")  # fmt: skip
-    add_flag(g, "--jwt-issuer",
-             help="accept JWT bearer tokens of this issuer (iss); needs --jwt-audience and "
-                  "--jwt-jwks-file")  # fmt: skip
-    add_flag(g, "--jwt-audience", help="the audience (aud) tokens must name")
-    add_flag(g, "--jwt-jwks-file",
-             help="the issuer's public keys (a JWKS, JSON); read at start and on SIGHUP, "
-                  "never fetched")  # fmt: skip
-    add_flag(g, "--jwt-tenant-claim", default="tenant",
-             help="the claim that names the caller's tenant")  # fmt: skip
-    add_flag(
-        g,
-        "--jwt-admin-claim",
-        help="a claim that, when true, makes the caller an admin (default: none is)",
-    )
-    add_flag(g, "--tls-cert", help="serve HTTPS with this certificate chain (PEM)")
-    add_flag(g, "--tls-key", help="the private key of --tls-cert (PEM)")
-
-
-def jwt_config(args: argparse.Namespace) -> JwtConfig | None:
-    """The ``--jwt-*`` flags, all three of issuer, audience and JWKS file, or none."""
-    given = [args.jwt_issuer, args.jwt_audience, args.jwt_jwks_file]
-    if not any(given):
-        return None
-    if not all(given):
-        raise ConfigError("--jwt-issuer, --jwt-audience and --jwt-jwks-file go together")
-    return JwtConfig(
-        issuer=args.jwt_issuer,
-        audience=args.jwt_audience,
-        jwks_file=args.jwt_jwks_file,
-        tenant_claim=args.jwt_tenant_claim,
-        admin_claim=args.jwt_admin_claim,
-    )
-
-
 def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
     """What one request may ask for (``llm.limits``): past a bound, a 400 naming the field."""
     d = RequestLimits()
@@ -272,6 +215,7 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
 
 
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
+    tenants = tenant_config(args)
     return FrontendConfig(
         host=args.host,
         port=args.port,
@@ -310,6 +254,8 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         public_routes=tuple(dict.fromkeys(args.public_route)),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        shared_cache_tenants=tenants.shared_cache_tenants,
+        tenant_metrics_max=tenants.tenant_metrics_max,
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from turnout.errors import ConfigError, TurnoutError
 from turnout.frontend.access.authenticator import Authenticator
+from turnout.frontend.access.cache_space import CacheSpaces
 from turnout.frontend.access.jwt import JwtConfig
 from turnout.frontend.access.limits import TenantLimits
 from turnout.frontend.access.usage import TenantUsage
@@ -145,6 +146,9 @@ class FrontendConfig:
     #: Tenants with their own label in ``turnout_tenant_*`` and ``/admin/usage``; the
     #: others are counted together under ``_other``.
     tenant_metrics_max: int = 100
+    #: Tenants whose prompts hash into the un-tenanted cache space, sharing cached prefixes
+    #: with each other and the ``default`` tenant (``--shared-cache-tenants``).
+    shared_cache_tenants: frozenset[str] = frozenset()
 
 
 def server_ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
@@ -302,6 +306,7 @@ class Frontend:
             disagg_metrics=DisaggMetrics(self.metrics.registry),
             max_artifact_bytes=cfg.max_artifact_bytes,
             prompt_cache=self.prompt_cache,
+            cache_spaces=CacheSpaces(cfg.shared_cache_tenants),
             artifacts=ArtifactFetcher(
                 disk="env"
                 if cfg.artifact_cache is None

@@ -36,10 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnout.errors import ConfigError
-from turnout.frontend.access.principal import Principal, TenantPolicy
+from turnout.frontend.access.principal import DEFAULT_TENANT, Principal, TenantPolicy
 
-#: The tenant of ``--api-key`` keys (and of the frontend without credentials).
-DEFAULT_TENANT = "default"
 #: Hex digits of a key's SHA-256 that name it (``Principal.key_id``) in logs and the audit log.
 KEY_ID_DIGITS = 12
 #: What a tenant's name may be: it becomes a metric label and joins the prefix cache's salt.

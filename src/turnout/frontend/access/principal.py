@@ -34,5 +34,9 @@ class Principal:
     policy: TenantPolicy = TenantPolicy()
 
 
+#: The tenant of ``--api-key`` keys and of the frontend without credentials. Its prompts hash
+#: into the un-tenanted cache space (``access.cache_space``).
+DEFAULT_TENANT = "default"
+
 #: The caller of a frontend that runs without credentials configured: one tenant, no limits.
-ANONYMOUS = Principal(tenant="default", key_id="anonymous")
+ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous")
