@@ -602,13 +602,17 @@ async def test_lease_keep_alive_outlives_a_short_outage(own_etcd: EtcdServer) ->
 
 
 async def test_user_and_password(own_etcd: EtcdServer) -> None:
-    await own_etcd.enable_auth("turnout", "s3cret")
+    await own_etcd.enable_auth("turnout", "sk-turnout-test-s3cret")
     endpoints = own_etcd.endpoints
     with pytest.raises(ConfigError, match="rejected user 'turnout'"):
-        await open_store("etcd", endpoints=endpoints, user="turnout", password="wrong")
+        await open_store(
+            "etcd", endpoints=endpoints, user="turnout", password="sk-turnout-test-wrong"
+        )
     with pytest.raises(ConfigError, match=r"etcd at \['http"):
         await open_store("etcd", endpoints=endpoints)  # no credentials
-    store = await open_store("etcd", endpoints=endpoints, user="turnout", password="s3cret")
+    store = await open_store(
+        "etcd", endpoints=endpoints, user="turnout", password="sk-turnout-test-s3cret"
+    )
     watch = store.watch_prefix("p/")
     try:
         await store.put("p/a", b"1")

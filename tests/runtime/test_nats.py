@@ -102,11 +102,11 @@ async def test_nats_on_another_loopback_address() -> None:
 
 
 async def test_wrong_password_is_a_config_error_without_the_password() -> None:
-    with NatsServerProcess(user="turnout", password="right") as server:
-        bad = f"nats://turnout:wrong@{server.host}:{server.port}"
+    with NatsServerProcess(user="turnout", password="sk-turnout-test-right") as server:
+        bad = f"nats://turnout:sk-turnout-test-wrong@{server.host}:{server.port}"
         with pytest.raises(ConfigError, match="cannot reach NATS") as info:
             await connect_nats(NatsOptions(servers=[bad], connect_timeout=2.0))
-        assert "wrong" not in str(info.value) and "***" in str(info.value)
+        assert "sk-turnout-test-wrong" not in str(info.value) and "***" in str(info.value)
         good = await connect_nats(NatsOptions(servers=[server.url]))
         assert good.is_connected
         await good.close()
