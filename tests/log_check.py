@@ -197,8 +197,12 @@ class LogCheck:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         leaks = self.handler.take()
-        basetemp = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
-        leaks += scan_logs_under(basetemp)
+        # The session's temporary directory, if a test made one (None: none did, or
+        # ``-p no:tmpdir``).
+        factory = getattr(session.config, "_tmp_path_factory", None)
+        basetemp = getattr(factory, "_basetemp", None)
+        if isinstance(basetemp, Path):
+            leaks += scan_logs_under(basetemp)
         if not leaks:
             return
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -51,6 +51,41 @@ def test_clean():
 """
 
 
+INNER_MODULE_STACK = """
+import pytest
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("stack")
+    (logs / "frontend-0.log").write_text("INFO key " + "sk-turnout-test-" + "module" + "\\n")
+    return logs
+
+def test_uses_a_module_stack(stack):
+    assert stack.is_dir()
+"""
+
+
+def _run_suite(tmp_path: Path, tests: str) -> tuple[int, str]:
+    """Run ``tests`` under the check in a child pytest; its exit status and output. Its
+    temporary directory is removed after: the process logs in it hold secrets."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(INNER_CONFTEST)
+    (suite / "test_leaks.py").write_text(tests)
+    (suite / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    basetemp = tmp_path / "inner-tmp"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # Popen, not run: the check scans what run captures, and this output holds the secrets.
+    with subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         f"--basetemp={basetemp}", str(suite)],
+        cwd=suite, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    ) as child:  # fmt: skip
+        out, _ = child.communicate(timeout=120)
+    shutil.rmtree(basetemp, ignore_errors=True)
+    return child.returncode, out.decode(errors="replace")
+
+
 def _record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
     record = logging.LogRecord("turnout.fake", logging.INFO, "/src/x.py", 42, msg, args, None)
     record.__dict__.update(extra)
@@ -97,23 +132,8 @@ def test_every_occurrence_is_found_and_log_files_are_read(tmp_path: Path) -> Non
 def test_a_leaking_test_fails_in_a_pytest_run(tmp_path: Path) -> None:
     """Runs a small suite under the check in a child pytest: every leaking test errors at
     teardown with a report naming where the secret was, the clean one passes."""
-    suite = tmp_path / "suite"
-    suite.mkdir()
-    (suite / "conftest.py").write_text(INNER_CONFTEST)
-    (suite / "test_leaks.py").write_text(INNER_TESTS)
-    (suite / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
-    basetemp = tmp_path / "inner-tmp"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    # Popen, not run: the check scans what run captures, and this output holds the secrets.
-    with subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-         f"--basetemp={basetemp}", str(suite)],
-        cwd=suite, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    ) as child:  # fmt: skip
-        out, _ = child.communicate(timeout=120)
-    shutil.rmtree(basetemp, ignore_errors=True)  # its process log holds a secret
-    text = out.decode(errors="replace")
-    assert child.returncode == 1, text
+    code, text = _run_suite(tmp_path, INNER_TESTS)
+    assert code == 1, text
     assert "5 passed, 4 errors" in text, text  # passed their calls, failed at teardown
     for name in (
         "test_logs_a_key",
@@ -125,3 +145,10 @@ def test_a_leaking_test_fails_in_a_pytest_run(tmp_path: Path) -> None:
     assert "log record of logger 'turnout.fake' (INFO) at" in text, text
     assert "test_leaks.py:9" in text, text
     assert "worker-0.log" in text and "output of [" in text, text
+
+
+def test_a_leak_outside_any_test_fails_the_session(tmp_path: Path) -> None:
+    """A module-scoped stack's process log is scanned at the session's end."""
+    code, text = _run_suite(tmp_path, INNER_MODULE_STACK)
+    assert code == 1 and "1 passed" in text, text
+    assert "reached the logs" in text and "frontend-0.log" in text, text
