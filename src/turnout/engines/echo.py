@@ -21,7 +21,9 @@ Semantics, per request (``n`` = ``len(token_ids)``):
   stops the echo, and nothing is buffered here (the worker's output buffer bounds what it
   pulls ahead).
 
-Every stream ends with ``usage`` (``cached_tokens=0``: there is no cache to hit).
+Every stream ends with ``usage`` (``cached_tokens=0``: there is no cache to hit). So no
+request is served another's cached prefix, and the card's default ``cache_salt`` capability
+(True) is truthful: a tenant's salted request runs like any other.
 """
 
 from __future__ import annotations

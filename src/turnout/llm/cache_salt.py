@@ -9,11 +9,17 @@ name and the client's salt into one string. The tenant's name goes first with it
 no (tenant, salt) pair spells another's; it starts with ``TENANT_SALT_PREFIX``, a prefix a
 client's own salt may not take, so no client of the un-tenanted space (no tenant, or a tenant
 that shares it: ``--shared-cache-tenants``) can name a tenant's space either.
+
+A salt is kept only by an engine that partitions its prefix cache by it (the card's
+``capabilities.cache_salt``): ``request_cache_salt`` refuses a salted request to any other
+model before it is routed, with a message that says whose salt it is (the client's, or its
+tenant's), rather than the worker's refusal of a field the client may never have sent.
 """
 
 from __future__ import annotations
 
 from turnout.errors import RequestError
+from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 
 #: Longest cache salt a client may send (a tenant id or a random token, not a document).
@@ -57,3 +63,32 @@ def client_cache_salt(req: ChatCompletionRequest | CompletionRequest) -> str | N
             param=param,
         )
     return salt
+
+
+def request_cache_salt(
+    req: ChatCompletionRequest | CompletionRequest,
+    tenant: str | None,
+    card: ModelDeploymentCard,
+) -> str | None:
+    """The salt of ``req`` by ``tenant`` (``tenant_cache_salt``) to the model of ``card``.
+    ``RequestError`` for a client's salt that ``client_cache_salt`` refuses, and for any salt
+    to a model whose engine cannot partition its cache: naming the client's field when it
+    sent one, else saying the tenant's space cannot be kept (no tenant is named: the caller's
+    own tenant is the operator's label, and the message goes to the client)."""
+    salt = client_cache_salt(req)
+    if card.capabilities.cache_salt or (salt is None and tenant is None):
+        return tenant_cache_salt(tenant, salt)
+    model = card.display_name
+    if salt is not None:
+        param = "cache_salt" if req.cache_salt is not None else "nvext.cache_salt"
+        raise RequestError(
+            f"model '{model}' cannot honour '{param}' (its engine cannot partition its "
+            "prefix cache)",
+            param=param,
+        )
+    raise RequestError(
+        f"model '{model}' cannot serve your tenant: its engine cannot keep "
+        "tenants' prefix caches apart. An operator can let the tenant share the common cache "
+        "by naming it in --shared-cache-tenants.",
+        param="model",
+    )

@@ -37,7 +37,7 @@ from turnout.protocols.llm import (
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 
-from .cache_salt import client_cache_salt, tenant_cache_salt
+from .cache_salt import request_cache_salt
 from .chat_template import ChatTemplate
 from .limits import RequestLimits
 from .prompt_cache import PromptCache, PromptEncoder
@@ -144,7 +144,7 @@ class Preprocessor:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
-        self._validate(req, max_tokens, max_param)
+        cache_salt = self._validate(req, max_tokens, max_param, tenant)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise RequestError("'top_logprobs' must be between 0 and 20", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
@@ -199,7 +199,7 @@ class Preprocessor:
         size = prompt_chars + tools_chars + MESSAGE_COST_CHARS * len(req.messages)
         token_ids = await _maybe_offload(size, render_and_encode)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs, tenant)
+        pre = self._build(req, token_ids, max_tokens, max_param, "messages", logprobs, cache_salt)
         pre.structured = structured
         return pre
 
@@ -209,7 +209,7 @@ class Preprocessor:
         self, req: CompletionRequest, tenant: str | None = None
     ) -> PreprocessedRequest:
         """``tenant``: as ``preprocess_chat``'s."""
-        self._validate(req, req.max_tokens, "max_tokens")
+        cache_salt = self._validate(req, req.max_tokens, "max_tokens", tenant)
         if req.best_of is not None and req.best_of != 1:
             raise RequestError("'best_of' other than 1 is not supported yet", param="best_of")
         if req.suffix:
@@ -234,7 +234,7 @@ class Preprocessor:
         else:
             token_ids = self._check_ids(prompt)
         pre = self._build(
-            req, token_ids, req.max_tokens, "max_tokens", "prompt", req.logprobs, tenant
+            req, token_ids, req.max_tokens, "max_tokens", "prompt", req.logprobs, cache_salt
         )
         pre.structured = structured
         return pre
@@ -313,7 +313,11 @@ class Preprocessor:
 
     # ---------------------------------------------------------------- shared
 
-    def _validate(self, req: _Request, max_tokens: int | None, max_param: str) -> None:
+    def _validate(
+        self, req: _Request, max_tokens: int | None, max_param: str, tenant: str | None
+    ) -> str | None:
+        """Refuse what ``req`` may not ask of this model, before any expensive step; return
+        its cache salt (``llm.cache_salt``: ``tenant``'s space, the client's salt within it)."""
         if max_tokens is not None and max_tokens < 1:
             raise RequestError(
                 f"'{max_param}' must be at least 1, got {max_tokens}", param=max_param
@@ -360,7 +364,7 @@ class Preprocessor:
             raise RequestError("'min_p' must be between 0 and 1", param="min_p")
         if req.repetition_penalty is not None and req.repetition_penalty <= 0:
             raise RequestError("'repetition_penalty' must be positive", param="repetition_penalty")
-        client_cache_salt(req)
+        return request_cache_salt(req, tenant, self.card)
 
     def _check_response(
         self,
@@ -428,7 +432,7 @@ class Preprocessor:
         max_param: str,
         prompt_param: str,
         logprobs: int | None,
-        tenant: str | None,
+        cache_salt: str | None,
     ) -> PreprocessedRequest:
         n_prompt = len(token_ids)
         self._check_length(n_prompt, max_tokens, max_param, prompt_param)
@@ -477,7 +481,7 @@ class Preprocessor:
             eos_token_ids=list(self.card.eos_token_ids),
             lora_name=self.card.lora.name if self.card.lora else None,
             backend_instance_id=nvext.backend_instance_id if nvext else None,
-            cache_salt=tenant_cache_salt(tenant, client_cache_salt(req)),
+            cache_salt=cache_salt,
             mdc_sum=self._mdc_sum,
         )
 

@@ -170,7 +170,7 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     """What a model's engine does beyond plain sampling. The frontend refuses a request that
     asks for more with a 400 naming the field, rather than accepting it and ignoring it.
 
-    Defaults are what an engine that says nothing can do: none of it.
+    Defaults are what an engine that says nothing can do: none of it, but for ``cache_salt``.
     """
 
     #: Per-token log probabilities in responses, with at most this many alternatives each.
@@ -178,6 +178,15 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     max_top_logprobs: int = 0
     #: vLLM's ``min_tokens``: no stop (EOS, stop tokens) before that many tokens.
     min_tokens: bool = False
+    #: The engine partitions its prefix cache by ``cache_salt``: a salted prompt reuses only
+    #: blocks cached under the same salt. It is what keeps tenants' caches apart
+    #: (``llm.cache_salt``); the frontend refuses salted requests to a model without it.
+    #: True by default, unlike the others, for a card written before the field existed:
+    #: most such workers partition (mocker, vLLM), so True keeps their cards' checksum and
+    #: their tenants served through an upgrade, and those that do not (attached SGLang and
+    #: llama.cpp servers) still refuse a salted request themselves. An engine that cannot
+    #: partition says False.
+    cache_salt: bool = True
     #: Kinds of structured output the engine enforces while sampling (``json_object``,
     #: ``json_schema``, ``regex``, ``choice``, ``grammar``): ``response_format``, the
     #: ``guided_*`` fields and forced tool calls need them.

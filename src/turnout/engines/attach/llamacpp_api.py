@@ -204,7 +204,9 @@ class LlamaCppApi(TokensApi):
         self._slots = 1
 
     def capabilities(self) -> ModelCapabilities:
-        return ModelCapabilities(logprobs=True, max_top_logprobs=MAX_TOP_LOGPROBS)
+        # No ``cache_salt``: the frontend refuses salted requests (a tenant's among them)
+        # before routing, ``own_refusal`` those that arrive anyway.
+        return ModelCapabilities(logprobs=True, max_top_logprobs=MAX_TOP_LOGPROBS, cache_salt=False)
 
     async def describe(self, upstream: Upstream) -> ServerInfo:
         props = require_dict(upstream.base_url, "GET /props", await upstream.get_json("/props"))

@@ -178,7 +178,11 @@ class SglangApi(TokensApi):
         self._tokenize_path = "/v1/tokenize"
 
     def capabilities(self) -> ModelCapabilities:
-        return ModelCapabilities(logprobs=True, max_top_logprobs=MAX_TOP_LOGPROBS, min_tokens=True)
+        # No ``cache_salt``: the frontend refuses salted requests (a tenant's among them)
+        # before routing, ``own_refusal`` those that arrive anyway.
+        return ModelCapabilities(
+            logprobs=True, max_top_logprobs=MAX_TOP_LOGPROBS, min_tokens=True, cache_salt=False
+        )
 
     async def describe(self, upstream: Upstream) -> ServerInfo:
         model = first_model(upstream.base_url, await upstream.get_json("/v1/models"))

@@ -189,7 +189,10 @@ class VllmApi(TokensApi):
         self.url = url
 
     def capabilities(self) -> ModelCapabilities:
-        return ModelCapabilities(logprobs=True, max_top_logprobs=MAX_TOP_LOGPROBS, min_tokens=True)
+        # vLLM partitions its prefix cache by ``cache_salt`` (it seeds the first block's hash).
+        return ModelCapabilities(
+            logprobs=True, max_top_logprobs=MAX_TOP_LOGPROBS, min_tokens=True, cache_salt=True
+        )
 
     async def describe(self, upstream: Upstream) -> ServerInfo:
         model = first_model(upstream.base_url, await upstream.get_json("/v1/models"))

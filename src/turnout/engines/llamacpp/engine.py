@@ -288,12 +288,13 @@ class LlamaCppEngine(Engine):
                 device_type=DEVICE_CPU,
             ),
             # Each token's log probability and up to 20 alternatives; every kind
-            # of structured output (grammars); not ``min_tokens``, which llama.cpp's server
-            # does not have.
+            # of structured output (grammars); cache partitions by slot (``slots``); not
+            # ``min_tokens``, which llama.cpp's server does not have.
             capabilities=ModelCapabilities(
                 logprobs=True,
                 max_top_logprobs=MAX_TOP_LOGPROBS,
                 structured_outputs=list(STRUCTURED_OUTPUTS),
+                cache_salt=True,
             ),
         )
 

@@ -385,9 +385,12 @@ class MockerEngine(Engine):
             # it prefills for (the same display name).
             model_type=ModelType.Prefill if role is WorkerRole.PREFILL else base.model_type,
             worker_role=role,
-            # The scheduler holds back stops before min_tokens and reports (simulated) log
-            # probabilities of its tokens; no alternatives.
-            capabilities=ModelCapabilities(min_tokens=True, logprobs=True, max_top_logprobs=20),
+            # The scheduler holds back stops before min_tokens, reports (simulated) log
+            # probabilities of its tokens, and partitions its prefix cache by cache_salt
+            # (the salt seeds the first block's hash).
+            capabilities=ModelCapabilities(
+                min_tokens=True, logprobs=True, max_top_logprobs=20, cache_salt=True
+            ),
             # A prompt must fit in the pool: saying so in the card lets the frontend refuse a
             # longer one with a 400 before it reaches a worker.
             context_length=min(base.context_length, cfg.max_context_tokens),
