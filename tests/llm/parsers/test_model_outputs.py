@@ -249,5 +249,7 @@ def test_marker_soup_parses_the_same_in_any_chunks_and_loses_nothing(
     )
     if reasoning is None and tool in KEEPS_ALL_TEXT and not whole.calls:
         assert whole.content == text
-    if tool is None and reasoning == "qwen3" and not whole.reasoning:
+    if tool is None and reasoning == "qwen3" and "<think>" not in text:
+        # Without an opening marker there is no reasoning: every character is answer text (an
+        # empty think block, even one never closed, is consumed: Qwen3's "no thinking" form).
         assert whole.content == text
