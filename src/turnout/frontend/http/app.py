@@ -210,14 +210,10 @@ class HttpService:
         self._admin_paths = frozenset(path for _, path in admin_routes) | {BUSY_THRESHOLD, USAGE}
         history = history if history is not None else ResponseHistory(None)
         store = StoreRoutes(history, self._read_body)
-
-        async def create_conversation(scope: Scope, proto: Exchange, _: Principal) -> None:
-            await store.create_conversation(scope, proto)
-
-        self._routes[("POST", CONVERSATIONS)] = create_conversation
+        self._routes[("POST", CONVERSATIONS)] = store.create_conversation
         self._paths = {path for _, path in self._routes}
-        #: (prefix, handler(scope, proto, path)): routes whose paths carry ids, tried in order
-        #: when no exact route matches.
+        #: (prefix, handler(scope, proto, path, principal)): routes whose paths carry ids,
+        #: tried in order when no exact route matches.
         self._prefix_routes = (
             (RESPONSES_PREFIX, store.responses),
             (CONVERSATIONS_PREFIX, store.conversations),
@@ -258,7 +254,7 @@ class HttpService:
                 return
             for prefix, routed in self._prefix_routes:
                 if path.startswith(prefix):
-                    await routed(scope, proto, path)
+                    await routed(scope, proto, path, principal)
                     return
             if path in self._paths:
                 raise HttpError(

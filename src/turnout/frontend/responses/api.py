@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from turnout.errors import RequestError
+from turnout.frontend.access.limits import PRINCIPAL_METADATA
 from turnout.frontend.http.errors import HttpError
 from turnout.frontend.http.surface import (
     Pipeline,
@@ -43,9 +44,8 @@ from turnout.frontend.models.pipeline import TextPipeline
 from turnout.frontend.openai.chat_run import ChatRun, Choice, respond
 from turnout.frontend.openai.choice_output import ChoicePiece
 from turnout.frontend.openai.chunk_writer import new_request_id
-from turnout.frontend.responses.history import ResponseHistory
+from turnout.frontend.responses.history import ResponseHistory, store_tenant
 from turnout.frontend.responses.request import ResponsesRequest, to_chat
-from turnout.frontend.responses.store import NO_TENANT
 from turnout.llm.limits import RequestLimits
 from turnout.llm.parsers import ToolCallDelta
 from turnout.protocols.openai import Usage
@@ -341,8 +341,8 @@ def responses_surface(
                 "completions only; /v1/responses needs a model the frontend tokenizes",
                 param="model",
             )
-        # NO_TENANT until clients map to tenants (as ``store_routes.tenant_of`` says).
-        turn = await history.begin(request, NO_TENANT)
+        # The principal the HTTP service put in ``ctx`` (none without credentials configured).
+        turn = await history.begin(request, store_tenant(ctx.metadata.get(PRINCIPAL_METADATA)))
         if turn.context:  # the chain's or conversation's items, then the request's own
             items = [*turn.context, *turn.input_items]
             chat = to_chat(msgspec.structs.replace(request, input=items), limits)

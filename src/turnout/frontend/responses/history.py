@@ -17,6 +17,12 @@ cannot fill the store. Every store call has a deadline (``STORE_DEADLINE_S``); a
 fails or does not answer makes the store's routes answer 503, and a finished response that
 cannot be stored is still delivered, with ``store: false``.
 
+Tenants: every record belongs to the tenant of the request that wrote it, and is looked up
+under that tenant only (the tenant is part of every backend's key), so another tenant's record
+is never read: it is missing, with the same 404. The ``default`` tenant (every caller of a
+frontend without credentials, and ``--api-key`` keys) keeps its records under ``NO_TENANT``,
+the records' tenant when no principal wrote them.
+
 Routing: a chain's turns carry its root's id as their session id, and a conversation's turns
 the conversation's id, so the KV router (and session affinity) sends each turn to the worker
 that holds the conversation's prefix, as a client sending ``x-session-id`` would.
@@ -34,10 +40,11 @@ from typing import Any, TypeVar
 import msgspec
 
 from turnout.errors import RequestError
+from turnout.frontend.access.principal import DEFAULT_TENANT, Principal
 from turnout.frontend.http.errors import SERVER_ERROR, HttpError
 from turnout.frontend.openai.chunk_writer import new_request_id
 from turnout.frontend.responses.request import ResponsesRequest
-from turnout.frontend.responses.store import ResponseStore, ResponseStoreError
+from turnout.frontend.responses.store import NO_TENANT, ResponseStore, ResponseStoreError
 from turnout.llm.preprocessor import (
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_PAIRS,
@@ -89,6 +96,15 @@ class StoredConversation(msgspec.Struct, kw_only=True):
 _decode_response = msgspec.json.Decoder(StoredResponse).decode
 _decode_conversation = msgspec.json.Decoder(StoredConversation).decode
 _decode_item = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+def store_tenant(principal: Principal | None) -> str:
+    """The tenant whose records a request reads and writes: its principal's, with the
+    ``default`` tenant's (and a request without a principal: no credentials configured) under
+    ``NO_TENANT``, where a frontend without credentials keeps them."""
+    if principal is None or principal.tenant == DEFAULT_TENANT:
+        return NO_TENANT
+    return principal.tenant
 
 
 @dataclass(slots=True)

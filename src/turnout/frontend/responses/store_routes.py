@@ -30,11 +30,11 @@ from urllib.parse import parse_qsl
 import msgspec
 
 from turnout.errors import RequestError
+from turnout.frontend.access.principal import Principal
 from turnout.frontend.http.errors import HttpError
 from turnout.frontend.http.surface import decode_json
 from turnout.frontend.openai.chunk_writer import JSON_HEADERS
-from turnout.frontend.responses.history import ResponseHistory
-from turnout.frontend.responses.store import NO_TENANT
+from turnout.frontend.responses.history import ResponseHistory, store_tenant
 from turnout.runtime.http import Exchange, Scope
 
 RESPONSES_PREFIX = "/v1/responses/"
@@ -88,43 +88,43 @@ _items_decoder = msgspec.json.Decoder(ConversationItemsRequest)
 ReadBody = Callable[[Scope, Exchange], Awaitable[bytes]]
 
 
-def tenant_of(scope: Scope) -> str:
-    """The tenant whose records a request may see: ``NO_TENANT`` until the frontend
-    authenticates clients (DESIGN section 6); then the tenant of the request's key."""
-    return NO_TENANT
-
-
 class StoreRoutes:
     """Serves the routes above from ``history``; ``read_body``: the service's bounded body
-    reader (413 past ``--max-body-bytes``)."""
+    reader (413 past ``--max-body-bytes``). Each request reads and writes its principal's
+    tenant's records only (``history.store_tenant``)."""
 
     def __init__(self, history: ResponseHistory, read_body: ReadBody) -> None:
         self.history = history
         self._read_body = read_body
 
-    async def responses(self, scope: Scope, proto: Exchange, path: str) -> None:
+    async def responses(
+        self, scope: Scope, proto: Exchange, path: str, principal: Principal
+    ) -> None:
         """``/v1/responses/...``."""
         with _as_http_errors():
-            await self._responses(scope, proto, path)
+            await self._responses(scope, proto, path, store_tenant(principal))
 
-    async def create_conversation(self, scope: Scope, proto: Exchange) -> None:
+    async def create_conversation(
+        self, scope: Scope, proto: Exchange, principal: Principal
+    ) -> None:
         """``POST /v1/conversations`` (an exact route)."""
         with _as_http_errors():
             _query(scope)
             body = decode_json(_create_decoder, await self._read_body(scope, proto))
             conversation = await self.history.create_conversation(
-                tenant_of(scope), body.metadata, body.items
+                store_tenant(principal), body.metadata, body.items
             )
             _send(proto, conversation)
 
-    async def conversations(self, scope: Scope, proto: Exchange, path: str) -> None:
+    async def conversations(
+        self, scope: Scope, proto: Exchange, path: str, principal: Principal
+    ) -> None:
         """``/v1/conversations/...``."""
         with _as_http_errors():
-            await self._conversations(scope, proto, path)
+            await self._conversations(scope, proto, path, store_tenant(principal))
 
-    async def _responses(self, scope: Scope, proto: Exchange, path: str) -> None:
+    async def _responses(self, scope: Scope, proto: Exchange, path: str, tenant: str) -> None:
         parts = path[len(RESPONSES_PREFIX) :].split("/")
-        tenant = tenant_of(scope)
         history = self.history
         if len(parts) == 1 and parts[0]:
             response_id = parts[0]
@@ -146,9 +146,8 @@ class StoreRoutes:
             return _send(proto, _page(items, query))
         raise _unknown(scope, path)
 
-    async def _conversations(self, scope: Scope, proto: Exchange, path: str) -> None:
+    async def _conversations(self, scope: Scope, proto: Exchange, path: str, tenant: str) -> None:
         parts = path[len(CONVERSATIONS_PREFIX) :].split("/")
-        tenant = tenant_of(scope)
         history = self.history
         method = scope.method
         if not parts[0] or len(parts) > 3 or (len(parts) > 1 and parts[1] != "items"):

@@ -12,9 +12,9 @@ Backends know nothing of the records' contents: ``frontend.responses.history`` e
 decodes them, bounds their size and decides expiries. That keeps four backends (memory,
 SQLite, PostgreSQL, Redis) small and alike, and the policy in one place.
 
-Tenants: every key carries a tenant, ``""`` until the frontend authenticates clients and maps
-them to tenants (DESIGN section 6). Callers pass it explicitly, so that the day tenants exist
-no lookup can forget to scope itself.
+Tenants: every key carries a tenant, and every lookup names one, so no lookup can forget to
+scope itself: a record of another tenant is not found. ``NO_TENANT`` (``""``) holds the
+``default`` tenant's records (``history.store_tenant``).
 
 Expiry: a record whose ``expires_at`` has passed is never returned, whether or not the
 backend's ``sweep`` (or Redis's own expiry) has removed it yet.
@@ -29,7 +29,8 @@ from turnout.errors import ResponseStoreError
 
 __all__ = ["NO_TENANT", "ResponseStore", "ResponseStoreError"]
 
-#: The tenant of every record until tenants exist.
+#: The store's tenant of the ``default`` tenant (every caller of a frontend without
+#: credentials, and ``--api-key`` keys): its records need no tenant of their own.
 NO_TENANT = ""
 
 

@@ -1,12 +1,16 @@
 """``redis://...`` (or ``rediss://``): the response store in Redis, shared by several frontends,
 through redis-py's asyncio client.
 
-Keys (``{t}``: the tenant, ``{id}``: an id, which never holds a colon)::
+Keys (``{t}``: the tenant, its ``%`` and ``:`` escaped as ``%25`` and ``%3A``; ``{id}``:
+an id)::
 
     turnout:r:{t}:{id}    a response's record
     turnout:c:{t}:{id}    a conversation's record
     turnout:ci:{t}:{id}   its items: a hash, item id -> record
     turnout:co:{t}:{id}   their order: a list of item ids
+
+The escaped tenant holds no colon, so the first colon after the kind ends it: no tenant and id
+(a client names ids, colons included) spell another tenant's key.
 
 Every key carries its expiry (``PXAT``): Redis drops what has expired by itself, so
 ``sweep`` has nothing to do. Writes that touch several keys of one conversation run as Lua
@@ -213,7 +217,8 @@ class RedisResponseStore:
 
 
 def _key(kind: str, tenant: str, ident: str) -> str:
-    return f"turnout:{kind}:{tenant}:{ident}"
+    escaped = tenant.replace("%", "%25").replace(":", "%3A")
+    return f"turnout:{kind}:{escaped}:{ident}"
 
 
 def _conversation_keys(tenant: str, conversation_id: str) -> tuple[str, str, str]:

@@ -6,8 +6,8 @@
     turnout_conversations       (tenant, id) -> expires_at, data
     turnout_conversation_items  (tenant, conversation_id, item_id) -> seq, data
 
-``tenant`` is ``''`` until tenants exist (see ``base``); it leads every key, so scoping a
-lookup by tenant costs nothing. ``seq`` orders a conversation's items (SQLite: the rowid;
+``tenant`` (``''``: the ``default`` tenant, see ``base``) leads every key, so scoping a lookup
+by tenant costs nothing. ``seq`` orders a conversation's items (SQLite: the rowid;
 PostgreSQL: a sequence): it only grows, so items come back in the order they were added,
 whichever frontend added them. ``expires_at`` is indexed for the sweep.
 """
