@@ -29,7 +29,7 @@ from turnout.runtime.planes import PlanesConfig, open_runtime
 from turnout.runtime.request_plane import TcpClient, TcpServer, make_client, make_server
 from turnout.runtime.request_plane.framing import Frame, FrameReader, FrameWriter, Kind
 from turnout.runtime.request_plane.tcp import split_address
-from turnout.runtime.request_plane.tcp.tls import RefusalLog, TlsAcceptor
+from turnout.runtime.request_plane.tcp.tls import TlsAcceptor, tls_refusal_log
 
 EID = EndpointId(namespace="ns", component="backend", name="generate")
 TOKENIZER = b'{"model": "the tokenizer a worker must not hand out"}'
@@ -239,7 +239,7 @@ async def test_a_plain_client_cannot_reach_a_tls_server_or_the_reverse(ca: TestC
 
 
 async def test_handshakes_at_once_are_bounded(ca: TestCa) -> None:
-    refusals = RefusalLog("TLS handshake from")
+    refusals = tls_refusal_log()
     acceptor = TlsAcceptor(
         asyncio.Protocol, tls(ca.issue("worker")).server_context(), refusals, max_pending=1
     )
@@ -303,39 +303,6 @@ def test_plane_files_that_do_not_load_are_a_config_error(ca: TestCa, tmp_path: P
         PlaneTls.from_flags(leaf.ca, leaf.cert, other_key)
     with pytest.raises(ConfigError, match="cannot load"):
         PlaneTls.from_flags(str(tmp_path / "absent.pem"), leaf.cert, leaf.key)
-
-
-def test_refusals_are_logged_once_a_minute_per_host(caplog: pytest.LogCaptureFixture) -> None:
-    now = [0.0]
-    log = RefusalLog(
-        "TLS handshake from", interval=60.0, peers=2, max_lines=3, clock=lambda: now[0]
-    )
-    caplog.set_level(logging.WARNING, "turnout.runtime")
-    assert log.refused("10.0.0.1", "10.0.0.1:1", "bad")
-    assert not log.refused("10.0.0.1", "10.0.0.1:2", "bad")  # same host, same minute
-    assert log.refused("10.0.0.2", "10.0.0.2:1", "bad")
-    assert log.refused("10.0.0.3", "10.0.0.3:1", "bad")  # table full: the oldest host goes
-    assert not log.refused("10.0.0.4", "10.0.0.4:1", "bad")  # 3 lines this minute already
-    now[0] = 61.0
-    assert log.refused("10.0.0.3", "10.0.0.3:2", "worse")
-    assert log.num_refused == 6 and log.counts == {"bad": 5, "worse": 1}
-    assert len(log._last) <= 2
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 4
-    assert lines[0] == "tcp request plane: refused TLS handshake from 10.0.0.1:1: bad"
-
-
-def test_the_unlogged_refusals_of_a_host_are_reported_in_its_next_line(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    now = [0.0]
-    log = RefusalLog("TLS handshake from", clock=lambda: now[0])
-    caplog.set_level(logging.WARNING, "turnout.runtime")
-    for _ in range(5):
-        log.refused("10.0.0.1", "10.0.0.1:1", "bad")
-    now[0] = 60.0
-    log.refused("10.0.0.1", "10.0.0.1:1", "bad")
-    assert caplog.records[-1].getMessage().endswith("(4 more from this host since its last line)")
 
 
 # --- which processes take the plane flags, and what they are refused or warned about ------------

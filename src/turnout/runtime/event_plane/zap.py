@@ -16,7 +16,7 @@ answer up to ``AUTH_GRACE`` seconds for the key to arrive. Past that it answers 
 temporary failure: libzmq closes the connection without telling the client, which reconnects
 after the server's handshake timeout, ``HANDSHAKE_IVL_MS``), so a subscriber whose record is
 late gets in on a later try; 400 would end its connection for good. A refused peer is logged
-(``DenialLog``: rate-limited per host) and counted.
+(``refusal_log.RefusalLog``: rate-limited per host) and counted.
 
 Bounds: ``MAX_PLANE_KEYS`` records are followed (past it new ones are ignored, with a warning);
 ``MAX_PENDING_ZAP`` answers are held at once (past it a request is answered 300 at once).
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -39,6 +37,7 @@ from zmq.utils import z85
 from turnout.runtime.discovery.base import DiscoveryStore, WatchEventKind
 from turnout.runtime.event_plane.curve import Attestation, AttestationVerifier, decode_attestation
 from turnout.runtime.lease import Lease
+from turnout.runtime.refusal_log import RefusalLog
 
 logger = logging.getLogger(__name__)
 
@@ -52,65 +51,12 @@ AUTH_GRACE = 2.0
 HANDSHAKE_IVL_MS = 5_000
 #: ZAP answers held at once (waiting for a key).
 MAX_PENDING_ZAP = 256
-#: Seconds between two refusal lines about the same peer host.
-DENIAL_LOG_INTERVAL = 60.0
-#: Peer hosts whose last refusal line is remembered (the oldest are forgotten first).
-DENIAL_LOG_PEERS = 1024
-#: Refusal lines per interval, all hosts together.
-DENIAL_LOG_LINES = 30
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
 def plane_key_record(plane_id: int) -> str:
     return f"{PLANE_KEYS_ROOT}{plane_id:x}"
-
-
-class DenialLog:
-    """Logs refused subscribers at warning level, rate-limited, and counts every refusal.
-
-    At most one line per peer host per ``interval`` and ``max_lines`` lines per interval in
-    all; a line reports the refusals of its host not logged since the host's last line.
-    ``clock`` is injectable for tests."""
-
-    def __init__(
-        self,
-        *,
-        interval: float = DENIAL_LOG_INTERVAL,
-        peers: int = DENIAL_LOG_PEERS,
-        max_lines: int = DENIAL_LOG_LINES,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.interval = interval
-        self.peers = peers
-        self.max_lines = max_lines
-        self.clock = clock
-        self.num_denied = 0
-        #: Host -> (time of its last line, refusals not logged since); oldest first.
-        self._last: dict[str, tuple[float, int]] = {}
-        self._window_start = -float("inf")
-        self._window_lines = 0
-
-    def denied(self, host: str, what: str) -> bool:
-        """Count a refusal of ``host`` (``what``: the peer and why); True when it was logged."""
-        self.num_denied += 1
-        now = self.clock()
-        last = self._last.get(host)
-        if last is not None and now - last[0] < self.interval:
-            self._last[host] = (last[0], last[1] + 1)
-            return False
-        if now - self._window_start >= self.interval:
-            self._window_start, self._window_lines = now, 0
-        if self._window_lines >= self.max_lines:
-            return False
-        self._window_lines += 1
-        self._last.pop(host, None)
-        if len(self._last) >= self.peers:
-            del self._last[next(iter(self._last))]
-        self._last[host] = (now, 0)
-        more = f" ({last[1]} more from this host since its last line)" if last and last[1] else ""
-        logger.warning("zmq event plane: refused %s%s", what, more)
-        return True
 
 
 class KeyRegistration:
@@ -203,7 +149,8 @@ class SubscriberGate:
         self._pending: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._sock: zmq.asyncio.Socket | None = None
-        self.denials = DenialLog()
+        #: Refused subscribers and key records: counted, and logged rate-limited.
+        self.refusals = RefusalLog("zmq event plane", logger)
 
     @property
     def num_allowed(self) -> int:
@@ -261,14 +208,14 @@ class SubscriberGate:
         try:
             attestation = decode_attestation(value)
         except msgspec.DecodeError as exc:
-            self.denials.denied("store", f"plane key record {key}: malformed: {exc}")
+            self.refusals.refused("store", f"plane key record {key}", f"malformed: {exc}")
             return
         why = self._verifier.check(attestation)
         if why is not None:
-            self.denials.denied("store", f"plane key record {key}: {why}")
+            self.refusals.refused("store", f"plane key record {key}", why)
             return
         if len(self._records) >= MAX_PLANE_KEYS:
-            self.denials.denied("store", f"plane key record {key}: past {MAX_PLANE_KEYS} keys")
+            self.refusals.refused("store", f"plane key record {key}", f"past {MAX_PLANE_KEYS} keys")
             return
         curve_key = attestation.curve_key.encode()
         self._records[key] = curve_key
@@ -305,7 +252,7 @@ class SubscriberGate:
             if key in self._allowed:
                 await self._answer(frames, True)
             elif len(self._pending) >= MAX_PENDING_ZAP:
-                await self._answer(frames, False, f"Curve key {key.decode()} (busy)")
+                await self._answer(frames, False, "busy (too many ZAP answers held)", key)
             else:
                 task = asyncio.get_running_loop().create_task(self._hold(frames, key))
                 self._pending.add(task)
@@ -325,12 +272,17 @@ class SubscriberGate:
             except TimeoutError:
                 break
         allowed = key in self._allowed
-        await self._answer(frames, allowed, f"Curve key {key.decode()} has no verified record")
+        await self._answer(frames, allowed, "the key has no verified record", key)
 
-    async def _answer(self, frames: list[bytes], allowed: bool, why: str = "") -> None:
+    async def _answer(
+        self, frames: list[bytes], allowed: bool, reason: str = "", key: bytes | None = None
+    ) -> None:
+        """Answer the ZAP request ``frames``; a refusal is logged and counted for ``reason``,
+        with the client's Curve ``key`` where it has one."""
         assert self._sock is not None
         if not allowed:
             host = frames[5].decode(errors="replace")
-            self.denials.denied(host, f"subscriber {host}: {why}")
+            peer = f"subscriber {host}" + (f" (Curve key {key.decode()})" if key else "")
+            self.refusals.refused(host, peer, reason)
         status = (b"200", b"OK") if allowed else (b"300", b"not allowed")
         await self._sock.send_multipart([frames[0], b"", b"1.0", frames[3], *status, b"", b""])

@@ -60,8 +60,8 @@ from turnout.runtime.request_plane.tcp.connection import (
 )
 from turnout.runtime.request_plane.tcp.tls import (
     TLS_HANDSHAKE_TIMEOUT,
-    RefusalLog,
     describe_tls_failure,
+    tls_refusal_log,
 )
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ class TcpClient(RequestPlaneClient):
         #: The TLS client context (None: plain TCP), loaded once, here.
         self._tls: ssl.SSLContext | None = plane_tls.client_context() if plane_tls else None
         #: Servers whose TLS handshake failed: counted, and logged rate-limited.
-        self.refusals = RefusalLog("TLS handshake with")
+        self.refusals = tls_refusal_log()
         #: Seconds a connection with open streams may hear nothing before it is dropped
         #: (0: never).
         self.idle_timeout = idle_timeout
@@ -331,7 +331,7 @@ class TcpClient(RequestPlaneClient):
         except (OSError, TimeoutError) as exc:
             if self._tls is not None and isinstance(exc, _HANDSHAKE_ERRORS):
                 reason = describe_tls_failure(exc)
-                self.refusals.refused(host, address, reason)
+                self.refusals.refused(host, f"TLS handshake with {address}", reason)
                 message = f"TLS handshake with tcp peer {address} failed: {reason}"
                 raise PeerUnavailable(message) from exc
             raise PeerUnavailable(f"cannot connect to tcp peer {address}: {exc}") from exc

@@ -52,8 +52,8 @@ from turnout.runtime.request_plane.tcp.connection import (
 )
 from turnout.runtime.request_plane.tcp.tls import (
     TLS_HANDSHAKE_TIMEOUT,
-    RefusalLog,
     TlsAcceptor,
+    tls_refusal_log,
 )
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ class TcpServer(RequestPlaneServer):
         self._tls: ssl.SSLContext | None = plane_tls.server_context() if plane_tls else None
         self.tls_handshake_timeout = tls_handshake_timeout
         #: Peers refused at the TLS handshake: counted, and logged rate-limited.
-        self.refusals = RefusalLog("TLS handshake from")
+        self.refusals = tls_refusal_log()
         self._acceptor: TlsAcceptor | None = None
         self.heartbeat_interval = heartbeat_interval
         self.idle_timeout = idle_timeout

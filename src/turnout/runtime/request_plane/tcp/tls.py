@@ -11,8 +11,8 @@ whose certificate another CA signed is refused before a frame of it is parsed, s
 Why not ``create_server(ssl=...)``: asyncio and uvloop then drop a failed handshake silently
 (a debug line in debug mode only), and a refused peer must leave a trace.
 ``connect_accepted_socket`` raises the failure to the acceptor instead, which logs it
-(``RefusalLog``: one warning line per peer host per minute, a bounded table, and counters, so
-a flood of bad connections cannot flood the logs). (``start_tls`` on a plain server's
+(``refusal_log.RefusalLog``: one warning line per peer host per minute, a bounded table, and
+counters, so a flood of bad connections cannot flood the logs). (``start_tls`` on a plain server's
 transport is no way either: uvloop starts reading after ``connection_made``, so the first
 TLS bytes could reach the plain protocol.)
 
@@ -26,9 +26,9 @@ import asyncio
 import logging
 import socket
 import ssl
-import time
-from collections import Counter
 from collections.abc import Callable
+
+from turnout.runtime.refusal_log import RefusalLog
 
 logger = logging.getLogger("turnout.runtime")
 
@@ -36,12 +36,6 @@ logger = logging.getLogger("turnout.runtime")
 TLS_HANDSHAKE_TIMEOUT = 5.0
 #: TLS handshakes one server runs at once; a connection accepted past it is aborted at once.
 MAX_PENDING_HANDSHAKES = 256
-#: Seconds between two refusal lines about the same peer host.
-REFUSAL_LOG_INTERVAL = 60.0
-#: Peer hosts whose last refusal line is remembered (older ones are forgotten first).
-REFUSAL_LOG_PEERS = 1024
-#: Refusal lines written per interval, all peers together (many addresses flooding at once).
-REFUSAL_LOG_LINES = 30
 #: Connections waiting to be accepted (the listen backlog, as asyncio's default).
 BACKLOG = 100
 #: Seconds the acceptor waits when the process is out of descriptors or memory.
@@ -66,70 +60,10 @@ def describe_tls_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-class RefusalLog:
-    """Logs refused peers at warning level, rate-limited, and counts every refusal.
-
-    At most one line per peer host per ``interval`` seconds and ``max_lines`` lines per
-    interval in all; a line reports the refusals of that host it did not log since its last
-    line. ``peers`` bounds the table of hosts' last lines (expired entries, then the oldest,
-    make room). ``clock`` is injectable for tests."""
-
-    def __init__(
-        self,
-        what: str,
-        *,
-        interval: float = REFUSAL_LOG_INTERVAL,
-        peers: int = REFUSAL_LOG_PEERS,
-        max_lines: int = REFUSAL_LOG_LINES,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        #: What was refused, for the lines ("TLS handshake from", "TLS handshake with").
-        self.what = what
-        self.interval = interval
-        self.peers = peers
-        self.max_lines = max_lines
-        self.clock = clock
-        #: Refusals since the process started, by reason.
-        self.counts: Counter[str] = Counter()
-        #: Host -> (time of its last line, refusals not logged since).
-        self._last: dict[str, tuple[float, int]] = {}
-        self._window_start = -float("inf")
-        self._window_lines = 0
-
-    @property
-    def num_refused(self) -> int:
-        return sum(self.counts.values())
-
-    def refused(self, host: str, peer: str, reason: str) -> bool:
-        """Count a refusal of ``peer`` (``host:port``) for ``reason``; True when it was logged."""
-        self.counts[reason] += 1
-        now = self.clock()
-        last = self._last.get(host)
-        if last is not None and now - last[0] < self.interval:
-            self._last[host] = (last[0], last[1] + 1)
-            return False
-        if now - self._window_start >= self.interval:
-            self._window_start = now
-            self._window_lines = 0
-        if self._window_lines >= self.max_lines:
-            return False
-        self._window_lines += 1
-        unlogged = last[1] if last is not None else 0
-        self._last.pop(host, None)
-        if len(self._last) >= self.peers:
-            self._forget(now)
-        self._last[host] = (now, 0)
-        more = f" ({unlogged} more from this host since its last line)" if unlogged else ""
-        logger.warning("tcp request plane: refused %s %s: %s%s", self.what, peer, reason, more)
-        return True
-
-    def _forget(self, now: float) -> None:
-        """Room for one host: drop the expired entries, or the oldest when none has expired."""
-        expired = [h for h, (at, _) in self._last.items() if now - at >= self.interval]
-        for host in expired:
-            del self._last[host]
-        if len(self._last) >= self.peers:
-            del self._last[next(iter(self._last))]
+def tls_refusal_log() -> RefusalLog:
+    """The refusal log of a ``tcp`` request plane end, server or client (its lines on the
+    ``turnout.runtime`` logger, with the plane's other lines)."""
+    return RefusalLog("tcp request plane", logger)
 
 
 class TlsAcceptor:
@@ -183,7 +117,9 @@ class TlsAcceptor:
             host, name = str(peer[0]), f"{peer[0]}:{peer[1]}"
             if len(self._handshakes) >= self.max_pending:
                 conn.close()
-                self.refusals.refused(host, name, "too many TLS handshakes at once")
+                self.refusals.refused(
+                    host, f"TLS handshake from {name}", "too many TLS handshakes at once"
+                )
                 continue
             conn.setblocking(False)
             task = loop.create_task(self._handshake(conn, host, name))
@@ -199,7 +135,7 @@ class TlsAcceptor:
                 ssl_handshake_timeout=self.handshake_timeout,
             )
         except Exception as exc:  # the loop closed the socket
-            self.refusals.refused(host, name, describe_tls_failure(exc))
+            self.refusals.refused(host, f"TLS handshake from {name}", describe_tls_failure(exc))
 
     async def close(self) -> None:
         """Stop accepting; handshakes under way are abandoned (their sockets closed)."""
