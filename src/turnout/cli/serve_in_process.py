@@ -36,10 +36,19 @@ log = logging.getLogger("turnout.serve")
 
 #: The planes of an in-process deployment: nothing outside the process.
 IN_PROCESS_PLANES = PlanesConfig(store="memory", request_plane="local", event_plane="local")
+#: Flags of the planes' credentials, which a deployment without planes has no use for.
+PLANE_TLS_FLAGS = ("plane_ca", "plane_cert", "plane_key")
 
 
 class InProcessServe:
     def __init__(self, args: argparse.Namespace) -> None:
+        given = ["--" + n.replace("_", "-") for n in PLANE_TLS_FLAGS if getattr(args, n, None)]
+        if given:
+            # Refused rather than ignored: an operator who gave them expects authenticated planes.
+            raise ConfigError(
+                f"{', '.join(given)}: in-process serving opens no plane (its store, request and "
+                "event planes are in memory, nothing to authenticate); not with --in-process"
+            )
         if getattr(args, "num_prefill_workers", 0):
             raise ConfigError(
                 "--num-prefill-workers: disaggregated serving runs its workers as processes; "
