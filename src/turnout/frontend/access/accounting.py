@@ -2,10 +2,15 @@
 charged to it as the request runs, and the usage recorded when it ends.
 
 The HTTP service opens the account (the tenant's limits admit the request), puts it in the
-request context's metadata under ``ACCOUNT_METADATA``, and closes it when the request ends,
-whatever the path. The generation run (``openai.chat_run``) charges the prompt once it is
-tokenized (a tenant past its token budget is refused then, before anything is sent), the
-output tokens as they stream, and settles the request's usage when it closes.
+request context's metadata under ``ACCOUNT_METADATA``, and closes it with the response's
+status when the request ends, whatever the path. The generation run (``openai.chat_run``)
+charges the prompt once it is tokenized (a tenant past its token budget is refused then,
+before anything is sent), the output tokens as they stream, and settles the request's usage
+when it closes.
+
+The account holds its tenant's usage tally (``access.usage.TenantTally``), looked up once
+when it opens: opening, settling and closing add to its fields, with no lookup and no call
+into ``TenantUsage``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from turnout.frontend.access.principal import Principal, TenantPolicy
+from turnout.frontend.access.usage import TenantTally, outcome_of
 
 #: ``RequestContext.metadata`` key: the request's ``TenantAccount``.
 ACCOUNT_METADATA = "tenant_account"
@@ -35,63 +41,61 @@ class TenantAdmission(Protocol):
 
 
 class UsageRecorder(Protocol):
-    """Per-tenant usage counters (``access.usage.TenantUsage``): recorded per request, read
-    whole by ``/admin/usage``."""
-
-    def record(self, tenant: str, *, prompt: int, cached: int, output: int) -> None: ...
-
-    def begin(self, tenant: str) -> None: ...
-
-    def end(self, tenant: str) -> None: ...
+    """Per-tenant usage counters (``access.usage.TenantUsage``), read whole by
+    ``/admin/usage``; the accounts add to them through ``TenantUsage.tally``."""
 
     def snapshot(self) -> dict[str, dict[str, int]]: ...
 
 
 class TenantAccount:
-    """See the module's docstring. ``ticket`` None: the tenants are not limited (usage is
-    still recorded)."""
+    """See the module's docstring. ``ticket``: the limits' (``access.limits.NO_LIMITS`` for
+    a tenant without limits, or none configured); ``tally``: the tenant's usage counters
+    (None: usage is not kept)."""
 
-    __slots__ = ("_closed", "_settled", "_ticket", "_usage", "tenant")
+    __slots__ = ("_closed", "_settled", "_tally", "_ticket", "tenant")
 
-    def __init__(
-        self, tenant: str, ticket: LimitsTicket | None, usage: UsageRecorder | None
-    ) -> None:
+    def __init__(self, tenant: str, ticket: LimitsTicket, tally: TenantTally | None) -> None:
         self.tenant = tenant
         self._ticket = ticket
-        self._usage = usage
+        self._tally = tally
         self._settled = False
         self._closed = False
-        if usage is not None:
-            usage.begin(tenant)
+        if tally is not None:
+            tally.inflight += 1
 
     def charge_prompt(self, tokens: int) -> None:
         """Charge the request's prompt; raises the limits' ``TenantLimitExceeded`` when the
         tenant's token budget cannot take it."""
-        if self._ticket is not None:
-            self._ticket.charge_prompt(tokens)
+        self._ticket.charge_prompt(tokens)
 
     def charge_output(self, tokens: int) -> None:
         """Charge tokens generated (never refused: they are already made)."""
-        if self._ticket is not None:
-            self._ticket.charge_output(tokens)
+        self._ticket.charge_output(tokens)
 
     def settle(self, *, prompt: int, cached: int, output: int) -> None:
         """Record the request's usage (once)."""
-        if self._settled or self._usage is None:
+        tally = self._tally
+        if self._settled or tally is None:
             return
         self._settled = True
-        self._usage.record(self.tenant, prompt=prompt, cached=cached, output=output)
+        tally.prompt += prompt
+        tally.cached += cached
+        tally.output += output
 
-    def close(self) -> None:
-        """Give the request's concurrency slot back, and count it out of the tenant's
-        requests in flight (idempotent)."""
+    def close(self, status: int) -> None:
+        """Give the request's concurrency slot back, and count the request out of its
+        tenant's requests in flight and under the outcome of its HTTP ``status``
+        (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        if self._ticket is not None:
-            self._ticket.release()
-        if self._usage is not None:
-            self._usage.end(self.tenant)
+        self._ticket.release()
+        tally = self._tally
+        if tally is not None:
+            tally.inflight -= 1
+            requests = tally.requests
+            outcome = outcome_of(status)
+            requests[outcome] = requests.get(outcome, 0) + 1
 
 
 def request_priority(asked: int | None, policy: TenantPolicy) -> int:

@@ -121,9 +121,14 @@ def _credential(headers: Headers) -> str | None:
     """The bearer token, else the ``x-api-key`` value; None when the request has neither."""
     authorization = headers.get("authorization")
     if authorization:
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() == "bearer" and token:
-            return token
+        if authorization.startswith("Bearer "):  # as every client spells it: no split
+            token = authorization[7:].strip()
+            if token:
+                return token
+        else:
+            scheme, _, token = authorization.partition(" ")
+            token = token.strip()
+            if scheme.lower() == "bearer" and token:
+                return token
     key = headers.get("x-api-key")
     return key or None

@@ -21,6 +21,9 @@ class TokenBucket:
 
     ``level`` is the tokens available at the last update, negative while in debt; it is
     written only by ``_refill`` and the two ``take`` methods, and ``configure`` clamps it.
+    A refill is lazy and may come at any time without changing what the bucket holds later
+    (the same elapsed time adds the same tokens, capped the same way), so only a take needs
+    one first; ``debt_wait`` skips it when the last level is not in debt.
     """
 
     __slots__ = ("_clock", "_stamp", "capacity", "level", "rate")
@@ -43,39 +46,46 @@ class TokenBucket:
             raise ValueError(
                 f"a token bucket needs a finite capacity and rate > 0, got {capacity}, {rate}"
             )
-        self._refill()
+        self._refill(None)
         self.capacity = capacity
         self.rate = rate
         self.level = min(self.level, capacity)
 
-    def _refill(self) -> float:
-        now = self._clock()
+    def _refill(self, now: float | None) -> float:
+        if now is None:
+            now = self._clock()
         elapsed = now - self._stamp
         self._stamp = now
         if elapsed > 0:
-            self.level = min(self.capacity, self.level + elapsed * self.rate)
+            level = self.level + elapsed * self.rate
+            capacity = self.capacity
+            self.level = level if level < capacity else capacity
         return self.level
 
-    def try_take(self, n: float) -> float:
+    def try_take(self, n: float, now: float | None = None) -> float:
         """Take ``n`` tokens if the bucket holds them: 0.0 when taken, else the seconds until
         it will (nothing taken). A request larger than the whole capacity is taken from a
-        full bucket, which it leaves in debt: it is never refused for good, only rationed."""
-        level = self._refill()
-        need = min(n, self.capacity)
+        full bucket, which it leaves in debt: it is never refused for good, only rationed.
+        ``now``: a reading of the bucket's clock the caller already took (None: read it)."""
+        level = self._refill(now)
+        need = n if n < self.capacity else self.capacity
         if level >= need:
             self.level = level - n
             return 0.0
         return (need - level) / self.rate
 
-    def force_take(self, n: float) -> None:
+    def force_take(self, n: float, now: float | None = None) -> None:
         """Take ``n`` tokens whatever the bucket holds, going into debt if it must."""
-        self.level = self._refill() - n
+        self.level = self._refill(now) - n
 
-    def debt_wait(self) -> float:
-        """Seconds until the bucket is out of debt (0.0 when it is not in debt)."""
-        level = self._refill()
+    def debt_wait(self, now: float | None = None) -> float:
+        """Seconds until the bucket is out of debt (0.0 when it is not in debt). A bucket
+        whose last level is not negative is out of debt whatever the time: no refill."""
+        if self.level >= 0:
+            return 0.0
+        level = self._refill(now)
         return 0.0 if level >= 0 else -level / self.rate
 
     def is_full(self) -> bool:
         """Whether the bucket holds its whole capacity (it would be the same as a new one)."""
-        return self._refill() >= self.capacity
+        return self._refill(None) >= self.capacity

@@ -114,14 +114,6 @@ def _bucket(
     return bucket
 
 
-def _is_limited(policy: TenantPolicy) -> bool:
-    return (
-        policy.rps is not None
-        or policy.tokens_per_minute is not None
-        or policy.max_concurrent is not None
-    )
-
-
 def check_policy(policy: TenantPolicy) -> None:
     """Raise ``ValueError`` for a policy no bucket can hold (a key file's or a JWT's)."""
     for name, value in (
@@ -153,11 +145,13 @@ class TenantTicket:
     def charge_prompt(self, tokens: int) -> None:
         """Take the prompt's tokens from the tenant's tokens-per-minute budget; raises
         ``TenantLimitExceeded`` (nothing taken) when the budget cannot pay them now."""
-        state = self._state
-        if state is None or state.tpm is None:
+        tpm = self._tpm
+        if tpm is None:
             return
-        wait = state.tpm.try_take(tokens)
+        wait = tpm.try_take(tokens)
         if wait > 0:
+            state = self._state
+            assert state is not None
             limit = state.policy.tokens_per_minute
             assert limit is not None
             if self._counter is not None:
@@ -185,9 +179,16 @@ class TenantTicket:
         state = self._state
         assert state is not None
         state.inflight -= 1
-        if self._owed and self._tpm is not None:
-            self._tpm.force_take(self._owed)
-        self._owed = 0
+        owed = self._owed
+        if owed:
+            self._owed = 0
+            tpm = self._tpm
+            assert tpm is not None
+            tpm.force_take(owed)
+
+
+#: The ticket of every request whose tenant has no limit: nothing to charge or release.
+NO_LIMITS = TenantTicket("", None, None)
 
 
 class TenantLimits:
@@ -215,22 +216,34 @@ class TenantLimits:
 
     def admit(self, principal: Principal) -> TenantTicket:
         """The request's ticket, or ``TenantLimitExceeded`` (nothing taken) when its tenant
-        is at ``max_concurrent``, in token debt, or past its ``rps``."""
+        is at ``max_concurrent``, in token debt, or past its ``rps``. A tenant without limits
+        gets ``NO_LIMITS``: no state, no clock read."""
         policy = principal.policy
+        if (
+            policy.rps is None
+            and policy.tokens_per_minute is None
+            and policy.max_concurrent is None
+        ):
+            return NO_LIMITS
         tenant = principal.tenant
-        if not _is_limited(policy):
-            return TenantTicket(tenant, None, None)
-        state = self._state(tenant, policy)
+        states = self._states
+        state = states.get(tenant)
+        if state is not None and state.policy is policy:
+            states.move_to_end(tenant)
+        else:
+            state = self._state(tenant, policy)
         limit = policy.max_concurrent
         if limit is not None and state.inflight >= limit:
             self._refuse(tenant, MAX_CONCURRENT, limit, CONCURRENCY_RETRY_AFTER)
-        if state.tpm is not None:
-            debt = state.tpm.debt_wait()
+        tpm = state.tpm
+        if tpm is not None and tpm.level < 0:  # not in debt at its last level: none now
+            debt = tpm.debt_wait()
             if debt > 0:
                 assert policy.tokens_per_minute is not None
                 self._refuse(tenant, TOKENS_PER_MINUTE, policy.tokens_per_minute, debt)
-        if state.rps is not None:
-            wait = state.rps.try_take(1)
+        rps = state.rps
+        if rps is not None:
+            wait = rps.try_take(1)
             if wait > 0:
                 assert policy.rps is not None
                 self._refuse(tenant, RPS, policy.rps, wait)
@@ -249,6 +262,8 @@ class TenantLimits:
             states.move_to_end(tenant)
             if state.policy != policy:
                 state.configure(policy, self._clock)
+            else:  # an equal policy of a reloaded ring: its identity takes ``admit``'s fast path
+                state.policy = policy
             return state
         if len(states) >= self._max_tenants:
             self._evict()

@@ -13,7 +13,8 @@ so neither a flood of tenants (JWT claims) nor a long uptime grows either withou
 
 The tallies are plain integers written from the event loop; the metrics are rendered from
 them by a ``prometheus_client`` collector when ``/metrics`` is read, so counting costs no
-lock and no label lookup.
+lock and no label lookup. A request's account looks its tenant's tally up once and counts
+everything of the request into it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def outcome_of(status: int) -> str:
     return "client_error" if status < 500 else "server_error"
 
 
-class _Tally:
-    """One tenant's counters (or ``_other``'s). Written only by ``TenantUsage``."""
+class TenantTally:
+    """One tenant's counters (or ``_other``'s), written by ``TenantUsage`` and by the
+    requests' accounts (``access.accounting``), which hold their tenant's tally and add to
+    its fields directly: one lookup per request, not one per count."""
 
     __slots__ = ("cached", "inflight", "output", "prompt", "rejections", "requests")
 
@@ -67,11 +70,12 @@ class TenantUsage(Collector):
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be at least 1, got {max_tenants}")
         self._max_tenants = max_tenants
-        self._tallies: dict[str, _Tally] = {}
+        self._tallies: dict[str, TenantTally] = {}
         if registry is not None:
             registry.register(self)
 
-    def _tally(self, tenant: str) -> _Tally:
+    def tally(self, tenant: str) -> TenantTally:
+        """``tenant``'s tally (``_other``'s past ``max_tenants``), made on first use."""
         tallies = self._tallies
         tally = tallies.get(tenant)
         if tally is None:
@@ -79,13 +83,13 @@ class TenantUsage(Collector):
             key = tenant if own else OTHER_TENANT
             tally = tallies.get(key)
             if tally is None:
-                tally = tallies[key] = _Tally()
+                tally = tallies[key] = TenantTally()
         return tally
 
     def record(self, tenant: str, *, prompt: int, cached: int, output: int) -> None:
         """Add one request's tokens: its prompt's, those of them served from cache, and its
         output's."""
-        tally = self._tally(tenant)
+        tally = self.tally(tenant)
         tally.prompt += prompt
         tally.cached += cached
         tally.output += output
@@ -94,21 +98,21 @@ class TenantUsage(Collector):
         """Count one request that ended with ``outcome`` (one of ``OUTCOMES``)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown request outcome {outcome!r}; one of {OUTCOMES}")
-        requests = self._tally(tenant).requests
+        requests = self.tally(tenant).requests
         requests[outcome] = requests.get(outcome, 0) + 1
 
     def count_rejection(self, tenant: str, limit: str) -> None:
         """Count one request refused by the tenant's ``limit`` (``access.limits``)."""
-        rejections = self._tally(tenant).rejections
+        rejections = self.tally(tenant).rejections
         rejections[limit] = rejections.get(limit, 0) + 1
 
     def begin(self, tenant: str) -> None:
         """A request of ``tenant`` started (``turnout_tenant_inflight``)."""
-        self._tally(tenant).inflight += 1
+        self.tally(tenant).inflight += 1
 
     def end(self, tenant: str) -> None:
         """A request ``begin`` counted ended."""
-        self._tally(tenant).inflight -= 1
+        self.tally(tenant).inflight -= 1
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Each tenant's totals: ``requests``, ``prompt_tokens``, ``cached_tokens``,

@@ -38,7 +38,11 @@ shape otherwise. The control routes (``http.admin``) need an admin key (403). A 
 request then opens its tenant's account (``access.accounting``): the tenant's limits admit it
 (429 with ``Retry-After`` past one) before the admission queue, which orders it by the
 tenant's priority (the request's ``nvext.priority`` may lower it); the account is closed
-when the request ends, however it ends. Without credentials every caller is ``ANONYMOUS``.
+with the request's status when it ends, however it ends. Without credentials every caller
+is ``ANONYMOUS``.
+
+A request's body goes to the prompt log (``runtime.redact``, ``--log-prompts``) once read:
+at debug level, and not even formatted when prompt logging is off.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from turnout.frontend.access.accounting import (
 )
 from turnout.frontend.access.audit import AuditLog
 from turnout.frontend.access.authenticator import Authenticator, require_admin
-from turnout.frontend.access.limits import PRINCIPAL_METADATA
+from turnout.frontend.access.limits import NO_LIMITS, PRINCIPAL_METADATA
 from turnout.frontend.access.principal import ANONYMOUS, Principal
 from turnout.frontend.access.usage import TenantUsage, outcome_of
 from turnout.frontend.admission.busy_threshold import BusyThresholds
@@ -101,6 +105,7 @@ from turnout.protocols.openai import (
 )
 from turnout.runtime.context import EXPLAIN_ROUTING_METADATA, RequestContext
 from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
+from turnout.runtime.redact import log_prompt
 
 log = logging.getLogger("turnout.frontend")
 
@@ -491,34 +496,32 @@ class HttpService:
 
         disconnect = proto.client_disconnect()
         disconnect.add_done_callback(on_disconnect)
+        account: TenantAccount | None = None
         try:
             body = await self._read_body(scope, proto)
+            log_prompt("body", ctx.request_id, body)
             request = surface.decode(body)
             stream = request.stream
             pipeline = self.manager.get_engine(surface.serves, request.model)
             model = request.model
             metrics = self.metrics.model(model)
             account = self._open_account(principal, ctx)
+            ticket = None
+            if self.admission is not None:
+                priority = request_priority(request.priority, principal.policy)
+                ticket = await self.admission.acquire(model, priority)
+                metrics.queue_wait.observe(ticket.waited)
+            inflight = metrics.inflight
+            inflight.inc()
             try:
-                ticket = None
-                if self.admission is not None:
-                    priority = request_priority(request.priority, principal.policy)
-                    ticket = await self.admission.acquire(model, priority)
-                    metrics.queue_wait.observe(ticket.waited)
-                inflight = metrics.inflight
-                inflight.inc()
-                try:
-                    session_id = session_id_from(scope.headers) or request.session_key
-                    await self._serve_on_served_card(
-                        surface, proto, pipeline, request, body, ctx, session_id
-                    )
-                finally:
-                    inflight.dec()
-                    if ticket is not None:
-                        ticket.release()
+                session_id = session_id_from(scope.headers) or request.session_key
+                await self._serve_on_served_card(
+                    surface, proto, pipeline, request, body, ctx, session_id
+                )
             finally:
-                if account is not None:
-                    account.close()
+                inflight.dec()
+                if ticket is not None:
+                    ticket.release()
         except asyncio.CancelledError:
             if not client_gone:
                 raise
@@ -542,21 +545,25 @@ class HttpService:
         finally:
             disconnect.remove_done_callback(on_disconnect)
             self.metrics.count_request(model, endpoint, stream, status)
-            if self.usage is not None:
+            if account is not None:
+                account.close(status)
+            elif self.usage is not None:  # refused before its account opened
                 self.usage.count_request(principal.tenant, outcome_of(status))
 
     def _open_account(self, principal: Principal, ctx: RequestContext) -> TenantAccount | None:
         """The request's account with its tenant, in ``ctx`` for the run to charge (None:
         neither limits nor usage to keep); raises the limits' ``TenantLimitExceeded``. The
         principal goes in ``ctx`` too: the preprocessor salts the prompt's blocks by tenant."""
+        metadata = ctx.metadata
         if self.auth is not None:
-            ctx.metadata[PRINCIPAL_METADATA] = principal
+            metadata[PRINCIPAL_METADATA] = principal
         tenants, usage = self.tenants, self.usage
         if tenants is None and usage is None:
             return None
-        ticket = tenants.admit(principal) if tenants is not None else None
-        account = TenantAccount(principal.tenant, ticket, usage)
-        ctx.metadata[ACCOUNT_METADATA] = account
+        tenant = principal.tenant
+        ticket = tenants.admit(principal) if tenants is not None else NO_LIMITS
+        account = TenantAccount(tenant, ticket, usage.tally(tenant) if usage is not None else None)
+        metadata[ACCOUNT_METADATA] = account
         return account
 
 
