@@ -38,6 +38,12 @@ planes under mutual TLS (``--plane-ca/--plane-cert/--plane-key``, a throwaway CA
 ends with a ``security`` summary: each variant's CPU per request against ``off``, and plane
 TLS's CPU per streamed token (frontend and workers) as ``auth+tls`` minus ``auth``.
 
+Before and after (``--compare-src DIR``, the ``src`` of another checkout, e.g. a git worktree
+of an earlier commit): every variant gets a second stack whose processes import turnout from
+``DIR``, measured interleaved with this tree's in the same rounds; rows say their
+``source`` (``tree`` or ``compare``), and the summary gives this tree's CPU per request
+against the other's, variant by variant.
+
 Usage::
 
     python benchmarks/frontend_overhead.py                    # defaults, JSON to results/
@@ -47,6 +53,8 @@ Usage::
     python benchmarks/frontend_overhead.py --scenarios multi_turn --prompt-cache-mib 64 0
     python benchmarks/frontend_overhead.py --security off auth auth+tls --repeat 5 \
         --scenarios short long_stream paced_stream --concurrency 16
+    python benchmarks/frontend_overhead.py --security off auth --scenarios short \
+        --compare-src /tmp/wt/src                     # this tree against another's
 
 For scale (issue #2): Dynamo 1.6.1's Rust frontend spends ~0.6 ms CPU/request on ``short``
 and 1.4-2.1 ms on ``long_stream`` on this kind of machine.
@@ -394,9 +402,11 @@ def start_stack(
     security: Security,
     prof_out: Path,
     mib: float | None,
+    source: str | None = None,
 ) -> Iterator[Stack]:
     """Start a frontend (prompt cache of ``mib`` MiB; None: its default) and echo workers on
-    ``common``'s planes with ``security``'s flags; stop them all on exit."""
+    ``common``'s planes with ``security``'s flags, importing turnout from ``source`` (a
+    ``src`` directory; None: this tree's); stop them all on exit."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     py = sys.executable
@@ -417,21 +427,22 @@ def start_stack(
                      "--port", str(port), *front_only, *common]  # fmt: skip
     worker_cmd = [py, "-m", "turnout", "worker", "--engine", "echo", *common,
                   *security.workers]  # fmt: skip
-    procs = [subprocess.Popen(front_cmd, start_new_session=True)]
+    env = {**os.environ, "PYTHONPATH": source} if source is not None else None
+    procs = [subprocess.Popen(front_cmd, start_new_session=True, env=env)]
     for _ in range(args.workers if planes != IN_PROCESS else 0):
         procs.append(subprocess.Popen([*worker_cmd, "--model-name", "echo"],
-                                      start_new_session=True))  # fmt: skip
+                                      start_new_session=True, env=env))  # fmt: skip
         if paced:
             procs.append(subprocess.Popen(
                 [*worker_cmd, "--model-name", "echo-paced", "--echo-delay-ms",
                  str(args.paced_delay_ms), "--endpoint", "turnout/paced/generate"],
-                start_new_session=True,
+                start_new_session=True, env=env,
             ))  # fmt: skip
         if parsed:
             procs.append(subprocess.Popen(
                 [*worker_cmd, "--model-name", "echo-parsed", "--tool-call-parser", "hermes",
                  "--reasoning-parser", "deepseek_r1", "--endpoint", "turnout/parsed/generate"],
-                start_new_session=True,
+                start_new_session=True, env=env,
             ))  # fmt: skip
     front_pid = procs[0].pid
     try:
@@ -448,6 +459,7 @@ def start_stack(
                                    args.stream_requests),
         }  # fmt: skip
         label = {"planes": planes, "security": security.variant,
+                 "source": "tree" if source is None else "compare",
                  "router_mode": args.router_mode, "prompt_cache_mib": mib}  # fmt: skip
         yield Stack(label, url, port, psutil.Process(front_pid),
                     [psutil.Process(p.pid) for p in procs[1:]], bodies,
@@ -521,15 +533,17 @@ def security_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per scenario and concurrency: each variant's frontend CPU/request against ``off``'s,
     and plane TLS's CPU per streamed token (``auth+tls`` minus ``auth``; frontend and
     workers)."""
-    Key = tuple[str, float | None, str, int]
+    Key = tuple[str, float | None, str, int, str]
     by: dict[Key, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     for row in rows:
-        key = (row["planes"], row["prompt_cache_mib"], row["scenario"], row["concurrency"])
+        key = (row["planes"], row["prompt_cache_mib"], row["scenario"], row["concurrency"],
+               row.get("source", "tree"))  # fmt: skip
         by[key][row["security"]] = row
     summary = []
-    for (planes, mib, scenario, conc), variants in by.items():
+    for (planes, mib, scenario, conc, source), variants in by.items():
         entry: dict[str, Any] = {"planes": planes, "prompt_cache_mib": mib,
-                                 "scenario": scenario, "concurrency": conc}  # fmt: skip
+                                 "scenario": scenario, "concurrency": conc,
+                                 "source": source}  # fmt: skip
         off = variants.get("off")
         for variant, row in variants.items():
             entry[f"{variant}_cpu_ms_per_request"] = row["frontend_cpu_ms_per_request"]
@@ -543,6 +557,14 @@ def security_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 ("workers", "workers_cpu_ms_per_request")):  # fmt: skip
                 extra_ms = tls[field] - auth[field]
                 entry[f"plane_tls_{side}_us_per_token"] = round(1000 * extra_ms / tokens, 2)
+        other = by.get((planes, mib, scenario, conc, "compare")) if source == "tree" else None
+        for variant, row in variants.items():
+            if other is not None and variant in other:
+                ratio = (
+                    row["frontend_cpu_ms_per_request"]
+                    / other[variant]["frontend_cpu_ms_per_request"]
+                )
+                entry[f"{variant}_vs_compare_pct"] = round(100 * (ratio - 1), 1)
         summary.append(entry)
         print(json.dumps({"security": entry}), flush=True)
     return summary
@@ -577,6 +599,9 @@ def main() -> None:
                     help="security variants, one stack each, measured interleaved: off, "
                          "auth (keys file, tenants' limits), auth+tls (and plane "
                          "mutual TLS)")  # fmt: skip
+    ap.add_argument("--compare-src", metavar="DIR",
+                    help="the src directory of another checkout: each variant also runs "
+                         "on it, interleaved with this tree (before/after in one run)")  # fmt: skip
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/frontend_overhead.json"))
     args = ap.parse_args()
@@ -593,7 +618,10 @@ def main() -> None:
         "client": "bench_http (raw asyncio HTTP/1.1 keep-alive)",
         "scenarios": [],
     }
-    if args.profile is not None and len(args.security) > 1:
+    sources: list[str | None] = [None]
+    if args.compare_src is not None:
+        sources.append(str(Path(args.compare_src).resolve()))
+    if args.profile is not None and len(args.security) * len(sources) > 1:
         raise SystemExit("--profile profiles one frontend: give one --security variant")
     if "multi_turn" in args.scenarios and set(args.security) != {"off"}:
         raise SystemExit("multi_turn sends no key: run it with --security off")
@@ -604,19 +632,19 @@ def main() -> None:
         for mib in args.prompt_cache_mib:
             with contextlib.ExitStack() as running:
                 stacks = []
-                for variant in args.security:
+                for variant, source in itertools.product(args.security, sources):
                     # A store of its own per stack: no frontend sees another stack's workers
                     # (nor the last stack's killed ones).
                     stack_tmp = Path(tempfile.mkdtemp(dir=tmp))
                     common = running.enter_context(plane_services(planes, stack_tmp))
                     security = security_setup(variant, stack_tmp)
                     stacks.append(running.enter_context(
-                        start_stack(args, planes, common, security, prof_out, mib)
+                        start_stack(args, planes, common, security, prof_out, mib, source)
                     ))  # fmt: skip
                 front_pid = stacks[0].front.pid
                 with profiled(args.profile, front_pid, prof_out):
                     results["scenarios"] += measure_stacks(args, stacks)
-    if len(args.security) > 1:
+    if len(args.security) > 1 or args.compare_src is not None:
         results["security"] = security_summary(results["scenarios"])
     if args.profile == "cprofile" and prof_out.exists():
         stats = pstats.Stats(str(prof_out))
