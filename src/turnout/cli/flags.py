@@ -10,7 +10,7 @@ from typing import Any
 from turnout.runtime.addresses import DEFAULT_HOST
 from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.planes import PlanesConfig
-from turnout.runtime.redact import disable_prompt_logging, enable_prompt_logging
+from turnout.runtime.redact import disable_prompt_logging, enable_prompt_logging, redact_url
 from turnout.runtime.request_plane.framing import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes
 
 
@@ -19,9 +19,15 @@ def env_name(flag: str) -> str:
 
 
 def add_flag(
-    parser: argparse.ArgumentParser | Any, flag: str, *, default: Any = None, **kwargs: Any
+    parser: argparse.ArgumentParser | Any,
+    flag: str,
+    *,
+    default: Any = None,
+    secret: bool = False,
+    **kwargs: Any,
 ) -> None:
-    """``parser.add_argument`` whose default comes from the flag's environment variable."""
+    """``parser.add_argument`` whose default comes from the flag's environment variable.
+    ``secret``: a password or token, whose value ``--help`` never shows."""
     env = env_name(flag)
     value = os.environ.get(env)
     if value is not None:
@@ -39,9 +45,12 @@ def add_flag(
             except (TypeError, ValueError) as exc:
                 raise SystemExit(f"turnout: bad value {value!r} in ${env}: {exc}") from None
     help_text = kwargs.pop("help", "")
-    kwargs["help"] = f"{help_text} [env {env}]" + (
-        f" (default: {default})" if default is not None and default is not False else ""
-    )
+    shown = default is not None and default is not False and not secret
+    if shown and isinstance(default, str) and "://" in default:
+        default_text = ",".join(redact_url(url) for url in default.split(","))
+    else:
+        default_text = str(default)
+    kwargs["help"] = f"{help_text} [env {env}]" + (f" (default: {default_text})" if shown else "")
     parser.add_argument(flag, default=default, **kwargs)
 
 
@@ -61,7 +70,7 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -
         add_flag(g, "--store-cert", help="client certificate for etcd (PEM)")
         add_flag(g, "--store-key", help="key of --store-cert (PEM)")
         add_flag(g, "--store-user", help="etcd user")
-        add_flag(g, "--store-password", help="etcd password")
+        add_flag(g, "--store-password", help="etcd password", secret=True)
         add_flag(parser, "--request-plane", default="tcp", choices=["tcp", "nats", "local"],
                  help="request plane between frontend and workers")  # fmt: skip
         add_flag(parser, "--event-plane", choices=["local", "zmq", "nats"],
@@ -71,8 +80,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -
         add_flag(g, "--nats-url", default="nats://127.0.0.1:4222",
                  help="comma-separated NATS servers (user:password@ allowed)")  # fmt: skip
         add_flag(g, "--nats-user", help="NATS user")
-        add_flag(g, "--nats-password", help="NATS password")
-        add_flag(g, "--nats-token", help="NATS token")
+        add_flag(g, "--nats-password", help="NATS password", secret=True)
+        add_flag(g, "--nats-token", help="NATS token", secret=True)
         add_flag(g, "--nats-ca-cert", help="CA certificate that signed the NATS server's (PEM)")
         add_flag(g, "--nats-cert", help="client certificate for NATS (PEM)")
         add_flag(g, "--nats-key", help="key of --nats-cert (PEM)")
