@@ -380,10 +380,17 @@ class Worker:
         it does not). The frontend refuses such requests before they are sent; this catches
         the ones that arrive anyway (a frontend that read another instance's card, a client
         of the request plane), which an engine would otherwise serve ignoring what it cannot
-        do: free text for a grammar, no alternatives for ``top_logprobs``."""
+        do: free text for a grammar, no alternatives for ``top_logprobs``, one prefix cache
+        shared by every ``cache_salt`` (tenants' among them)."""
         caps = self.card.capabilities if self.card is not None else None
         if caps is None:
             return None
+        if not caps.cache_salt and request.cache_salt:
+            # The salt is not quoted: a tenant's names its tenant.
+            return (
+                "this worker cannot honour cache_salt (its engine cannot partition its prefix "
+                "cache)"
+            )
         structured = request.structured
         if structured is not None and structured.kind not in caps.structured_outputs:
             return (

@@ -11,9 +11,10 @@ client's own salt may not take, so no client of the un-tenanted space (no tenant
 that shares it: ``--shared-cache-tenants``) can name a tenant's space either.
 
 A salt is kept only by an engine that partitions its prefix cache by it (the card's
-``capabilities.cache_salt``): ``request_cache_salt`` refuses a salted request to any other
-model before it is routed, with a message that says whose salt it is (the client's, or its
-tenant's), rather than the worker's refusal of a field the client may never have sent.
+``capabilities.cache_salt``): ``request_cache_salt`` (``fields_cache_salt`` for a text
+model's relayed body) refuses a salted request to any other model before it is routed, with a
+message that says whose salt it is (the client's, or its tenant's), rather than the worker's
+refusal of a field the client may never have sent.
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ def tenant_cache_salt(tenant: str | None, salt: str | None) -> str | None:
     return space if salt is None else f"{space}:{salt}"
 
 
-def client_cache_salt(req: ChatCompletionRequest | CompletionRequest) -> str | None:
-    """The request's own cache salt, from ``cache_salt`` or ``nvext.cache_salt`` (equal if
-    both); ``RequestError`` for an empty one, one past ``MAX_CACHE_SALT_CHARS``, or one that
-    starts like a tenant's."""
-    top = req.cache_salt
-    ext = req.nvext.cache_salt if req.nvext is not None else None
+def client_cache_salt(top: str | None, ext: str | None) -> str | None:
+    """A client's cache salt from ``cache_salt`` (``top``) or ``nvext.cache_salt`` (``ext``),
+    equal if both; ``RequestError`` for an empty one, one past ``MAX_CACHE_SALT_CHARS``, or
+    one that starts like a tenant's."""
     if top is not None and ext is not None and top != ext:
         raise RequestError(
             "'cache_salt' and 'nvext.cache_salt' differ; give one", param="cache_salt"
@@ -70,17 +69,29 @@ def request_cache_salt(
     tenant: str | None,
     card: ModelDeploymentCard,
 ) -> str | None:
-    """The salt of ``req`` by ``tenant`` (``tenant_cache_salt``) to the model of ``card``.
-    ``RequestError`` for a client's salt that ``client_cache_salt`` refuses, and for any salt
-    to a model whose engine cannot partition its cache: naming the client's field when it
-    sent one, else saying the tenant's space cannot be kept (no tenant is named: the caller's
-    own tenant is the operator's label, and the message goes to the client)."""
-    salt = client_cache_salt(req)
+    """The salt of ``req`` by ``tenant`` to the model of ``card`` (``fields_cache_salt`` of
+    its two fields)."""
+    ext = req.nvext.cache_salt if req.nvext is not None else None
+    return fields_cache_salt(req.cache_salt, ext, tenant, card)
+
+
+def fields_cache_salt(
+    top: str | None, ext: str | None, tenant: str | None, card: ModelDeploymentCard
+) -> str | None:
+    """The salt of a request by ``tenant`` that sent ``cache_salt`` ``top`` and
+    ``nvext.cache_salt`` ``ext``, to the model of ``card`` (``tenant_cache_salt``).
+    ``RequestError`` for a client's salt that ``client_cache_salt`` refuses, and for any
+    salt to a model whose engine cannot partition its cache: naming the client's field when
+    it sent one, else saying the tenant's space cannot be kept (no tenant is named: the
+    caller's own tenant is the operator's label, and the message goes to the client).
+    It takes the fields, not a request, for a text model's relayed body too, which the
+    frontend does not parse into a request."""
+    salt = client_cache_salt(top, ext)
     if card.capabilities.cache_salt or (salt is None and tenant is None):
         return tenant_cache_salt(tenant, salt)
     model = card.display_name
     if salt is not None:
-        param = "cache_salt" if req.cache_salt is not None else "nvext.cache_salt"
+        param = "cache_salt" if top is not None else "nvext.cache_salt"
         raise RequestError(
             f"model '{model}' cannot honour '{param}' (its engine cannot partition its "
             "prefix cache)",

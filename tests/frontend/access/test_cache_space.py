@@ -21,7 +21,7 @@ from turnout.llm.chat_template import ChatTemplate
 from turnout.llm.model_card import load_model_card
 from turnout.llm.preprocessor import Preprocessor
 from turnout.llm.tokenizer import Tokenizer
-from turnout.protocols.model import EndpointId
+from turnout.protocols.model import EndpointId, ModelDeploymentCard, ModelInput, ModelType
 from turnout.protocols.openai import ChatCompletionRequest
 from turnout.runtime.context import RequestContext
 
@@ -106,9 +106,12 @@ class RecordingRouter:
 def text_pipeline() -> tuple[TextPipeline, RecordingRouter]:
     router = RecordingRouter()
     unused = cast(Any, None)
-    pipeline = TextPipeline(
-        "m", unused, cast(Any, router), unused, is_chat=True, cache_spaces=SPACES
-    )
+    ep = EndpointId(namespace="ns", component="c", name="generate")
+    card = ModelDeploymentCard(
+        display_name="m", endpoint=ep, instance_id=1, model_type=ModelType.Chat,
+        model_input=ModelInput.Text,
+    )  # fmt: skip
+    pipeline = TextPipeline("m", card, cast(Any, router), unused, is_chat=True, cache_spaces=SPACES)
     return pipeline, router
 
 
@@ -123,10 +126,10 @@ def test_text_pipeline_relays_the_tenants_salt(fields: dict[str, Any], own: str 
     relayed = msgspec.json.decode(router.bodies[-1])
     assert relayed["cache_salt"] == tenant_cache_salt("alice", own)
     assert relayed["messages"] == []
-    # The un-tenanted space relays the body untouched.
+    # The un-tenanted space relays the client's own salt only.
     for principal in (None, tenant("team-x")):
         pipeline.generate(body, ctx_of(principal))
-        assert router.bodies[-1] is body
+        assert msgspec.json.decode(router.bodies[-1]).get("cache_salt") == own
 
 
 @pytest.mark.parametrize(

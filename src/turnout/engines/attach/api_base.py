@@ -68,6 +68,9 @@ class ServerInfo:
     version: str | None = None
     #: A local path the server loaded its model (or tokenizer) from, when it says so.
     model_path: str | None = None
+    #: Who its ``GET /v1/models`` says owns the model: the server's kind (``vllm``,
+    #: ``sglang``, ``llamacpp``) for those that say it.
+    owned_by: str | None = None
     notes: list[str] = field(default_factory=list)
 
 

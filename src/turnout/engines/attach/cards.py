@@ -25,6 +25,7 @@ from turnout.llm.tokenizer import Tokenizer
 from turnout.protocols.model import (
     DEVICE_GPU,
     EndpointId,
+    ModelCapabilities,
     ModelDeploymentCard,
     ModelInput,
     ModelType,
@@ -34,6 +35,7 @@ from turnout.protocols.model import (
 from ..echo import PLACEHOLDER_ENDPOINT
 from .api_base import PROBE_TEXT, ServerInfo, TokensApi
 from .llamacpp_api import DEFAULT_BLOCK_SIZE
+from .text_relay import SALT_PARTITIONING_OWNERS
 from .upstream import Upstream
 from .vocab import VocabBytes, vocab_bytes
 
@@ -184,7 +186,11 @@ def tokens_card(
 
 
 def text_card(info: ServerInfo, *, name: str, endpoint: EndpointId) -> ModelDeploymentCard:
-    """The card of a text-mode instance: chat and completions, relayed."""
+    """The card of a text-mode instance: chat and completions, relayed. It says the server
+    partitions its prefix cache by ``cache_salt`` only for a server known to
+    (``SALT_PARTITIONING_OWNERS``): the frontend refuses salted requests to any other, since
+    the relay passes the salt on and a server that ignores it would let tenants share its
+    cache."""
     return ModelDeploymentCard(
         display_name=name,
         endpoint=endpoint,
@@ -192,4 +198,5 @@ def text_card(info: ServerInfo, *, name: str, endpoint: EndpointId) -> ModelDepl
         model_type=ModelType.Chat | ModelType.Completions,
         model_input=ModelInput.Text,
         context_length=info.context_length or TEXT_CONTEXT_LENGTH,
+        capabilities=ModelCapabilities(cache_salt=info.owned_by in SALT_PARTITIONING_OWNERS),
     )

@@ -8,8 +8,10 @@ and hands back each chunk's JSON untouched.
 
 What the relay changes in the body: ``model`` (the server's own name for it: ``--model-name``
 may publish another), ``stream`` and ``stream_options.include_usage`` (usage is always
-counted), and turnout's own ``nvext`` is removed. What it refuses, before sending anything:
-``n`` > 1 (the frontend folds one choice) and a body that is not a JSON object.
+counted), and turnout's own ``nvext`` is removed. ``cache_salt`` goes on as the frontend set
+it (the tenant's space); the card says whether the server honours it (``text_card``). What it
+refuses, before sending anything: ``n`` > 1 (the frontend folds one choice) and a body that is
+not a JSON object.
 
 Failures: a refusal, or an HTTP 4xx from the server, is the stream's only item: an OpenAI
 error body with the status beside it (``{"error": {...}, "status": 400}``), which the
@@ -32,12 +34,18 @@ from .api_base import ChunkDecoder, LoadNumbers, ServerInfo, TokensApi, first_mo
 from .prometheus import parse_samples
 from .upstream import Upstream, UpstreamError, UpstreamStatus, error_message, sse_payload
 
-__all__ = ["OpenAiApi", "TextRelayFailed", "refusal_chunk", "relay_handler"]
+__all__ = ["SALT_PARTITIONING_OWNERS", "OpenAiApi", "TextRelayFailed", "refusal_chunk",
+           "relay_handler"]  # fmt: skip
 
 #: Load series of the servers that say (vLLM's and SGLang's); others report none.
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+#: The servers (their ``/v1/models`` ``owned_by``) whose OpenAI routes partition the prefix
+#: cache by the body's ``cache_salt``: vLLM's. SGLang's and llama.cpp's ignore it, so a text
+#: card of theirs says it cannot, and the frontend refuses salted requests (tenants' among
+#: them) rather than let them share one cache.
+SALT_PARTITIONING_OWNERS = frozenset({"vllm"})
 
 
 class TextRelayFailed(Exception):
@@ -64,6 +72,8 @@ class OpenAiApi(TokensApi):
     async def describe(self, upstream: Upstream) -> ServerInfo:
         model = first_model(upstream.base_url, await upstream.get_json("/v1/models"))
         info = ServerInfo(api=self.name, served_name=str(model.get("id") or "model"))
+        owner = model.get("owned_by")
+        info.owned_by = owner if isinstance(owner, str) else None
         for key in ("max_model_len", "context_length", "context_window"):
             value = model.get(key)
             if isinstance(value, int) and value > 0:

@@ -13,6 +13,8 @@ request to a worker and relays the OpenAI chunks it streams back.
 Both keep tenants' prompts in their own cache spaces (``access.cache_space``): a tokens
 pipeline salts the ``PreprocessedRequest`` it builds, a text pipeline sets the relayed body's
 ``cache_salt`` (which the server behind the worker reads: vLLM's partitions its prefix cache).
+Both refuse a salt, the tenant's or the client's, to a model whose card says its engine cannot
+partition its cache (``llm.cache_salt``), with the same messages.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import msgspec
 from turnout.errors import NoInstanceAvailable, RequestError
 from turnout.frontend.access.cache_space import CacheSpaces
 from turnout.llm.backend import Backend, DecodedDelta, StreamDecoder
-from turnout.llm.cache_salt import MAX_CACHE_SALT_CHARS, TENANT_SALT_PREFIX, tenant_cache_salt
+from turnout.llm.cache_salt import fields_cache_salt
 from turnout.llm.migration import Migration, deadline_stream
 from turnout.llm.preprocessor import Preprocessor
 from turnout.protocols.llm import FinishReason, PreprocessedRequest
@@ -165,8 +167,8 @@ class TextPipeline:
         if self.gate is not None:
             self.gate.check()
         tenant = self.cache_spaces.tenant_of(ctx)
-        if tenant is not None:
-            body = _salted_body(body, tenant)
+        if tenant is not None or _may_salt(body):
+            body = _salted_body(body, tenant, self.card)
         if self.request_timeout > 0:
             # ``RequestTimedOut`` past it: 504 before the first chunk, an SSE error event
             # after (``http.errors.to_http_error``).
@@ -174,31 +176,35 @@ class TextPipeline:
         return self.router.generate(body, ctx)
 
 
-def _salted_body(body: bytes, tenant: str) -> bytes:
-    """A relayed OpenAI body with ``cache_salt`` set to ``tenant``'s cache space, the
-    client's own salt (``cache_salt`` or ``nvext.cache_salt``) within it. A body that is not
-    a JSON object goes as it is: the worker's relay refuses it."""
+def _may_salt(body: bytes) -> bool:
+    """Whether an un-tenanted body may carry a cache salt, so that ``_salted_body`` must read
+    it; most do not, and are relayed unread. A key spelled with JSON escapes is not seen: its
+    salt partitions only its own sender's prompts, unless it names a tenant's space, whose
+    leading NUL JSON always escapes as ``\\u0000``."""
+    return b"cache_salt" in body or b"\\u0000" in body
+
+
+def _salted_body(body: bytes, tenant: str | None, card: ModelDeploymentCard) -> bytes:
+    """A relayed OpenAI body with ``cache_salt`` set to ``tenant``'s cache space (None: the
+    un-tenanted space), the client's own salt (``cache_salt`` or ``nvext.cache_salt``, which
+    the relay drops with the rest of ``nvext``) within it. ``RequestError`` for a salt that
+    ``fields_cache_salt`` refuses: a client's that could name another space, or any to a model
+    that cannot partition its cache. A body that is not a JSON object goes as it is: the
+    worker's relay refuses it."""
     try:
         doc: Any = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return body
     if not isinstance(doc, dict):
         return body
+    top = doc.get("cache_salt")
     nvext = doc.get("nvext")
-    salt = doc.get("cache_salt")
-    param = "cache_salt"
-    if salt is None and isinstance(nvext, dict):
-        salt, param = nvext.get("cache_salt"), "nvext.cache_salt"
-    if salt is not None and (
-        not isinstance(salt, str)
-        or not salt
-        or len(salt) > MAX_CACHE_SALT_CHARS
-        or salt.startswith(TENANT_SALT_PREFIX)
-    ):
-        raise RequestError(
-            f"'{param}' must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters that does "
-            f"not start with {TENANT_SALT_PREFIX!r}",
-            param=param,
-        )
-    doc["cache_salt"] = tenant_cache_salt(tenant, salt)
+    ext = nvext.get("cache_salt") if isinstance(nvext, dict) else None
+    for param, value in (("cache_salt", top), ("nvext.cache_salt", ext)):
+        if value is not None and not isinstance(value, str):
+            raise RequestError(f"'{param}' must be a string", param=param)
+    salt = fields_cache_salt(top, ext, tenant, card)
+    if salt == top:
+        return body
+    doc["cache_salt"] = salt
     return msgspec.json.encode(doc)
