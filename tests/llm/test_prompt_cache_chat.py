@@ -150,3 +150,29 @@ async def test_multi_turn_encodes_only_new_turns(
         encoded = cache.stats.tokens_encoded - before_encoded
         assert encoded + cache.stats.tokens_reused - before_reused == total
         assert 3 * encoded < total
+
+
+async def test_pieces_are_reused_within_a_tenant_only(
+    pairs: dict[str, tuple[Preprocessor, Preprocessor, PromptCache]],
+) -> None:
+    """The same conversation from two tenants: the second tenant reuses nothing of the first's
+    pieces (it could time the difference), the first tenant's next request reuses them all,
+    and every request's ids are a whole encode's."""
+    whole, cached, cache = pairs["smollm2"]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "A secret plan only tenant a knows about, in detail."},
+    ]
+    req = request(messages, tools=False, gen=True)
+    expected = (await whole.preprocess_chat(req)).token_ids
+
+    async def reused_by(tenant: str) -> int:
+        """Tokens the tenant's request took from the cache."""
+        before = cache.stats.tokens_reused
+        assert (await cached.preprocess_chat(req, tenant)).token_ids == expected
+        return cache.stats.tokens_reused - before
+
+    first = await reused_by("a")  # a fresh space: only pieces repeated within the prompt
+    assert first < len(expected)
+    assert await reused_by("b") == first  # tenant b: nothing of a's
+    assert await reused_by("a") == len(expected)  # tenant a: every piece from the cache

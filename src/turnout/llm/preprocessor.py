@@ -40,7 +40,7 @@ from turnout.protocols.openai import ChatCompletionRequest, ChatMessage, Complet
 from .cache_salt import request_cache_salt
 from .chat_template import ChatTemplate
 from .limits import RequestLimits
-from .prompt_cache import PromptCache, PromptEncoder
+from .prompt_cache import PromptCache, PromptEncoder, UncachedEncoder
 from .reasoning_switch import reasoning_switch
 from .structured import source_chars, structured_output
 from .tokenizer import Tokenizer
@@ -126,7 +126,7 @@ class Preprocessor:
         self.limits = limits if limits is not None else RequestLimits()
         self._mdc_sum = card.checksum()
         self._prompt_encoder: PromptEncoder = (
-            tokenizer if prompt_cache is None else prompt_cache.encoder(tokenizer)
+            UncachedEncoder(tokenizer) if prompt_cache is None else prompt_cache.encoder(tokenizer)
         )
 
     # ---------------------------------------------------------------- chat
@@ -194,7 +194,7 @@ class Preprocessor:
             )
             # The template writes BOS itself where the model wants one (as HF does), so
             # no special tokens are added: the encoder's contract.
-            return self._prompt_encoder.encode(text)
+            return self._prompt_encoder.encode(text, cache_salt)
 
         size = prompt_chars + tools_chars + MESSAGE_COST_CHARS * len(req.messages)
         token_ids = await _maybe_offload(size, render_and_encode)

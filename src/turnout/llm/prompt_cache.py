@@ -22,7 +22,10 @@ several), and the result is split at the pieces' ends (``Encoding.char_to_token`
 in the cache depends on the template, the request's options or the model: only on the
 tokenizer (its sha256 is part of every key) and on the piece's text, so different models,
 templates, tools or ``chat_template_kwargs`` can share a piece only where it is the same
-text for the same tokenizer, which encodes the same.
+text for the same tokenizer, which encodes the same. The request's cache space (its cache
+salt: its tenant's, and the client's own) is part of every key too: a piece is reused only
+within its space, so no tenant can learn, from a faster answer, that another sent the same
+message, as the engines' prefix caches are kept apart for the same reason.
 
 Bounded: an LRU over pieces, within ``max_bytes`` (each entry's text, ids and bookkeeping;
 entries and tokens are bounded by that too). Shared by a frontend's models and safe across
@@ -80,7 +83,21 @@ class PromptCacheStats:
 class PromptEncoder(Protocol):
     """Encodes rendered chat prompts (``add_special_tokens=False``) for one tokenizer."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, space: str | None = None) -> list[int]:
+        """``space``: the request's cache space (its cache salt; None: the un-salted one)."""
+        ...
+
+
+class UncachedEncoder:
+    """A ``PromptEncoder`` without a cache: every prompt encoded whole, nothing counted."""
+
+    __slots__ = ("_tokenizer",)
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str, space: str | None = None) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
 
 class PromptCache:
@@ -92,7 +109,7 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.stats = PromptCacheStats()
         self._lock = threading.Lock()
-        #: (tokenizer sha256, piece) -> its ids; least recently used first.
+        #: (tokenizer sha256 [NUL cache space], piece) -> its ids; least recently used first.
         self._entries: OrderedDict[_Key, array[int]] = OrderedDict()
         self._bytes = 0
         self._tokens = 0
@@ -200,7 +217,7 @@ class _WholeEncoder:
         self._tokenizer = tokenizer
         self._cache = cache
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, space: str | None = None) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._cache._count_whole(len(ids))
         return ids
@@ -221,13 +238,13 @@ class _PieceEncoder:
         self._cache = cache
         self._sha = tokenizer.sha256
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, space: str | None = None) -> list[int]:
         if not text:
             return self._whole(text)
         ends = self._boundaries.cuts(text)
         if not ends or ends[-1] != len(text):
             ends.append(len(text))
-        sha = self._sha
+        sha = self._sha if space is None else f"{self._sha}\0{space}"
         keys: list[_Key] = []
         start = 0
         for end in ends:
