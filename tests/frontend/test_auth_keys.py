@@ -162,11 +162,24 @@ def test_reload_swaps_the_ring_and_keeps_it_on_a_bad_file(
 
 
 @pytest.mark.parametrize(
-    ("asked", "ceiling", "expected"),
-    [(None, None, 0), (4, None, 4), (None, 2, 2), (5, 2, 2), (-1, 2, -1), (0, 3, 0)],
+    ("asked", "ceiling", "authenticated", "expected"),
+    [
+        (None, None, False, 0),
+        (4, None, False, 4),  # an open frontend: the request's own
+        (4, None, True, 0),  # a tenant the operator did not rank: no higher than 0
+        (2**62, None, True, 0),
+        (-3, None, True, -3),
+        (None, 2, True, 2),
+        (5, 2, True, 2),
+        (-1, 2, True, -1),
+        (0, 3, True, 0),
+    ],
 )
-def test_request_priority(asked: int | None, ceiling: int | None, expected: int) -> None:
-    assert request_priority(asked, TenantPolicy(priority=ceiling)) == expected
+def test_request_priority(
+    asked: int | None, ceiling: int | None, authenticated: bool, expected: int
+) -> None:
+    policy = TenantPolicy(priority=ceiling)
+    assert request_priority(asked, policy, authenticated=authenticated) == expected
 
 
 def test_jwt_accepted_and_mapped(tmp_path: Path) -> None:

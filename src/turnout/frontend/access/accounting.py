@@ -98,11 +98,15 @@ class TenantAccount:
             requests[outcome] = requests.get(outcome, 0) + 1
 
 
-def request_priority(asked: int | None, policy: TenantPolicy) -> int:
+def request_priority(asked: int | None, policy: TenantPolicy, *, authenticated: bool) -> int:
     """The admission queue's priority of a request: the tenant's priority, which the
-    request's own (``nvext.priority``) may lower but never raise; the request's own when
-    the tenant has none; 0 when neither says."""
+    request's own (``nvext.priority``) may lower but never raise. An authenticated tenant
+    without one has 0 as its ceiling, so no caller can queue ahead of a tenant the operator
+    ranked higher, or push its waiters out of a full queue. Without credentials configured
+    (``authenticated`` False) the request's own, or 0."""
     ceiling = policy.priority
     if ceiling is None:
-        return asked or 0
+        if not authenticated:
+            return asked or 0
+        ceiling = 0
     return ceiling if asked is None else min(asked, ceiling)

@@ -64,7 +64,7 @@ from turnout.frontend.access.accounting import (
 from turnout.frontend.access.audit import AuditLog
 from turnout.frontend.access.authenticator import Authenticator, require_admin
 from turnout.frontend.access.limits import NO_LIMITS, PRINCIPAL_METADATA
-from turnout.frontend.access.principal import ANONYMOUS, Principal
+from turnout.frontend.access.principal import ANONYMOUS, DEFAULT_TENANT, Principal
 from turnout.frontend.access.usage import TenantUsage, outcome_of
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController
@@ -508,13 +508,19 @@ class HttpService:
             account = self._open_account(principal, ctx)
             ticket = None
             if self.admission is not None:
-                priority = request_priority(request.priority, principal.policy)
+                priority = request_priority(
+                    request.priority, principal.policy, authenticated=self.auth is not None
+                )
                 ticket = await self.admission.acquire(model, priority)
                 metrics.queue_wait.observe(ticket.waited)
             inflight = metrics.inflight
             inflight.inc()
             try:
                 session_id = session_id_from(scope.headers) or request.session_key
+                if session_id is not None and principal.tenant != DEFAULT_TENANT:
+                    # Sessions are a tenant's own: no other tenant can steer to, or evict,
+                    # its bindings by sending the same id.
+                    session_id = f"{principal.tenant}\0{session_id}"
                 await self._serve_on_served_card(
                     surface, proto, pipeline, request, body, ctx, session_id
                 )
