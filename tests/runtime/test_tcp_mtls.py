@@ -238,17 +238,77 @@ async def test_a_plain_client_cannot_reach_a_tls_server_or_the_reverse(ca: TestC
         await server.stop()
 
 
-async def test_handshakes_at_once_are_bounded(ca: TestCa) -> None:
+class Greeter(asyncio.Protocol):
+    """Says hello once its peer passed the TLS handshake."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(b"hello")  # type: ignore[attr-defined]
+
+
+def ended(sock: socket.socket) -> bool:
+    """True once the server ended ``sock`` (EOF or reset), without blocking."""
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+async def greeted(ca: TestCa, host: str, port: int) -> bytes:
+    """What a proper client (a certificate the deployment CA signed) reads after its handshake."""
+    context = tls(ca.issue("frontend")).client_context()
+    reader, writer = await asyncio.open_connection(host, port, ssl=context)
+    try:
+        async with asyncio.timeout(5):
+            return await reader.readexactly(5)
+    finally:
+        writer.close()
+
+
+async def test_a_flood_fills_no_slot_a_proper_client_needs(ca: TestCa) -> None:
+    """Silent connections past the cap of handshakes at once evict the oldest pending ones:
+    the flood's own, and a proper client that connects after it completes its handshake."""
     refusals = tls_refusal_log()
     acceptor = TlsAcceptor(
-        asyncio.Protocol, tls(ca.issue("worker")).server_context(), refusals, max_pending=1
+        Greeter,
+        tls(ca.issue("worker")).server_context(),
+        refusals,
+        max_pending=2,
+        max_pending_per_host=1000,  # every test peer is 127.0.0.1
     )
     host, port = acceptor.listen("127.0.0.1", 0)
-    socks = []
+    flood = [socket.create_connection((host, port)) for _ in range(6)]
     try:
-        for _ in range(2):  # the first holds the only handshake slot, silent
-            socks.append(socket.create_connection((host, port)))
-        await eventually(lambda: refusals.counts == {"too many TLS handshakes at once": 1})
+        assert await greeted(ca, host, port) == b"hello"
+        evicted = "evicted: too many TLS handshakes at once"
+        await eventually(lambda: refusals.counts == {evicted: 5})
+        await eventually(lambda: all(ended(sock) for sock in flood[:5]))
+        assert not ended(flood[5])  # the youngest still holds its slot
+    finally:
+        for sock in flood:
+            sock.close()
+        await acceptor.close()
+
+
+async def test_handshakes_at_once_from_one_host_are_bounded(ca: TestCa) -> None:
+    """A host past its cap of handshakes at once has its further connections aborted; the
+    ones it holds are kept (it cannot evict them, nor anyone's, from one address)."""
+    refusals = tls_refusal_log()
+    acceptor = TlsAcceptor(
+        Greeter, tls(ca.issue("worker")).server_context(), refusals, max_pending_per_host=2
+    )
+    host, port = acceptor.listen("127.0.0.1", 0)
+    socks = [socket.create_connection((host, port)) for _ in range(3)]
+    try:
+        reason = "too many TLS handshakes from one host"
+        await eventually(lambda: refusals.counts == {reason: 1})
+        await eventually(lambda: ended(socks[2]))
+        assert not ended(socks[0]) and not ended(socks[1])
+        for sock in socks[:2]:  # the host's slots come back as its handshakes end
+            sock.close()
+        await eventually(lambda: not acceptor._per_host)
+        assert await greeted(ca, host, port) == b"hello"
     finally:
         for sock in socks:
             sock.close()
