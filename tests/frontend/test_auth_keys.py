@@ -206,6 +206,7 @@ def test_jwt_accepted_and_mapped(tmp_path: Path) -> None:
         ({"exp": time.time() - 3600}, "expired"),
         ({"tenant": "no spaces allowed"}, "claim names no valid tenant"),
         ({"exp": None}, "not valid"),
+        ({"exp": 10**400}, "not a finite number"),
     ],
 )
 def test_jwt_refused(tmp_path: Path, claims: dict[str, object], message: str) -> None:
@@ -214,6 +215,20 @@ def test_jwt_refused(tmp_path: Path, claims: dict[str, object], message: str) ->
     auth = Authenticator((), None, config)
     with pytest.raises(HttpError, match=message) as caught:
         auth.authenticate(headers(authorization=f"Bearer {issuer.token(**claims)}"))
+    assert caught.value.status == 401
+
+
+def test_jwt_with_an_exp_out_of_a_floats_range_is_refused(tmp_path: Path) -> None:
+    """``"exp": 1e400`` reads as Infinity: refused, not a server error."""
+    issuer = JwtIssuer(tmp_path)
+    config = JwtConfig(issuer=issuer.issuer, audience="turnout", jwks_file=issuer.jwks_file)
+    auth = Authenticator((), None, config)
+    payload = (
+        f'{{"iss": "{issuer.issuer}", "aud": "turnout", "sub": "alice", "tenant": "team-j", '
+        '"exp": 1e400}'
+    ).encode()
+    with pytest.raises(HttpError, match="not valid") as caught:
+        auth.authenticate(headers(authorization=f"Bearer {issuer.signed(payload)}"))
     assert caught.value.status == 401
 
 

@@ -52,10 +52,15 @@ def test_a_secret_is_named_by_a_prefix_of_its_digest() -> None:
         ("nats://h:4222", "nats://h:4222"),
         ("http://127.0.0.1:2379/", "http://127.0.0.1:2379/"),
         ("a nats://u:x@h b tls://v:y@k", "a nats://u:***@h b tls://v:***@k"),
-        ("postgresql://h/db?user=u&password=pw&sslmode=require",
-         "postgresql://h/db?user=u&password=***&sslmode=require"),
+        (
+            "postgresql://h/db?user=u&password=pw&sslmode=require",
+            "postgresql://h/db?user=u&password=***&sslmode=require",
+        ),
         ("host=h password='a b\\'c' dbname=x", "host=h password=*** dbname=x"),
         ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://:sk-turnout-test-pa/ss@h:6379/0", "redis://:***@h:6379/0"),
+        ("nats://u:sk-turnout-test-p@ss@h:4222", "nats://u:***@h:4222"),
+        ("nats://u:x@h1,nats://v:y@h2", "nats://u:***@h1,nats://v:***@h2"),
     ],
 )
 def test_urls_keep_their_user_but_not_their_password(url: str, shown: str) -> None:
@@ -111,7 +116,12 @@ def test_serve_passes_log_prompts_to_its_workers() -> None:
 
 
 def test_configs_do_not_show_their_passwords() -> None:
-    nats = NatsOptions(password=SECRET, token=SECRET)
+    nats = NatsOptions(
+        servers=[f"nats://u:{SECRET}@h:4222", f"nats://{SECRET}@k:4222"],
+        password=SECRET,
+        token=SECRET,
+    )
+    assert "nats://u:***@h:4222" in repr(nats) and "nats://***@k:4222" in repr(nats)
     planes = PlanesConfig(store="etcd", store_options={"password": SECRET}, nats=nats)
     assert SECRET not in repr(nats) and SECRET not in repr(planes)
 

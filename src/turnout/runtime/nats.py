@@ -18,11 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import nats
 from nats.aio.client import Client
@@ -30,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from turnout.errors import ConfigError, TurnoutError
+from turnout.runtime.redact import redact_url
 
 logger = logging.getLogger("turnout.runtime.nats")
 
@@ -66,6 +66,18 @@ class NatsOptions:
     #: moving (a network cut) would otherwise hold this process's subscriptions hostage for
     #: minutes of TCP retransmission back-off after the network is back.
     ping_interval: float = 2.0
+
+    def __repr__(self) -> str:
+        """The fields a dataclass repr shows, with each server URL's password or token
+        replaced by ``***`` (``password`` and ``token`` are left out altogether)."""
+        shown = ", ".join(
+            f"{f.name}={[redact_url(url) for url in self.servers]!r}"
+            if f.name == "servers"
+            else f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.repr
+        )
+        return f"{type(self).__name__}({shown})"
 
 
 class NatsConnection:
@@ -156,11 +168,6 @@ def _tls_context(options: NatsOptions) -> ssl.SSLContext | None:
     return ctx
 
 
-def _redact(url: str) -> str:
-    """``url`` with any password replaced, fit for logs and error messages."""
-    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
-
-
 def _reason(exc: BaseException | None) -> str:
     if exc is None:
         return "no answer"
@@ -205,7 +212,7 @@ async def connect_nats(options: NatsOptions) -> NatsConnection:
         if state["connected"] and state["online"] and not client.is_closed:
             state["online"] = False
             logger.warning(
-                "lost the NATS server; reconnecting to %s", [_redact(u) for u in servers]
+                "lost the NATS server; reconnecting to %s", [redact_url(u) for u in servers]
             )
 
     async def reconnected_cb() -> None:
@@ -239,7 +246,7 @@ async def connect_nats(options: NatsOptions) -> NatsConnection:
         cause = last_error[0] if last_error else exc
         if isinstance(exc, TimeoutError) and not last_error:
             cause = TimeoutError(f"no answer within {options.connect_timeout:g}s")
-        shown = [_redact(url) for url in servers]
+        shown = [redact_url(url) for url in servers]
         raise ConfigError(f"cannot reach NATS at {shown}: {_reason(cause)}") from cause
     state["connected"] = True
     conn = NatsConnection(client, options)

@@ -29,9 +29,11 @@ prompt_log = logging.getLogger(PROMPT_LOGGER)
 _OFF = logging.CRITICAL + 1
 prompt_log.setLevel(_OFF)
 
-# ``scheme://user:password@`` and ``scheme://token@``: everything between ``//`` and ``@``
-# that is not a host.
-_USERINFO = re.compile(r"(?P<head>//)(?P<userinfo>[^/@\s]*)@")
+# ``scheme://user:password@`` and ``scheme://token@``: everything between ``//`` and the
+# last ``@`` before the next whitespace or ``//``, because a password may hold a raw ``/`` or
+# ``@`` (``redis://:pa/ss@h``, ``u:p@ss@h``). A path holding ``@`` (``http://h/a@b``) is
+# hidden as well: a host shown too little is safer than a password shown at all.
+_USERINFO = re.compile(r"(?P<head>//)(?P<userinfo>(?:(?!//)\S)*)@")
 # ``?password=...`` in a query, ``password=... host=...`` in a libpq key=value DSN.
 _SECRET_PARAM = re.compile(
     r"(?i)\b(?P<name>password|passwd|pwd|token|secret|api_?key|sslpassword)="

@@ -14,6 +14,7 @@ table, by the token's digest, until its ``exp``) so a client reusing its token p
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -161,5 +162,17 @@ class JwtVerifier:
         admin = config.admin_claim is not None and claims.get(config.admin_claim) is True
         subject = str(claims.get("sub", ""))[:MAX_SUBJECT_CHARS]
         return JwtIdentity(
-            tenant=tenant, key_id=f"jwt:{subject}", admin=admin, expires=float(claims["exp"])
+            tenant=tenant, key_id=f"jwt:{subject}", admin=admin, expires=_expiry(claims["exp"])
         )
+
+
+def _expiry(exp: Any) -> float:
+    """``exp`` as seconds since the epoch; an integer too large for a float (``10**400``,
+    which PyJWT's own check lets through) is refused instead of failing the request."""
+    try:
+        expires = float(exp)
+    except (OverflowError, ValueError, TypeError):
+        raise InvalidToken("the token is not valid: its exp is not a finite number") from None
+    if not math.isfinite(expires):
+        raise InvalidToken("the token is not valid: its exp is not a finite number")
+    return expires
