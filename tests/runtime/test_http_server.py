@@ -42,6 +42,9 @@ class App:
             finally:
                 self.stream_done.set()
             return
+        if scope.path == "/early":  # refused before its body is read (as a 401 is)
+            exchange.response_bytes(401, [("content-type", "text/plain")], b"refused")
+            return
         if scope.path == "/wait-disconnect":
             await exchange.client_disconnect()
             self.disconnects += 1
@@ -125,6 +128,34 @@ async def test_requests_keep_alive_and_pipelining(serve) -> None:  # type: ignor
     assert status == 200 and json.loads(body)["body"] == "hello"
     assert "date" in headers and headers.get("connection") != "close"
     writer.close()
+
+
+async def test_an_early_answer_to_a_huge_body_closes_instead_of_reading_it(serve) -> None:  # type: ignore[no-untyped-def]
+    server, _ = await serve()
+    reader, writer = await connect(server)
+    writer.write(b"POST /early HTTP/1.1\r\nhost: t\r\ncontent-length: 100000000000\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 401 and body == b"refused" and headers["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 30) == b""  # the server ended its side
+    # The server drops at most DRAIN_ALLOWANCE more, then closes: a client pushing the body
+    # is cut off long before the socket buffers of both ends could take 256 MiB.
+    sent = 0
+    with pytest.raises(ConnectionError):
+        while sent < 256 << 20:
+            writer.write(CHUNK)
+            await asyncio.wait_for(writer.drain(), 30)
+            sent += len(CHUNK)
+
+
+async def test_an_early_answer_to_a_small_body_keeps_the_connection(serve) -> None:  # type: ignore[no-untyped-def]
+    server, _ = await serve()
+    reader, writer = await connect(server)
+    writer.write(b"POST /early HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n\r\n")
+    status, headers, _ = await read_response(reader)
+    assert status == 401 and headers.get("connection") != "close"
+    writer.write(b"y" * 1000 + b"POST /a HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\nok")
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["body"] == "ok"
 
 
 async def test_expect_continue(serve) -> None:  # type: ignore[no-untyped-def]

@@ -21,6 +21,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("turnout.http")
 
+#: Request body bytes a connection reads and drops after a route answered without reading
+#: them. When the rest of the body fits, the connection stays open and drops it; when it
+#: does not, the answer says ``connection: close`` and at most this much more is read while
+#: the answer reaches a client that is still sending, instead of the whole declared body.
+DRAIN_ALLOWANCE = 256 * 1024
+#: Seconds a closing connection keeps dropping such a body before it closes.
+LINGER_SECONDS = 2.0
+
 
 class _Phase:
     """Where a connection's reading is (what its timer stands for)."""
@@ -63,6 +71,8 @@ class Connection(asyncio.Protocol):
         #: (several SSE events ready at once cost one system call).
         self._out: list[bytes] = []
         self.pending = 0
+        #: Body bytes a closing connection still drops (None: not closing that way).
+        self._linger_left: int | None = None
 
     # ---------------------------------------------------------------- writing
 
@@ -147,6 +157,11 @@ class Connection(asyncio.Protocol):
             self._stall = None
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_left is not None:
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self._close_after_writes()
+            return
         if self.phase == _Phase.IDLE:
             self.phase = _Phase.HEADERS
             if not self.queue:
@@ -275,7 +290,10 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         if not exchange.keep_alive:
-            self._close_after_writes()
+            if self._reading is exchange:
+                self._linger()
+            else:
+                self._close_after_writes()
             return
         if self._reading is exchange:
             # Its body is still arriving: it is dropped as it comes, under the body deadline.
@@ -285,6 +303,32 @@ class Connection(asyncio.Protocol):
             self._start(self.queue[0])
         elif self.phase == _Phase.IDLE:
             self._became_idle()
+
+    def unread_body_exceeds_allowance(self, exchange: HttpExchange) -> bool:
+        """Whether answering ``exchange`` now leaves more of its body to come than
+        ``DRAIN_ALLOWANCE`` (a chunked body still arriving counts as more): then its answer
+        closes the connection rather than have it read the rest."""
+        if exchange.eof:
+            return False
+        declared = exchange.scope.headers.get("content-length")
+        if declared is None or not declared.isdigit():
+            return True
+        return int(declared) - exchange.received > DRAIN_ALLOWANCE
+
+    def _linger(self) -> None:
+        """Close after the answer to a request whose body is still arriving: the answer
+        goes out followed by the end of the stream, then up to ``DRAIN_ALLOWANCE`` bytes
+        of the body are dropped for at most ``LINGER_SECONDS``, so a client still sending
+        reads the answer rather than a reset; then the socket closes."""
+        self._reading = None
+        self._linger_left = DRAIN_ALLOWANCE
+        self.flush()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm(LINGER_SECONDS)
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
 
     # ---------------------------------------------------------------- flow control
 
@@ -346,6 +390,9 @@ class Connection(asyncio.Protocol):
     def _on_timeout(self) -> None:
         self._timer = None
         if self.closed:
+            return
+        if self._linger_left is not None:
+            self._close_after_writes()
             return
         limits = self.limits
         if self.phase == _Phase.IDLE:

@@ -30,6 +30,7 @@ class HttpExchange:
         "eof",
         "finished",
         "keep_alive",
+        "received",
         "scope",
         "started",
         "task",
@@ -44,6 +45,8 @@ class HttpExchange:
         self._continue = expect_continue
         self._chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
+        #: Body bytes that came (read by the route or not).
+        self.received = 0
         self.eof = False
         self._waiter: asyncio.Future[None] | None = None
         self._disconnect: asyncio.Future[None] | None = None
@@ -57,6 +60,7 @@ class HttpExchange:
     def feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self.buffered += len(data)
+        self.received += len(data)
         self._wake()
 
     def feed_eof(self) -> None:
@@ -123,7 +127,7 @@ class HttpExchange:
 
     def _head(self, status: int, headers: HeaderList, framing: bytes) -> bytes:
         conn = self._conn
-        if conn.closing:
+        if conn.closing or conn.unread_body_exceeds_allowance(self):
             self.keep_alive = False
         line = STATUS_LINES.get(status) or f"HTTP/1.1 {status} Status\r\n".encode("latin-1")
         parts = [line, conn.server.date.get()]
