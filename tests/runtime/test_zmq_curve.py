@@ -266,17 +266,48 @@ async def test_a_publisher_follows_a_bounded_number_of_key_records(
     store: MemoryStore, ca: TestCa, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(zap, "MAX_PLANE_KEYS", 2)
-    attestations = [CurveIdentity.make(tls_of(ca.issue(f"p{i}"))).attestation for i in range(3)]
+    monkeypatch.setattr(zap, "MAX_RECORDS_PER_KEY", 2)
+    a, b, c = (CurveIdentity.make(tls_of(ca.issue(f"p{i}"))).attestation for i in range(3))
     async with ZmqEventPlane(store, plane_tls=tls_of(ca.issue("worker"))) as plane:
         await plane.publisher("dyn", "backend")
         gate = plane._gate
         assert gate is not None
-        for i, attestation in enumerate(attestations):
-            await store.put(f"{PLANE_KEYS_ROOT}{i}", msgspec.json.encode(attestation))
-        await eventually(lambda: gate.refusals.num_refused == 1, what="the third record refused")
+        # Copies of one valid attestation take one key's slot: b still gets in, c does not.
+        for i in range(4):
+            await store.put(f"{PLANE_KEYS_ROOT}a{i}", msgspec.json.encode(a))
+        await store.put(f"{PLANE_KEYS_ROOT}b", msgspec.json.encode(b))
+        await store.put(f"{PLANE_KEYS_ROOT}c", msgspec.json.encode(c))
+        counts = {"past 2 records of its key": 2, "past 2 keys": 1}
+        await eventually(lambda: gate.refusals.counts == counts, what="copies and c refused")
         assert gate.num_allowed == 2
-        await store.delete(f"{PLANE_KEYS_ROOT}0")
+        # A removed copy does not revoke a's key while another followed record names it.
+        await store.delete(f"{PLANE_KEYS_ROOT}a0")
+        await store.delete(f"{PLANE_KEYS_ROOT}b")
         await eventually(lambda: gate.num_allowed == 1)
+        assert a.curve_key.encode() in gate._allowed
+        await store.delete(f"{PLANE_KEYS_ROOT}a1")
+        await eventually(lambda: gate.num_allowed == 0)
+
+
+async def test_a_publisher_without_its_zap_handler_admits_no_one(
+    store: MemoryStore, ca: TestCa
+) -> None:
+    """libzmq admits every CURVE client when no ZAP handler is bound unless the socket enforces
+    its ZAP domain: the publisher's does, so a gate that is not running fails closed."""
+    pub_plane = ZmqEventPlane(store, plane_tls=tls_of(ca.issue("worker")))
+    sub_plane = ZmqEventPlane(store, plane_tls=tls_of(ca.issue("router")))
+    async with pub_plane, sub_plane:
+        pub = await pub_plane.publisher("dyn", "backend")
+        assert pub_plane._gate is not None
+        await pub_plane._gate.close()  # the ZAP endpoint unbound
+        sub = await sub_plane.subscribe("dyn", "backend", KV_EVENTS_TOPIC)
+        await eventually(lambda: sub.num_publishers == 1, what="the subscriber connecting")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SILENCE_S
+        while loop.time() < deadline:
+            await pub.publish(KV_EVENTS_TOPIC, b"secret block hashes")
+            await asyncio.sleep(0.02)
+        assert sub.num_received == 0 and sub.num_pending == 0
 
 
 class LateKeyStore(MemoryStore):

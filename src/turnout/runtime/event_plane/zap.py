@@ -18,8 +18,17 @@ after the server's handshake timeout, ``HANDSHAKE_IVL_MS``), so a subscriber who
 late gets in on a later try; 400 would end its connection for good. A refused peer is logged
 (``refusal_log.RefusalLog``: rate-limited per host) and counted.
 
-Bounds: ``MAX_PLANE_KEYS`` records are followed (past it new ones are ignored, with a warning);
-``MAX_PENDING_ZAP`` answers are held at once (past it a request is answered 300 at once).
+Bounds: ``MAX_PLANE_KEYS`` distinct Curve keys are followed (past it records of further keys
+are ignored, with a warning), each through at most ``MAX_RECORDS_PER_KEY`` records: copies of
+one valid attestation under many store keys (anyone who writes to the store can copy one; it is
+of no use without the Curve secret key) take one key's slot, and copies past that are ignored.
+A key stays allowed while any followed record names it. ``MAX_PENDING_ZAP`` answers are held at
+once (past it a request is answered 300 at once).
+
+Every CURVE server socket sets ``ZAP_DOMAIN`` and ``ZAP_ENFORCE_DOMAIN`` (``require_zap``):
+libzmq lets every CURVE client in when no ZAP handler is bound (the Stonehouse pattern) unless
+the socket enforces its domain, so a gate that is not running refuses every subscriber rather
+than admitting them all.
 An admitted connection stays up when its key's record goes away later: keys are checked at
 the handshake only.
 """
@@ -43,8 +52,10 @@ logger = logging.getLogger(__name__)
 
 #: Root of the subscribers' key records in the discovery store (a wire format: keep it stable).
 PLANE_KEYS_ROOT = "v1/plane_keys/"
-#: Key records a publishing plane follows.
+#: Distinct Curve keys a publishing plane follows key records of.
 MAX_PLANE_KEYS = 10_000
+#: Key records naming one Curve key that a publishing plane follows (copies past it: ignored).
+MAX_RECORDS_PER_KEY = 4
 #: Seconds a ZAP answer waits for an unknown key's record to arrive.
 AUTH_GRACE = 2.0
 #: Milliseconds a CURVE server gives a handshake, ZAP answer included.
@@ -52,7 +63,17 @@ HANDSHAKE_IVL_MS = 5_000
 #: ZAP answers held at once (waiting for a key).
 MAX_PENDING_ZAP = 256
 
+#: The ZAP domain of CURVE server sockets (in every ZAP request; the gate answers them all).
+ZAP_DOMAIN = b"turnout.event_plane"
+
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+
+
+def require_zap(sock: zmq.asyncio.Socket) -> None:
+    """Make CURVE server ``sock`` refuse every client when no ZAP handler is bound (libzmq's
+    default admits them all; see the module docstring)."""
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 def plane_key_record(plane_id: int) -> str:
@@ -205,23 +226,29 @@ class SubscriberGate:
 
     def _on_put(self, key: str, value: bytes) -> None:
         self._forget(key)
+        record = f"plane key record {key!r}"  # the store's writers pick the key: quoted
         try:
             attestation = decode_attestation(value)
         except msgspec.DecodeError as exc:
-            self.refusals.refused("store", f"plane key record {key}", f"malformed: {exc}")
+            self.refusals.refused("store", record, f"malformed: {exc}")
             return
         why = self._verifier.check(attestation)
         if why is not None:
-            self.refusals.refused("store", f"plane key record {key}", why)
-            return
-        if len(self._records) >= MAX_PLANE_KEYS:
-            self.refusals.refused("store", f"plane key record {key}", f"past {MAX_PLANE_KEYS} keys")
+            self.refusals.refused("store", record, why)
             return
         curve_key = attestation.curve_key.encode()
+        held = self._allowed.get(curve_key, 0)
+        if not held and len(self._allowed) >= MAX_PLANE_KEYS:
+            self.refusals.refused("store", record, f"past {MAX_PLANE_KEYS} keys")
+            return
+        if held >= MAX_RECORDS_PER_KEY:
+            self.refusals.refused("store", record, f"past {MAX_RECORDS_PER_KEY} records of its key")
+            return
         self._records[key] = curve_key
-        self._allowed[curve_key] = self._allowed.get(curve_key, 0) + 1
-        added, self._added = self._added, asyncio.Event()
-        added.set()
+        self._allowed[curve_key] = held + 1
+        if not held:
+            added, self._added = self._added, asyncio.Event()
+            added.set()
 
     def _forget(self, key: str) -> None:
         curve_key = self._records.pop(key, None)

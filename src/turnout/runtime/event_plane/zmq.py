@@ -60,6 +60,7 @@ from turnout.runtime.event_plane.zap import (
     HANDSHAKE_IVL_MS,
     KeyRegistration,
     SubscriberGate,
+    require_zap,
 )
 from turnout.runtime.event_plane.zmq_discovery import (
     PUBLISHERS_ROOT,
@@ -252,6 +253,7 @@ class ZmqEventPlane(EventPlane[ZmqEventPublisher, ZmqEventSubscription]):
                 sock.setsockopt(zmq.CURVE_SERVER, 1)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.identity.secret_key)
                 sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+                require_zap(sock)
             bind_host = "*" if self.host in _WILDCARD_HOSTS else self.host
             try:
                 sock.bind(f"tcp://{bind_host}:*")

@@ -127,7 +127,7 @@ class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
         try:
             record = record_decoder.decode(value)
         except msgspec.DecodeError as exc:
-            logger.warning("ignoring malformed event publisher record %s: %s", key, exc)
+            logger.warning("ignoring malformed event publisher record %r: %s", key, exc)
             return
         address = record.address
         old = self._publishers.get(key)
@@ -138,7 +138,7 @@ class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
         check = check_publisher(record.attestation, self._plane.curve)
         if check.refused is not None:
             if key not in self._refused:
-                logger.warning("event subscription %s: not connecting to publisher %s at %s: %s",
+                logger.warning("event subscription %s: not connecting to publisher %r at %r: %s",
                                self._buffer.name, key, address, check.refused)  # fmt: skip
                 if len(self._refused) < _MAX_REFUSED:
                     self._refused.add(key)
@@ -151,7 +151,7 @@ class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
                 # Read at connect time: each publisher's connection gets its own server key.
                 self._sock.setsockopt(zmq.CURVE_SERVERKEY, check.server_key)
             self._sock.connect(address)
-            logger.debug("event subscription %s connected to %s", self._buffer.name, address)
+            logger.debug("event subscription %s connected to %r", self._buffer.name, address)
         self._changed.set()
 
     def _on_delete(self, key: str) -> None:
@@ -165,8 +165,8 @@ class ZmqEventSubscription(EventSubscription["ZmqEventPlane"]):
             try:
                 self._sock.disconnect(address)
             except zmq.ZMQError as exc:  # already gone: nothing to undo
-                logger.debug("disconnect from %s: %s", address, exc)
-            logger.debug("event subscription %s disconnected from %s", self._buffer.name, address)
+                logger.debug("disconnect from %r: %s", address, exc)
+            logger.debug("event subscription %s disconnected from %r", self._buffer.name, address)
         self._changed.set()
 
     # -- receiving ------------------------------------------------------------------------------
