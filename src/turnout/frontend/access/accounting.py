@@ -6,7 +6,9 @@ request context's metadata under ``ACCOUNT_METADATA``, and closes it with the re
 status when the request ends, whatever the path. The generation run (``openai.chat_run``)
 charges the prompt once it is tokenized (a tenant past its token budget is refused then,
 before anything is sent), the output tokens as they stream, and settles the request's usage
-when it closes.
+when it closes. A relayed Text-input response (``openai.responder.RelayMeter``) charges the
+usage its worker's chunks report, prompt included, as debt (``charge_relayed``), and settles it
+when the relay ends.
 
 The account holds its tenant's usage tally (``access.usage.TenantTally``), looked up once
 when it opens: opening, settling and closing add to its fields, with no lookup and no call
@@ -70,6 +72,12 @@ class TenantAccount:
 
     def charge_output(self, tokens: int) -> None:
         """Charge tokens generated (never refused: they are already made)."""
+        self._ticket.charge_output(tokens)
+
+    def charge_relayed(self, tokens: int) -> None:
+        """Charge tokens a relayed (Text-input) response reports, prompt and output alike
+        (never refused: the worker reports them once it is already streaming, so the
+        tenant's next request pays any debt, as with ``charge_output``)."""
         self._ticket.charge_output(tokens)
 
     def settle(self, *, prompt: int, cached: int, output: int) -> None:

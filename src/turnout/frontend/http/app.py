@@ -38,8 +38,9 @@ shape otherwise. The control routes (``http.admin``) need an admin key (403). A 
 request then opens its tenant's account (``access.accounting``): the tenant's limits admit it
 (429 with ``Retry-After`` past one) before the admission queue, which orders it by the
 tenant's priority (the request's ``nvext.priority`` may lower it); the account is closed
-with the request's status when it ends, however it ends. Without credentials every caller
-is ``ANONYMOUS``.
+with the request's status when it ends, however it ends. The response store's routes open
+one too (``_accounted``): its limits admit them and its usage counts them. Without
+credentials every caller is ``ANONYMOUS``.
 
 A request's body goes to the prompt log (``runtime.redact``, ``--log-prompts``) once read:
 at debug level, and not even formatted when prompt logging is off.
@@ -49,7 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -63,7 +65,7 @@ from turnout.frontend.access.accounting import (
 )
 from turnout.frontend.access.audit import AuditLog
 from turnout.frontend.access.authenticator import Authenticator, require_admin
-from turnout.frontend.access.limits import NO_LIMITS, PRINCIPAL_METADATA
+from turnout.frontend.access.limits import NO_LIMITS, PRINCIPAL_METADATA, TenantLimitExceeded
 from turnout.frontend.access.principal import ANONYMOUS, DEFAULT_TENANT, Principal
 from turnout.frontend.access.usage import TenantUsage, outcome_of
 from turnout.frontend.admission.busy_threshold import BusyThresholds
@@ -214,8 +216,8 @@ class HttpService:
         #: Paths that need an admin key once credentials are configured.
         self._admin_paths = frozenset(path for _, path in admin_routes) | {BUSY_THRESHOLD, USAGE}
         history = history if history is not None else ResponseHistory(None)
-        store = StoreRoutes(history, self._read_body)
-        self._routes[("POST", CONVERSATIONS)] = store.create_conversation
+        store = self._store = StoreRoutes(history, self._read_body)
+        self._routes[("POST", CONVERSATIONS)] = self._create_conversation
         self._paths = {path for _, path in self._routes}
         #: (prefix, handler(scope, proto, path, principal)): routes whose paths carry ids,
         #: tried in order when no exact route matches.
@@ -259,7 +261,7 @@ class HttpService:
                 return
             for prefix, routed in self._prefix_routes:
                 if path.startswith(prefix):
-                    await routed(scope, proto, path, principal)
+                    await self._accounted(principal, partial(routed, scope, proto, path, principal))
                     return
             if path in self._paths:
                 raise HttpError(
@@ -563,14 +565,62 @@ class HttpService:
         metadata = ctx.metadata
         if self.auth is not None:
             metadata[PRINCIPAL_METADATA] = principal
+        account = self._tenant_account(principal)
+        if account is not None:
+            metadata[ACCOUNT_METADATA] = account
+        return account
+
+    def _tenant_account(self, principal: Principal) -> TenantAccount | None:
+        """An account the tenant's limits admit (None: neither limits nor usage to keep);
+        raises the limits' ``TenantLimitExceeded``."""
         tenants, usage = self.tenants, self.usage
         if tenants is None and usage is None:
             return None
         tenant = principal.tenant
         ticket = tenants.admit(principal) if tenants is not None else NO_LIMITS
-        account = TenantAccount(tenant, ticket, usage.tally(tenant) if usage is not None else None)
-        metadata[ACCOUNT_METADATA] = account
-        return account
+        return TenantAccount(tenant, ticket, usage.tally(tenant) if usage is not None else None)
+
+    # ------------------------------------------------------------------ response store
+
+    async def _create_conversation(
+        self, scope: Scope, proto: Exchange, principal: Principal
+    ) -> None:
+        """``POST /v1/conversations``, under its tenant's account (``_accounted``)."""
+        store = self._store
+        await self._accounted(
+            principal, partial(store.create_conversation, scope, proto, principal)
+        )
+
+    async def _accounted(self, principal: Principal, serve: Callable[[], Awaitable[None]]) -> None:
+        """Run a response-store route's handler under its tenant's account, as a generation
+        runs: the tenant's ``rps`` and ``max_concurrent`` admit it (a refusal is a 429 with
+        ``Retry-After``, in OpenAI's error shape), its usage counts it, and the account
+        closes with the route's status on every path."""
+        status = 200
+        account: TenantAccount | None = None
+        try:
+            try:
+                account = self._tenant_account(principal)
+            except TenantLimitExceeded as exc:
+                raise to_http_error(exc) from exc
+            await serve()
+        except HttpError as exc:
+            status = exc.status
+            raise
+        except ClientDisconnected as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except BaseException:
+            status = 500
+            raise
+        finally:
+            if account is not None:
+                account.close(status)
+            elif self.usage is not None:  # refused before its account opened
+                self.usage.count_request(principal.tenant, outcome_of(status))
 
 
 #: How much of a refused (too large) body is read and dropped before the 413 goes out: a

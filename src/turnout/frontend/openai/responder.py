@@ -3,7 +3,9 @@ Tokens-input pipeline (run by ``ChatRun``; this module writes OpenAI's shapes) o
 a Text-input worker.
 
 The first output is awaited before the status line goes out, so a failure before generation
-starts gets its own status and body; after that, a failure is an SSE ``error`` event.
+starts gets its own status and body; after that, a failure is an SSE ``error`` event. A
+relayed response's tokens are charged to its tenant from the usage its chunks report
+(``RelayMeter``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from turnout.frontend.access.accounting import ACCOUNT_METADATA, TenantAccount
 from turnout.frontend.http.errors import HttpError, to_http_error
 from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline
@@ -69,15 +72,21 @@ class Responder:
         if nvext is not None and nvext.backend_instance_id is not None:
             # The router cannot read the raw body it forwards: hand it the pin.
             ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
+        account = ctx.metadata.get(ACCOUNT_METADATA)
+        meter = RelayMeter(account) if account is not None else None
         chunks = pipeline.generate(body, ctx)
         try:
             first = await anext(chunks)
             refused = text_refusal(first)
             if refused is not None:
                 raise refused
+            if meter is not None:
+                meter.see(first)
             if not request.stream:
                 collected = [first]
                 async for chunk in chunks:
+                    if meter is not None:
+                        meter.see(chunk)
                     collected.append(chunk)
                 proto.response_bytes(
                     200, JSON_HEADERS, aggregate_chunks(collected, is_chat=pipeline.is_chat)
@@ -87,12 +96,81 @@ class Responder:
             await transport.send_bytes(sse(first))
             try:
                 async for chunk in chunks:
+                    if meter is not None:
+                        meter.see(chunk)
                     await transport.send_bytes(sse(chunk))
             except Exception as exc:  # mid-stream failure: tell the client in-band
                 await transport.send_bytes(sse(to_http_error(exc).body()))
             await transport.send_bytes(SSE_DONE)
         finally:
+            if meter is not None:
+                meter.settle()
             await chunks.aclose()  # type: ignore[attr-defined]
+
+
+class _CachedTokens(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _CachedTokens | None = None
+
+
+class _UsageOf(msgspec.Struct):
+    """The one field of an OpenAI chunk a ``RelayMeter`` reads."""
+
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_UsageOf)
+
+
+class RelayMeter:
+    """Charges a relayed (Text-input) response's tokens to its tenant's account from the
+    ``usage`` its worker's chunks carry. OpenAI's usage is cumulative (the last chunk's, or
+    every chunk's when the server reports it as it goes), so each report charges what it
+    adds to the ones before, prompt included (``TenantAccount.charge_relayed``: debt, never
+    refused, as the worker is streaming by then); ``settle`` records the last report as the
+    request's usage. A chunk that does not mention ``usage`` is not decoded. A worker that
+    reports no usage charges nothing: its tokens are unknown to the frontend."""
+
+    __slots__ = ("_account", "_charged", "_usage")
+
+    def __init__(self, account: TenantAccount) -> None:
+        self._account = account
+        self._charged = 0
+        self._usage: _Usage | None = None
+
+    def see(self, raw: bytes) -> None:
+        """Charge what ``raw`` (one chunk's JSON) reports beyond the reports before it."""
+        if b'"usage"' not in raw:
+            return
+        try:
+            usage = _usage_decoder.decode(raw).usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # the client gets the chunk as it is; it carries no usage to charge
+        if usage is None:
+            return
+        self._usage = usage
+        total = max(0, usage.prompt_tokens or 0) + max(0, usage.completion_tokens or 0)
+        if total > self._charged:
+            self._account.charge_relayed(total - self._charged)
+            self._charged = total
+
+    def settle(self) -> None:
+        """Record the last usage reported as the request's (nothing when none was)."""
+        usage = self._usage
+        if usage is None:
+            return
+        details = usage.prompt_tokens_details
+        cached = details.cached_tokens if details is not None else None
+        self._account.settle(
+            prompt=max(0, usage.prompt_tokens or 0),
+            cached=max(0, cached or 0),
+            output=max(0, usage.completion_tokens or 0),
+        )
 
 
 def response_nvext(
