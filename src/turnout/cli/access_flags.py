@@ -12,7 +12,7 @@ from typing import Any
 
 from turnout.errors import ConfigError
 from turnout.frontend.access.jwt import JwtConfig
-from turnout.frontend.http.app import PUBLIC_ROUTE_CHOICES
+from turnout.frontend.http.access_gate import PUBLIC_ROUTE_CHOICES
 
 from .flags import add_flag, env_name
 

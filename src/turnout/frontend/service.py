@@ -26,7 +26,8 @@ from turnout.frontend.access.limits import TenantLimits
 from turnout.frontend.access.usage import TenantUsage
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController, AdmissionLimits, Clock
-from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, PUBLIC_ROUTE_CHOICES, HttpService
+from turnout.frontend.http.access_gate import PUBLIC_ROUTE_CHOICES
+from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, HttpService
 from turnout.frontend.http.errors import REJECT_STATUSES
 from turnout.frontend.metrics.affinity import SessionAffinityCollector
 from turnout.frontend.metrics.disagg import DisaggMetrics

@@ -31,16 +31,11 @@ Admission (``admission.AdmissionController``) comes after the body is decoded an
 resolved (a 400 or 404 never takes a slot or a place in the queue) and before preprocessing
 (tokenizing is work worth bounding); the slot is held until the response's last byte.
 
-Access (``access``): with credentials configured (``auth``), every route but ``/health`` and
-``/live`` (and those ``public_routes`` opens: ``/metrics``, ``/v1/models``,
-``/openapi.json``) needs a key, checked before the body is read: 401 in the route's error
-shape otherwise. The control routes (``http.admin``) need an admin key (403). A generation
-request then opens its tenant's account (``access.accounting``): the tenant's limits admit it
-(429 with ``Retry-After`` past one) before the admission queue, which orders it by the
-tenant's priority (the request's ``nvext.priority`` may lower it); the account is closed
-with the request's status when it ends, however it ends. The response store's routes open
-one too (``_accounted``): its limits admit them and its usage counts them. Without
-credentials every caller is ``ANONYMOUS``.
+Access (``access_gate``): with credentials configured, every route but the open ones needs
+a key, checked before the body is read, and the control routes (``http.admin``) an admin's. A
+generation request opens its tenant's account before the admission queue, which orders it by
+the tenant's priority; the response store's routes run under one too. The describing routes
+(``/v1/models``, ``/health`` and the like) are ``info_routes``.
 
 A request's body goes to the prompt log (``runtime.redact``, ``--log-prompts``) once read:
 at debug level, and not even formatted when prompt logging is off.
@@ -50,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
 
@@ -58,21 +53,21 @@ import msgspec
 
 from turnout.errors import FrontendOverloaded, NoInstanceAvailable, TurnoutError
 from turnout.frontend.access.accounting import (
-    ACCOUNT_METADATA,
     TenantAccount,
     TenantAdmission,
     request_priority,
 )
 from turnout.frontend.access.audit import AuditLog
-from turnout.frontend.access.authenticator import Authenticator, require_admin
-from turnout.frontend.access.limits import NO_LIMITS, PRINCIPAL_METADATA, TenantLimitExceeded
-from turnout.frontend.access.principal import ANONYMOUS, DEFAULT_TENANT, Principal
-from turnout.frontend.access.usage import TenantUsage, outcome_of
+from turnout.frontend.access.authenticator import Authenticator
+from turnout.frontend.access.principal import DEFAULT_TENANT, Principal
+from turnout.frontend.access.usage import TenantUsage
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController
 from turnout.frontend.anthropic.api import count_tokens_surface, messages_surface
+from turnout.frontend.http.access_gate import AccessGate
 from turnout.frontend.http.admin import BUSY_THRESHOLD, USAGE, AdminRoutes, Handler
 from turnout.frontend.http.errors import HttpError, to_http_error
+from turnout.frontend.http.info_routes import InfoRoutes
 from turnout.frontend.http.openapi import build_openapi
 from turnout.frontend.http.surface import (
     MAX_SESSION_ID_CHARS,
@@ -82,8 +77,8 @@ from turnout.frontend.http.surface import (
     body_session_key,
     decode_json,
 )
-from turnout.frontend.metrics.frontend import CONTENT_TYPE, UNKNOWN_MODEL, FrontendMetrics
-from turnout.frontend.models.manager import KIND_ROUTES, ModelKind, ModelManager
+from turnout.frontend.metrics.frontend import UNKNOWN_MODEL, FrontendMetrics
+from turnout.frontend.models.manager import ModelKind, ModelManager
 from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline
 from turnout.frontend.openai.chunk_writer import JSON_HEADERS, new_request_id
 from turnout.frontend.openai.responder import Responder
@@ -102,8 +97,6 @@ from turnout.llm.limits import RequestLimits
 from turnout.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelList,
-    ModelObject,
 )
 from turnout.runtime.context import EXPLAIN_ROUTING_METADATA, RequestContext
 from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
@@ -116,13 +109,6 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-#: Routes of other APIs that a token-input chat model serves (text-input ones are refused
-#: there: the worker, not the frontend, templates their requests).
-CHAT_SURFACE_ROUTES = ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
-#: Routes anyone may call, with credentials configured or not.
-OPEN_ROUTES = frozenset({"/health", "/live"})
-#: Routes ``public_routes`` (``--public-route``) may open to callers without a key.
-PUBLIC_ROUTE_CHOICES = ("/metrics", "/v1/models", "/openapi.json")
 #: Headers that name a conversation, in order of precedence: ours, then those coding agents
 #: send by themselves (Claude Code; Codex, in its current and legacy spelling; OpenCode).
 SESSION_HEADERS = (
@@ -175,12 +161,7 @@ class HttpService:
         ``PUBLIC_ROUTE_CHOICES``, those open without a key. ``tenants``: the tenants' limits
         (None: unlimited); ``usage``: where each tenant's tokens are counted (None: nowhere;
         a ``snapshot`` method serves ``/admin/usage``)."""
-        unknown = set(public_routes) - set(PUBLIC_ROUTE_CHOICES)
-        if unknown:
-            raise ValueError(f"not a route that can be public: {', '.join(sorted(unknown))}")
         self.manager = manager
-        #: A model's disaggregated-serving state for ``/health`` (None: none to report).
-        self._prefill_health = prefill
         self.metrics = metrics
         self._responder = Responder(metrics)
         self.max_body_bytes = max_body_bytes
@@ -190,31 +171,29 @@ class HttpService:
         self.reject_status = reject_status
         if admission is not None:
             metrics.watch_admission(lambda: admission.queued)
-        self.auth = auth
-        #: Paths callers reach without a key (every path when ``auth`` is None).
-        self._open_paths = OPEN_ROUTES | frozenset(public_routes)
-        self.tenants = tenants
-        self.usage = usage
-        self.audit = audit if audit is not None else AuditLog()
-        self._routes: dict[tuple[str, str], Handler] = {
-            ("GET", "/v1/models"): self._models,
-            ("GET", "/health"): self._health,
-            ("GET", "/live"): self._live,
-            ("GET", "/metrics"): self._metrics,
-            ("GET", "/openapi.json"): self._openapi,
-        }
-        #: None: the frontend has no routers to tune (e.g. a bare service in tests).
-        self.busy_thresholds = busy_thresholds
-        admin = AdminRoutes(
-            self._read_body,
-            self.audit,
-            busy_thresholds=busy_thresholds,
+        audit = audit if audit is not None else AuditLog()
+        self.access = AccessGate(
+            auth,
+            audit,
+            public_routes=public_routes,
+            admin_paths={BUSY_THRESHOLD, USAGE},
+            tenants=tenants,
             usage=usage,
         )
-        admin_routes = admin.routes()
-        self._routes.update(admin_routes)
-        #: Paths that need an admin key once credentials are configured.
-        self._admin_paths = frozenset(path for _, path in admin_routes) | {BUSY_THRESHOLD, USAGE}
+        #: None: the frontend has no routers to tune (e.g. a bare service in tests).
+        self.busy_thresholds = busy_thresholds
+        openapi_body = _json.encode(
+            build_openapi(
+                busy_thresholds=busy_thresholds is not None,
+                usage=usage is not None,
+                open_paths=self.access.open_paths if auth is not None else None,
+            )
+        )
+        self._routes: dict[tuple[str, str], Handler] = InfoRoutes(
+            manager, metrics, openapi_body, prefill
+        ).routes()
+        admin = AdminRoutes(self._read_body, audit, busy_thresholds=busy_thresholds, usage=usage)
+        self._routes.update(admin.routes())
         history = history if history is not None else ResponseHistory(None)
         store = self._store = StoreRoutes(history, self._read_body)
         self._routes[("POST", CONVERSATIONS)] = self._create_conversation
@@ -236,13 +215,6 @@ class HttpService:
         self.add_surface("POST", "/v1/messages/count_tokens", count_tokens_surface())
         self.add_surface("POST", "/v1/embeddings", embeddings_surface())
         self.add_surface("POST", "/v1/tensor", tensor_surface())
-        self._openapi_body = _json.encode(
-            build_openapi(
-                busy_thresholds=busy_thresholds is not None,
-                usage=usage is not None,
-                open_paths=self._open_paths if auth is not None else None,
-            )
-        )
 
     @property
     def routes(self) -> set[tuple[str, str]]:
@@ -254,14 +226,16 @@ class HttpService:
     async def __call__(self, scope: Scope, proto: Exchange) -> None:
         path = scope.path.rstrip("/") or "/"
         try:
-            principal = self._caller(scope, path)
+            principal = self.access.caller(scope, path)
             handler = self._routes.get((scope.method, path))
             if handler is not None:
                 await handler(scope, proto, principal)
                 return
             for prefix, routed in self._prefix_routes:
                 if path.startswith(prefix):
-                    await self._accounted(principal, partial(routed, scope, proto, path, principal))
+                    await self.access.accounted(
+                        principal, partial(routed, scope, proto, path, principal)
+                    )
                     return
             if path in self._paths:
                 raise HttpError(
@@ -273,21 +247,6 @@ class HttpService:
             if endpoint is not None:  # a generation request refused before it was read
                 self.metrics.count_request(UNKNOWN_MODEL, endpoint, False, exc.status)
             self._send_error(proto, exc, self._error_bodies.get(path))
-
-    def _caller(self, scope: Scope, path: str) -> Principal:
-        """Who the request speaks for: ``ANONYMOUS`` without credentials configured and on
-        open paths; else its credential's principal (401 without a valid one), which must
-        be an admin's on the control routes (403, audited)."""
-        auth = self.auth
-        if auth is None or path in self._open_paths:
-            return ANONYMOUS
-        principal = auth.authenticate(scope.headers)
-        if path in self._admin_paths and not principal.admin:
-            self.audit.record(
-                principal, method=scope.method, route=path, client=scope.client, allowed=False
-            )
-            require_admin(principal)
-        return principal
 
     @staticmethod
     def _send_error(
@@ -323,65 +282,6 @@ class HttpService:
                 )
             parts.append(part)
         return b"".join(parts)
-
-    # ------------------------------------------------------------------ simple routes
-
-    async def _models(self, scope: Scope, proto: Exchange, _: Principal) -> None:
-        manager = self.manager
-        models = [
-            ModelObject(
-                id=name, created=manager.created(name), root=name, endpoints=self._routes_of(name)
-            )
-            for name in manager.list_models()
-        ]
-        if manager.lora is not None:  # loaded LoRA adapters, vLLM's way
-            models += [
-                ModelObject(
-                    id=name,
-                    created=manager.created(base),
-                    root=name,
-                    parent=base,
-                    endpoints=self._routes_of(base),
-                )
-                for name, base in manager.lora.listed()
-            ]
-        proto.response_bytes(200, JSON_HEADERS, _json.encode(ModelList(data=models)))
-
-    def _routes_of(self, name: str) -> list[str]:
-        """The generation routes that serve ``name``: its kinds' own, and for a chat model
-        the other APIs' routes its pipeline serves (token-input models only)."""
-        routes = []
-        for kind in self.manager.kinds(name):
-            routes.append(KIND_ROUTES[kind])
-            if kind is ModelKind.CHAT and isinstance(
-                self.manager.get_engine(kind, name), TokensPipeline
-            ):
-                routes += CHAT_SURFACE_ROUTES
-        return routes
-
-    async def _health(self, scope: Scope, proto: Exchange, _: Principal) -> None:
-        models = []
-        for name in self.manager.list_models():
-            instances = self.manager.model_instances(name)
-            entry: dict[str, Any] = {"name": name, "instances": [f"{i:x}" for i in instances]}
-            disagg = self._prefill_health(name) if self._prefill_health is not None else None
-            if disagg is not None:
-                entry["disaggregation"] = disagg
-            models.append(entry)
-        healthy = bool(models) and all(
-            m["instances"] and m.get("disaggregation", {}).get("ready", True) for m in models
-        )
-        body = {"status": "healthy" if healthy else "unhealthy", "models": models}
-        proto.response_bytes(200 if healthy else 503, JSON_HEADERS, _json.encode(body))
-
-    async def _live(self, scope: Scope, proto: Exchange, _: Principal) -> None:
-        proto.response_bytes(200, JSON_HEADERS, b'{"status":"live"}')
-
-    async def _openapi(self, scope: Scope, proto: Exchange, _: Principal) -> None:
-        proto.response_bytes(200, JSON_HEADERS, self._openapi_body)
-
-    async def _metrics(self, scope: Scope, proto: Exchange, _: Principal) -> None:
-        proto.response_bytes(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
 
     # ------------------------------------------------------------------ generation
 
@@ -507,11 +407,11 @@ class HttpService:
             pipeline = self.manager.get_engine(surface.serves, request.model)
             model = request.model
             metrics = self.metrics.model(model)
-            account = self._open_account(principal, ctx)
+            account = self.access.open_account(principal, ctx)
             ticket = None
             if self.admission is not None:
                 priority = request_priority(
-                    request.priority, principal.policy, authenticated=self.auth is not None
+                    request.priority, principal.policy, authenticated=self.access.auth is not None
                 )
                 ticket = await self.admission.acquire(model, priority)
                 metrics.queue_wait.observe(ticket.waited)
@@ -553,74 +453,18 @@ class HttpService:
         finally:
             disconnect.remove_done_callback(on_disconnect)
             self.metrics.count_request(model, endpoint, stream, status)
-            if account is not None:
-                account.close(status)
-            elif self.usage is not None:  # refused before its account opened
-                self.usage.count_request(principal.tenant, outcome_of(status))
-
-    def _open_account(self, principal: Principal, ctx: RequestContext) -> TenantAccount | None:
-        """The request's account with its tenant, in ``ctx`` for the run to charge (None:
-        neither limits nor usage to keep); raises the limits' ``TenantLimitExceeded``. The
-        principal goes in ``ctx`` too: the preprocessor salts the prompt's blocks by tenant."""
-        metadata = ctx.metadata
-        if self.auth is not None:
-            metadata[PRINCIPAL_METADATA] = principal
-        account = self._tenant_account(principal)
-        if account is not None:
-            metadata[ACCOUNT_METADATA] = account
-        return account
-
-    def _tenant_account(self, principal: Principal) -> TenantAccount | None:
-        """An account the tenant's limits admit (None: neither limits nor usage to keep);
-        raises the limits' ``TenantLimitExceeded``."""
-        tenants, usage = self.tenants, self.usage
-        if tenants is None and usage is None:
-            return None
-        tenant = principal.tenant
-        ticket = tenants.admit(principal) if tenants is not None else NO_LIMITS
-        return TenantAccount(tenant, ticket, usage.tally(tenant) if usage is not None else None)
+            self.access.close(account, principal, status)
 
     # ------------------------------------------------------------------ response store
 
     async def _create_conversation(
         self, scope: Scope, proto: Exchange, principal: Principal
     ) -> None:
-        """``POST /v1/conversations``, under its tenant's account (``_accounted``)."""
+        """``POST /v1/conversations``, under its tenant's account (``AccessGate.accounted``)."""
         store = self._store
-        await self._accounted(
+        await self.access.accounted(
             principal, partial(store.create_conversation, scope, proto, principal)
         )
-
-    async def _accounted(self, principal: Principal, serve: Callable[[], Awaitable[None]]) -> None:
-        """Run a response-store route's handler under its tenant's account, as a generation
-        runs: the tenant's ``rps`` and ``max_concurrent`` admit it (a refusal is a 429 with
-        ``Retry-After``, in OpenAI's error shape), its usage counts it, and the account
-        closes with the route's status on every path."""
-        status = 200
-        account: TenantAccount | None = None
-        try:
-            try:
-                account = self._tenant_account(principal)
-            except TenantLimitExceeded as exc:
-                raise to_http_error(exc) from exc
-            await serve()
-        except HttpError as exc:
-            status = exc.status
-            raise
-        except ClientDisconnected as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        except BaseException:
-            status = 500
-            raise
-        finally:
-            if account is not None:
-                account.close(status)
-            elif self.usage is not None:  # refused before its account opened
-                self.usage.count_request(principal.tenant, outcome_of(status))
 
 
 #: How much of a refused (too large) body is read and dropped before the 413 goes out: a
