@@ -18,15 +18,18 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import msgspec
 
+from turnout.frontend.access.accounting import TenantAccount
 from turnout.frontend.access.cache_space import CacheSpaces
 from turnout.frontend.access.limits import PRINCIPAL_METADATA, TenantLimits
 from turnout.frontend.access.principal import Principal, TenantPolicy
 from turnout.frontend.access.usage import TenantUsage
 from turnout.frontend.models.pipeline import TextPipeline
+from turnout.protocols.model import ModelCapabilities
 from turnout.runtime.context import RequestContext
 
 RESULTS = Path(__file__).parent / "results" / "tenant_accounting.json"
@@ -58,17 +61,16 @@ def accounting(
         principal = principals[i % tenants]
         ctx = RequestContext("r")
         ctx.metadata[PRINCIPAL_METADATA] = principal
-        ticket = limits.admit(principal)
-        usage.begin(principal.tenant)
+        account = TenantAccount(
+            principal.tenant, limits.admit(principal), usage.tally(principal.tenant)
+        )
         if with_spaces:
             spaces.tenant_of(ctx)
-        ticket.charge_prompt(100)
+        account.charge_prompt(100)
         for _ in range(tokens):
-            ticket.charge_output(1)
-        usage.record(principal.tenant, prompt=100, cached=0, output=tokens)
-        ticket.release()
-        usage.end(principal.tenant)
-        usage.count_request(principal.tenant, "ok")
+            account.charge_output(1)
+        account.settle(prompt=100, cached=0, output=tokens)
+        account.close(200)
 
     return one
 
@@ -82,8 +84,9 @@ class _Relay:
 
 def text_relay(body: bytes) -> Callable[[int], None]:
     """A tenant's request through a text pipeline: its body gets the tenant's cache salt."""
-    unused = cast(Any, None)  # generate reads neither the card nor the instances
-    pipeline = TextPipeline("m", unused, cast(Any, _Relay()), unused, is_chat=True)
+    # generate reads the card's capabilities and name only, and not the instances
+    card = cast(Any, SimpleNamespace(capabilities=ModelCapabilities(), display_name="m"))
+    pipeline = TextPipeline("m", card, cast(Any, _Relay()), cast(Any, None), is_chat=True)
     ctx = RequestContext("r")
     ctx.metadata[PRINCIPAL_METADATA] = Principal("alice", "k")
 

@@ -9,15 +9,23 @@ from prometheus_client import CollectorRegistry, generate_latest
 from turnout.frontend.access.usage import OTHER_TENANT, OUTCOMES, TenantUsage, outcome_of
 
 
+def record(usage: TenantUsage, tenant: str, *, prompt: int, cached: int, output: int) -> None:
+    """One request's tokens into its tenant's tally, as a request's account settles them."""
+    tally = usage.tally(tenant)
+    tally.prompt += prompt
+    tally.cached += cached
+    tally.output += output
+
+
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
     return registry.get_sample_value(name, labels)
 
 
 def test_snapshot_sums_each_tenants_requests_and_tokens() -> None:
     usage = TenantUsage(None)
-    usage.record("alice", prompt=100, cached=64, output=20)
-    usage.record("alice", prompt=10, cached=0, output=5)
-    usage.record("bob", prompt=7, cached=0, output=1)
+    record(usage, "alice", prompt=100, cached=64, output=20)
+    record(usage, "alice", prompt=10, cached=0, output=5)
+    record(usage, "bob", prompt=7, cached=0, output=1)
     usage.count_request("alice", "ok")
     usage.count_request("alice", "rate_limited")
     usage.count_request("bob", "ok")
@@ -30,13 +38,12 @@ def test_snapshot_sums_each_tenants_requests_and_tokens() -> None:
 def test_metrics_render_on_the_registry() -> None:
     registry = CollectorRegistry()
     usage = TenantUsage(registry)
-    usage.record("alice", prompt=100, cached=64, output=20)
+    record(usage, "alice", prompt=100, cached=64, output=20)
     usage.count_request("alice", "ok")
     usage.count_request("alice", "ok")
     usage.count_rejection("alice", "rps")
-    usage.begin("alice")
-    usage.begin("alice")
-    usage.end("alice")
+    usage.tally("alice").inflight += 2  # two requests began, one ended
+    usage.tally("alice").inflight -= 1
     assert sample(registry, "turnout_tenant_requests_total", tenant="alice", outcome="ok") == 2
     for kind, n in (("prompt", 100), ("cached", 64), ("output", 20)):
         assert sample(registry, "turnout_tenant_tokens_total", tenant="alice", kind=kind) == n
@@ -51,9 +58,9 @@ def test_tenants_past_the_cap_share_one_label_and_one_tally() -> None:
     registry = CollectorRegistry()
     usage = TenantUsage(registry, max_tenants=2)
     for i in range(50):
-        usage.record(f"t{i}", prompt=1, cached=0, output=0)
+        record(usage, f"t{i}", prompt=1, cached=0, output=0)
         usage.count_request(f"t{i}", "ok")
-    usage.record("t0", prompt=5, cached=0, output=0)  # a tenant with its own tally keeps it
+    record(usage, "t0", prompt=5, cached=0, output=0)  # a tenant with its own tally keeps it
     snapshot = usage.snapshot()
     assert set(snapshot) == {"t0", "t1", OTHER_TENANT}
     assert snapshot["t0"]["prompt_tokens"] == 6

@@ -101,9 +101,7 @@ class TenantAccount:
         tally = self._tally
         if tally is not None:
             tally.inflight -= 1
-            requests = tally.requests
-            outcome = outcome_of(status)
-            requests[outcome] = requests.get(outcome, 0) + 1
+            tally.count_request(outcome_of(status))
 
 
 def request_priority(asked: int | None, policy: TenantPolicy, *, authenticated: bool) -> int:

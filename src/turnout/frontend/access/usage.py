@@ -61,6 +61,11 @@ class TenantTally:
         self.output = 0
         self.inflight = 0
 
+    def count_request(self, outcome: str) -> None:
+        """Count one request that ended with ``outcome`` (one of ``OUTCOMES``)."""
+        requests = self.requests
+        requests[outcome] = requests.get(outcome, 0) + 1
+
 
 class TenantUsage(Collector):
     """See the module's docstring."""
@@ -86,33 +91,16 @@ class TenantUsage(Collector):
                 tally = tallies[key] = TenantTally()
         return tally
 
-    def record(self, tenant: str, *, prompt: int, cached: int, output: int) -> None:
-        """Add one request's tokens: its prompt's, those of them served from cache, and its
-        output's."""
-        tally = self.tally(tenant)
-        tally.prompt += prompt
-        tally.cached += cached
-        tally.output += output
-
     def count_request(self, tenant: str, outcome: str) -> None:
         """Count one request that ended with ``outcome`` (one of ``OUTCOMES``)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown request outcome {outcome!r}; one of {OUTCOMES}")
-        requests = self.tally(tenant).requests
-        requests[outcome] = requests.get(outcome, 0) + 1
+        self.tally(tenant).count_request(outcome)
 
     def count_rejection(self, tenant: str, limit: str) -> None:
         """Count one request refused by the tenant's ``limit`` (``access.limits``)."""
         rejections = self.tally(tenant).rejections
         rejections[limit] = rejections.get(limit, 0) + 1
-
-    def begin(self, tenant: str) -> None:
-        """A request of ``tenant`` started (``turnout_tenant_inflight``)."""
-        self.tally(tenant).inflight += 1
-
-    def end(self, tenant: str) -> None:
-        """A request ``begin`` counted ended."""
-        self.tally(tenant).inflight -= 1
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Each tenant's totals: ``requests``, ``prompt_tokens``, ``cached_tokens``,
