@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs turnout with what its commands and tests need:
-# Python packages from PyPI, and the etcd, NATS, PostgreSQL and Redis servers from Debian (the
-# distributed planes' and the response store's tests start real ones). Idempotent: a second
+# Python packages from PyPI, and the etcd (with etcdctl), NATS, PostgreSQL and Redis servers from
+# Debian (the distributed planes', the deployment docs' and the response store's tests start real
+# ones). Idempotent: a second
 # run only checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 # Debian's postgresql keeps initdb and postgres off PATH, under /usr/lib/postgresql/N/bin.
 have_postgres() { command -v initdb >/dev/null || compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; }
-if ! command -v etcd >/dev/null || ! command -v nats-server >/dev/null \
+if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null || ! command -v nats-server >/dev/null \
    || ! command -v redis-server >/dev/null || ! have_postgres; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-      etcd-server nats-server postgresql redis-server >/dev/null
+      etcd-server etcd-client nats-server postgresql redis-server >/dev/null
   else
-    echo "setup: some of etcd, nats-server, postgresql and redis-server are missing; install" \
-         "them from Debian (as root: apt-get install etcd-server nats-server postgresql" \
+    echo "setup: some of etcd, etcdctl, nats-server, postgresql and redis-server are missing;" \
+         "install them from Debian (as root: apt-get install etcd-server etcd-client nats-server postgresql" \
          "redis-server)" >&2
   fi
 fi
