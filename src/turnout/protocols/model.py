@@ -4,6 +4,9 @@ Key layout (a wire format; keep it stable)::
 
     v1/instances/{namespace}/{component}/{endpoint}/{instance_id:x}      -> Instance
     v1/mdc/{namespace}/{component}/{endpoint}/{instance_id:x}[/{lora}]    -> ModelDeploymentCard
+
+Records written by a process carry its ``ProcessIdentity`` (host, pid, version, planes), so an
+operator can tell who runs where, and a frontend can refuse a process on other planes.
 """
 
 from __future__ import annotations
@@ -82,7 +85,43 @@ class TransportAddress(msgspec.Struct, frozen=True, kw_only=True):
     address: str
 
 
-class Instance(msgspec.Struct, frozen=True, kw_only=True):
+class ProcessIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """Who wrote a record: the process, where it runs, and the planes it speaks.
+
+    Every field has a default, so a record written by a process that predates a field still
+    decodes (the field reads as unknown: empty, or 0 for ``pid``).
+    """
+
+    #: The host others reach the process at (its advertised host, else its hostname).
+    host: str = ""
+    pid: int = 0
+    #: ``turnout.__version__`` of the process.
+    version: str = ""
+    #: Its request plane (``tcp``, ``nats``, ``local``) and event plane (``zmq``, ``nats``,
+    #: ``local``).
+    request_plane: str = ""
+    event_plane: str = ""
+
+    def where(self) -> str:
+        """``host:pid`` for log lines (``?`` for what the record does not say)."""
+        return f"{self.host or '?'}:{self.pid or '?'}"
+
+    def planes(self) -> str:
+        """``request/event`` planes, ``?`` for one the record does not name."""
+        return f"{self.request_plane or '?'}/{self.event_plane or '?'}"
+
+    def runs_other_planes(self, request_plane: str, event_plane: str) -> bool:
+        """True when the record names a request or event plane other than these. A plane it
+        does not name (an older process) is not held against it."""
+        return bool(self.request_plane and self.request_plane != request_plane) or bool(
+            self.event_plane and self.event_plane != event_plane
+        )
+
+
+class Instance(ProcessIdentity, frozen=True, kw_only=True):
+    """One served instance of an endpoint: where the request plane reaches it, and (from
+    ``ProcessIdentity``) the process that serves it."""
+
     endpoint: EndpointId
     instance_id: int
     transport: TransportAddress

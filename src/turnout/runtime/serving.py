@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from turnout.protocols.model import EndpointId, Instance, TransportAddress
+from turnout.runtime.identity import identity_fields
 from turnout.runtime.lease import Lease
 from turnout.runtime.request_plane.base import Handler, RequestPlaneServer
 
@@ -94,7 +95,12 @@ class ServingInstance:
                 self._server.unregister(path)
             old_paths = []
         self._published = False
-        instance = Instance(endpoint=self.endpoint, instance_id=lease.id, transport=self._address)
+        instance = Instance(
+            endpoint=self.endpoint,
+            instance_id=lease.id,
+            transport=self._address,
+            **identity_fields(runtime),
+        )
         self.lease, self.instance, self.instance_id = lease, instance, lease.id
         self._path = handler_path(self.endpoint, lease.id)
         self._server.register(self._path, self._handler)
