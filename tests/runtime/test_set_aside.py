@@ -1,6 +1,8 @@
-"""Instances that do not answer are set aside, for longer each time they fail again; a tcp
-peer that does not speak the request plane is told apart at once, not after the idle timeout;
-and a worker frozen with its connection open is set aside as soon as it falls silent.
+"""Instances that do not answer are set aside until a probe finds them answering, probed less
+often each time they fail again (a worker killed with SIGKILL stays aside while its record
+lasts); a tcp peer that does not speak the request plane is told apart at once, not after the
+idle timeout; and a worker frozen with its connection open is set aside as soon as it falls
+silent.
 
 Real servers and sockets: a memory store, the tcp request plane, instances announced at a
 closed port, at a server that echoes what it hears and at one that never answers.
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import pytest
+from tests.frontend.fake_clock import FakeClock
 
 from turnout.errors import PeerUnavailable
 from turnout.frontend.service import free_port
@@ -27,7 +30,7 @@ from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery import MemoryStore
 from turnout.runtime.endpoint_client import EndpointClient
 from turnout.runtime.request_plane.base import PeerState
-from turnout.runtime.request_plane.tcp import TcpClient
+from turnout.runtime.request_plane.tcp import TcpClient, TcpServer
 from turnout.runtime.request_plane.tcp.client import HANDSHAKE_TIMEOUT
 from turnout.runtime.serving import handler_path
 
@@ -63,46 +66,80 @@ async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
             await asyncio.sleep(0.005)
 
 
-async def set_aside_for(client: EndpointClient) -> float:
-    """Fail a stream to the ghost, then time how long it stays set aside."""
-    await until(lambda: GHOST in client.instance_ids())
+def manual_clock(client: EndpointClient) -> FakeClock:
+    """Time ``client``'s set-asides by a clock the test advances."""
+    clock = FakeClock()
+    client.call_later = clock.call_later
+    return clock
+
+
+def next_probe_in(clock: FakeClock) -> float:
+    """Seconds until the one pending set-aside timer fires."""
+    assert clock.pending == 1, clock.timers
+    return next(t.when for t in clock.timers if not t.cancelled) - clock.time
+
+
+async def probe(client: EndpointClient, clock: FakeClock, instance_id: int) -> bool:
+    """Advance ``clock`` to the next probe of ``instance_id``, let the probe finish; whether
+    the instance is back in service."""
+    clock.advance(next_probe_in(clock))
+    await until(lambda: not isinstance(client._down.get(instance_id), asyncio.Task))
+    return instance_id in client.instance_ids()
+
+
+async def fail_once(client: EndpointClient, instance_id: int) -> None:
+    """A stream to ``instance_id`` that cannot reach it: set aside."""
+    await until(lambda: instance_id in client.instance_ids())
     with pytest.raises(PeerUnavailable):
-        await anext(client.stream(GHOST, b"x", RequestContext()))
-    started = time.monotonic()
-    assert GHOST not in client.instance_ids()
-    await until(lambda: GHOST in client.instance_ids())
-    return time.monotonic() - started
+        await anext(client.stream(instance_id, b"x", RequestContext()))
+    assert instance_id not in client.instance_ids()
 
 
-async def test_each_failure_in_a_row_sets_aside_twice_as_long(runtime: DistributedRuntime) -> None:
-    await announce(runtime, f"127.0.0.1:{free_port()}")  # nothing listens there
+async def test_an_unreachable_instance_stays_aside_until_it_answers(
+    runtime: DistributedRuntime,
+) -> None:
+    """Nothing listens at the ghost's address: each probe fails and it stays aside, probed
+    twice as late each time; once a server answers there, the next probe brings it back."""
+    port = free_port()
+    await announce(runtime, f"127.0.0.1:{port}")
     client = await runtime.endpoint(EID).client()
-    first = await set_aside_for(client)
-    second = await set_aside_for(client)
-    third = await set_aside_for(client)
-    assert BASE * 0.9 <= first < BASE * 1.9, first
-    assert second >= 1.8 * BASE and third >= 3.6 * BASE, (first, second, third)
-    await client.close()
+    clock = manual_clock(client)
+    await fail_once(client, GHOST)
+    for delay in (BASE, 2 * BASE, 4 * BASE, 8 * BASE):
+        assert next_probe_in(clock) == pytest.approx(delay)
+        assert not await probe(client, clock, GHOST)
+        assert GHOST not in client.instance_ids()
+    server = TcpServer(port=port)  # a live server there, with no handler of the ghost's
+    await server.start()
+    try:
+        assert next_probe_in(clock) == pytest.approx(16 * BASE)
+        assert await probe(client, clock, GHOST)
+        assert clock.pending == 0
+    finally:
+        await client.close()
+        await server.stop()
 
 
 async def test_an_answer_or_a_new_address_starts_afresh(runtime: DistributedRuntime) -> None:
     served = await runtime.endpoint(EID).serve(echo)
     client = await runtime.endpoint(EID).client()
+    clock = manual_clock(client)
     # An instance that answered after being set aside is set aside for the base time again.
     client.report_instance_down(served.instance_id)
-    await until(lambda: served.instance_id in client.instance_ids())
-    assert [x async for x in client.stream(served.instance_id, b"hi", RequestContext())] == [b"hi"]
+    assert next_probe_in(clock) == pytest.approx(BASE)
+    assert await probe(client, clock, served.instance_id)
     client.report_instance_down(served.instance_id)
-    started = time.monotonic()
-    await until(lambda: served.instance_id in client.instance_ids())
-    assert time.monotonic() - started < BASE * 1.9
+    assert next_probe_in(clock) == pytest.approx(BASE)
+    assert await probe(client, clock, served.instance_id)
 
     # A ghost that failed twice, announced at a new address: a fresh start there too.
     await announce(runtime, f"127.0.0.1:{free_port()}")
-    await set_aside_for(client)
-    await set_aside_for(client)
+    await fail_once(client, GHOST)
+    assert not await probe(client, clock, GHOST)
+    assert next_probe_in(clock) == pytest.approx(2 * BASE)
     await announce(runtime, f"127.0.0.1:{free_port()}")
-    assert await set_aside_for(client) < BASE * 1.9
+    await fail_once(client, GHOST)
+    assert next_probe_in(clock) == pytest.approx(BASE)
     await client.close()
     await served.stop()
 
@@ -114,6 +151,7 @@ async def test_a_silent_peer_with_no_instance_here_is_not_recorded(
     addresses of its own instances (so unrelated peers do not pile up), and an instance
     announced later at an address reported silent before is set aside for the base time."""
     client = await runtime.endpoint(EID).client()
+    clock = manual_clock(client)
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     for port in range(1000, 1100):
         other = TransportAddress(kind="tcp", address=f"127.0.0.2:{port}")
@@ -121,8 +159,68 @@ async def test_a_silent_peer_with_no_instance_here_is_not_recorded(
     client.peer_state(TransportAddress(kind="tcp", address=address), PeerState.SILENT)
     assert not client._silent
     await announce(runtime, address)
-    assert await set_aside_for(client) < BASE * 1.9
+    await fail_once(client, GHOST)
+    assert next_probe_in(clock) == pytest.approx(BASE)
     await client.close()
+
+
+WORKER_SERVER = """
+import asyncio, sys
+from turnout.runtime.request_plane import TcpServer
+
+async def echo(payload, ctx):
+    yield payload
+
+async def main():
+    server = TcpServer()
+    server.register(sys.argv[1], echo)
+    address = await server.start()
+    print(address.address, flush=True)
+    await asyncio.get_running_loop().create_future()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_worker_is_never_listed_again_while_its_record_stays(
+    runtime: DistributedRuntime,
+) -> None:
+    """A worker process killed with SIGKILL keeps its record until its lease runs out: once a
+    request found it gone, it stays out of ``instance_ids()`` (routing and ``/health``) probe
+    after probe, however long the record stays, while a live instance keeps serving."""
+    live = await runtime.endpoint(EID).serve(echo)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WORKER_SERVER, handler_path(EID, GHOST),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            address = (await proc.stdout.readline()).decode().strip()
+        await announce(runtime, address)
+        client = await runtime.endpoint(EID).client()
+        clock = manual_clock(client)
+        await until(lambda: GHOST in client.instance_ids())
+        assert [x async for x in client.stream(GHOST, b"hi", RequestContext())] == [b"hi"]
+
+        proc.kill()
+        await proc.wait()
+        with pytest.raises(PeerUnavailable):
+            async with asyncio.timeout(10):
+                await anext(client.stream(GHOST, b"x", RequestContext()))
+        for _ in range(5):
+            assert list(client.instance_ids()) == [live.instance_id]
+            assert not await probe(client, clock, GHOST)
+        assert list(client.instance_ids()) == [live.instance_id]
+        assert GHOST in client.announced_ids()
+        got = [x async for x in client.stream(live.instance_id, b"ok", RequestContext())]
+        assert got == [b"ok"]
+        await client.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        await live.stop()
 
 
 Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

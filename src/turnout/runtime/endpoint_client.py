@@ -1,9 +1,14 @@
 """The calling side of the component layer: find an endpoint's instances and call them.
 
 An ``EndpointClient`` (made by ``Endpoint.client`` in ``component``) keeps the instances
-discovery announces under ``v1/instances/<endpoint path>/`` and sets aside, for a while, those
-that could not be reached; ``stream`` sends a request to one instance over the request plane
-its record names.
+discovery announces under ``v1/instances/<endpoint path>/`` and sets aside those that could not
+be reached; ``stream`` sends a request to one instance over the request plane its record names.
+
+A set-aside instance comes back only once it proves alive: after the retry delay the client
+probes it (a call on the request plane that any live server answers, if only to say it has
+no such handler), and an instance that still cannot be reached stays aside, probed again
+after twice the delay, until it answers or discovery drops it. A ``kill -9``'d worker is so
+neither routed to nor listed in ``/health`` while its lease runs out.
 
 A worker that is frozen (SIGSTOP, a hung host) keeps its TCP connection and its discovery
 lease for a while, so neither discovery nor a refused connection says it is gone. Its
@@ -19,12 +24,18 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from turnout.errors import ConfigError, PeerUnavailable, StreamBroken
+from turnout.errors import (
+    ConfigError,
+    PeerUnavailable,
+    RemoteError,
+    RequestPlaneError,
+    StreamBroken,
+)
 from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
@@ -37,12 +48,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("turnout.runtime")
 
 
-#: How long an instance reported down stays set aside unless discovery re-announces it; each
-#: further failure with no answer from it in between doubles that, up to the maximum (an
-#: address announced in the store that never answers costs a request a try every minute,
-#: not every five seconds).
+#: How long an instance reported down stays set aside before it is probed (unless discovery
+#: re-announces it); each further failure, or failed probe, with no answer from it in between
+#: doubles that, up to the maximum (an address announced in the store that never answers
+#: costs a probe a minute, and no request).
 DOWN_RETRY_SECONDS = 5.0
 DOWN_RETRY_MAX_SECONDS = 60.0
+#: How long a probe of a set-aside instance waits for any answer before it counts as failed.
+PROBE_TIMEOUT_SECONDS = 5.0
+#: The side handler a probe calls: no server serves it, so a live one answers "unknown
+#: endpoint" (``RemoteError``) at once, while a dead one cannot be reached at all.
+PROBE_HANDLER = "turnout.probe"
 #: Pause before re-opening a discovery watch that failed.
 WATCH_RETRY_SECONDS = 1.0
 #: Streams of an instance that left discovery may run this long (a draining worker's own
@@ -56,6 +72,20 @@ def instances_prefix(endpoint: EndpointId) -> str:
     return f"{INSTANCES_ROOT}/{endpoint.path()}/"
 
 
+class Cancellable(Protocol):
+    """A pending set-aside step: a timer (``asyncio.TimerHandle``) or a probe task."""
+
+    def cancel(self) -> object: ...
+
+
+#: ``call_later(delay, callback)``: the clock set-asides are timed by.
+CallLater = Callable[[float, Callable[[], None]], Cancellable]
+
+
+def _loop_call_later(delay: float, callback: Callable[[], None]) -> Cancellable:
+    return asyncio.get_running_loop().call_later(delay, callback)
+
+
 class EndpointClient:
     """The live instances of one endpoint, kept current by a discovery watch."""
 
@@ -65,12 +95,14 @@ class EndpointClient:
         self._prefix = instances_prefix(endpoint)
         #: Changed only by ``_apply`` (discovery) — the instances announced in the store.
         self._instances: dict[int, Instance] = {}
-        #: Changed by ``report_instance_down`` and ``_restore``/``_apply``: set aside ids and
-        #: the timers that bring them back.
-        self._down: dict[int, asyncio.TimerHandle] = {}
-        #: Changed by ``report_instance_down`` (+1), a stream's first answer and a changed
-        #: record (cleared): set-asides of each instance since it last answered.
+        #: Changed by ``report_instance_down``, ``_retry``/``_probed`` and ``_apply``: set
+        #: aside ids and their pending step (the timer to the next probe, or the probe).
+        self._down: dict[int, Cancellable] = {}
+        #: Changed by ``report_instance_down`` and a failed probe (+1), a stream's first answer
+        #: and a changed record (cleared): set-asides of each instance since it last answered.
         self._strikes: dict[int, int] = {}
+        #: The clock set-asides are timed by (tests give a manual one).
+        self.call_later: CallLater = _loop_call_later
         #: ``instance_ids()``, computed once per change of ``_instances`` or ``_down``: routers
         #: read it on every request, and it changes only when membership does.
         self._live: tuple[int, ...] | None = None
@@ -258,31 +290,82 @@ class EndpointClient:
 
     def report_instance_down(self, instance_id: int) -> None:
         """Set ``instance_id`` aside: out of ``instance_ids()`` until discovery announces it
-        again or ``DOWN_RETRY_SECONDS`` pass, twice as long for each time it was set aside
-        since a stream last got an answer from it (at most ``DOWN_RETRY_MAX_SECONDS``)."""
+        again or it answers a probe. The first probe comes ``DOWN_RETRY_SECONDS`` after, twice
+        as long for each time it was set aside, or failed a probe, since a stream last got an
+        answer from it (at most ``DOWN_RETRY_MAX_SECONDS``)."""
         if instance_id not in self._instances or instance_id in self._down:
             return
-        strikes = self._strikes.get(instance_id, 0) + 1
-        self._strikes[instance_id] = strikes
-        delay = min(DOWN_RETRY_SECONDS * 2 ** min(strikes - 1, 16), DOWN_RETRY_MAX_SECONDS)
-        loop = asyncio.get_running_loop()
-        self._down[instance_id] = loop.call_later(delay, self._restore, instance_id)
+        delay = self._strike(instance_id)
+        self._down[instance_id] = self.call_later(delay, lambda: self._retry(instance_id))
         logger.warning(
-            "instance %x of %s set aside for %gs", instance_id, self.endpoint.path(), delay
+            "instance %x of %s set aside; probing it in %gs",
+            instance_id,
+            self.endpoint.path(),
+            delay,
         )
         self._notify()
 
-    def _restore(self, instance_id: int) -> None:
+    def _strike(self, instance_id: int) -> float:
+        """Count one more failure of ``instance_id``; the delay before its next probe."""
+        strikes = self._strikes.get(instance_id, 0) + 1
+        self._strikes[instance_id] = strikes
+        return min(DOWN_RETRY_SECONDS * 2 ** min(strikes - 1, 16), DOWN_RETRY_MAX_SECONDS)
+
+    def _retry(self, instance_id: int) -> None:
+        """The retry delay of a set-aside instance ended: probe it (a silent connection is
+        waited on instead: it answers or is dropped)."""
         instance = self._instances.get(instance_id)
-        if instance is not None and instance.transport in self._silent:
-            # Still silent: the set-aside lasts until its connection answers or is dropped.
-            loop = asyncio.get_running_loop()
-            self._down[instance_id] = loop.call_later(
-                DOWN_RETRY_SECONDS, self._restore, instance_id
+        if instance is None or instance_id not in self._down:
+            self._down.pop(instance_id, None)
+            return
+        if instance.transport in self._silent:
+            self._down[instance_id] = self.call_later(
+                DOWN_RETRY_SECONDS, lambda: self._retry(instance_id)
             )
             return
-        if self._down.pop(instance_id, None) is not None and instance is not None:
+        self._down[instance_id] = asyncio.get_running_loop().create_task(
+            self._probe(instance_id), name=f"probe-{instance_id:x}"
+        )
+
+    async def _probe(self, instance_id: int) -> None:
+        """Call ``PROBE_HANDLER`` on the instance: any answer brings it back, nothing within
+        ``PROBE_TIMEOUT_SECONDS`` keeps it aside for a longer delay."""
+        alive = False
+        reason = ""
+        try:
+            async with (
+                asyncio.timeout(PROBE_TIMEOUT_SECONDS),
+                contextlib.aclosing(
+                    self.call(instance_id, PROBE_HANDLER, b"", RequestContext())
+                ) as answers,
+            ):
+                async for _ in answers:
+                    break
+            alive = True
+        except RemoteError:
+            alive = True  # it answered, if only that it has no such handler
+        except (RequestPlaneError, ConfigError, TimeoutError) as exc:
+            reason = str(exc) or "no answer"
+        self._probed(instance_id, alive, reason)
+
+    def _probed(self, instance_id: int, alive: bool, reason: str) -> None:
+        if instance_id not in self._down or instance_id not in self._instances:
+            return  # dropped or re-announced while the probe ran
+        if alive:
+            del self._down[instance_id]
+            self._strikes.pop(instance_id, None)
+            logger.info("instance %x of %s answers again", instance_id, self.endpoint.path())
             self._notify()
+            return
+        delay = self._strike(instance_id)
+        self._down[instance_id] = self.call_later(delay, lambda: self._retry(instance_id))
+        logger.info(
+            "instance %x of %s still unreachable (%s); probing it again in %gs",
+            instance_id,
+            self.endpoint.path(),
+            reason,
+            delay,
+        )
 
     def peer_state(self, address: TransportAddress, state: PeerState) -> None:
         """What the request plane learned of the peer at ``address`` (see the module
@@ -327,7 +410,7 @@ class EndpointClient:
 
     async def call(
         self, instance_id: int, name: str, payload: bytes, ctx: RequestContext
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Call the side handler ``name`` of an instance (see ``ServingInstance.add_handler``)."""
         instance = self.get_instance(instance_id)
         if instance is None:
@@ -343,9 +426,12 @@ class EndpointClient:
 
     async def close(self) -> None:
         self.runtime._endpoint_clients.discard(self)
-        for timer in self._down.values():
-            timer.cancel()
+        for step in self._down.values():
+            step.cancel()
+        probes = [step for step in self._down.values() if isinstance(step, asyncio.Task)]
         self._down.clear()
+        if probes:
+            await asyncio.wait(probes)
         self._live = None
         self._strikes.clear()
         self._silent.clear()

@@ -289,12 +289,12 @@ class TcpServer(RequestPlaneServer):
         if not self._takes(path):
             conn.send(Frame(Kind.REJECT, sid, text=f"not taking requests for {path!r}"))
             return
+        handler = self._handlers.get(path)
+        if handler is None:  # answered even at the stream limit: a client's probe is answered
+            conn.send(Frame(Kind.ERROR, sid, text=f"unknown endpoint {path!r}"))
+            return
         if len(self._inflight) >= self.max_streams:
             conn.send(Frame(Kind.REJECT, sid, text=f"at its limit of {self.max_streams} streams"))
-            return
-        handler = self._handlers.get(path)
-        if handler is None:
-            conn.send(Frame(Kind.ERROR, sid, text=f"unknown endpoint {path!r}"))
             return
         payload = frame.data
         if not isinstance(payload, bytes):
