@@ -33,12 +33,16 @@ from turnout.frontend.models.watcher import (
     is_global_namespace,
 )
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
+from turnout.protocols.frontend import HoldReason
 from turnout.protocols.model import (
     EndpointId,
+    Instance,
     LoraInfo,
     ModelDeploymentCard,
     ModelInput,
     ModelType,
+    TransportAddress,
+    instance_key,
     mdc_key,
 )
 from turnout.router.prefill_slots import PrefillPool, PrefillSlots
@@ -1090,3 +1094,99 @@ async def test_concurrent_builds_are_bounded(make_harness: HarnessFactory) -> No
         h.factory.stalled[name].set()
     await asyncio.wait_for(h.watcher.settled(), TIMEOUT)
     assert h.served() == set(names)
+
+
+# -- planes and held-back instances -------------------------------------------------------------
+
+
+def instance_record(instance_id: int, request_plane: str = "", event_plane: str = "") -> bytes:
+    """An instance record as a worker on these planes writes it ("" : a process that predates
+    the fields)."""
+    return msgspec.json.encode(
+        Instance(
+            endpoint=endpoint(),
+            instance_id=instance_id,
+            transport=TransportAddress(kind="local", address=f"w{instance_id}"),
+            host="10.0.0.9",
+            pid=4242,
+            request_plane=request_plane,
+            event_plane=event_plane,
+        )
+    )
+
+
+def plane_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "every process must use" in r.getMessage()]
+
+
+@pytest.mark.parametrize("record_first", [True, False])
+async def test_an_instance_on_other_planes_is_refused_loudly(
+    h: Harness, caplog: pytest.LogCaptureFixture, record_first: bool
+) -> None:
+    """A worker on other planes gets no request (its KV events and load would go where this
+    frontend does not listen), whichever of its records the frontend sees first; one warning
+    line names it; the frontend holds it back; one on the same planes is served."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    h.watcher.held_back_changed.clear()
+    ok = await h.serve("llama")
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    key = instance_key(endpoint(), 0x1A2B)
+    if record_first:
+        await h.store.put(key, instance_record(0x1A2B, "tcp", "zmq"))
+    await h.put_card(make_card("llama", instance_id=0x1A2B))
+    assert await h.barrier() == [ModelUpdate.Added(CHAT_COMPL)]
+    if not record_first:
+        await h.store.put(key, instance_record(0x1A2B, "tcp", "zmq"))
+    view = h.factory.views[make_card("llama").checksum()]
+    await until(lambda: bool(plane_warnings(caplog)))
+    assert 0x1A2B in view.client.instance_ids()  # announced, and the client would call it
+    assert view.instance_ids() == (ok.instance_id,)
+    (warning,) = plane_warnings(caplog)
+    assert warning == (
+        "instance 1a2b at 10.0.0.9:4242 runs request plane tcp, event plane zmq; this frontend "
+        "runs local/local: refused; every process must use the same planes"
+    )
+    assert h.watcher.held_back_changed.is_set()
+    (held,) = h.watcher.held_back()
+    assert (held.model, held.instance_id, held.reason) == (
+        "llama",
+        "1a2b",
+        HoldReason.PLANES_DIFFER,
+    )
+    assert held.detail == "instance runs tcp/zmq, frontend local/local"
+
+    await h.store.put(key, instance_record(0x1A2B, "tcp", "zmq"))  # the same record again
+    await h.barrier()
+    assert len(plane_warnings(caplog)) == 1 and view.instance_ids() == (ok.instance_id,)
+
+    await h.store.delete(mdc_key(endpoint(), 0x1A2B))
+    await h.store.delete(key)
+    await h.barrier()
+    assert h.watcher.held_back() == []
+
+
+async def test_an_instance_record_without_planes_is_served(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker older than the planes' fields says nothing of them: it is not held against it."""
+    await h.store.put(instance_key(endpoint(), 7), instance_record(7))
+    await h.put_card(make_card("llama", instance_id=7))
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    view = h.factory.views[make_card("llama").checksum()]
+    await until(lambda: view.instance_ids() == (7,))
+    assert not plane_warnings(caplog) and h.watcher.held_back() == []
+
+
+async def test_held_back_lists_standby_instances_with_the_served_checksum(h: Harness) -> None:
+    good = make_card("llama", instance_id=1)
+    other = make_card("llama", instance_id=2, context_length=8192)
+    await h.put_card(good)
+    assert await h.next_update() == ModelUpdate.Added(CHAT_COMPL)
+    h.watcher.held_back_changed.clear()
+    await h.put_card(other)
+    await h.barrier()
+    assert h.watcher.held_back_changed.is_set()
+    (held,) = h.watcher.held_back()
+    assert (held.model, held.instance_id, held.checksum) == ("llama", "2", other.checksum())
+    assert held.reason is HoldReason.CARD_DIFFERS
+    assert held.detail == f"served card is {good.checksum()}"

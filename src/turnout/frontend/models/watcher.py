@@ -51,6 +51,13 @@ the model switches back to it: a transient loss of the served card does not hand
 for good to another card, which may be a single odd worker. Past the grace period the switch
 is final; the previous card, if it still has instances, is one more standby card.
 
+An instance whose record names another request or event plane than this frontend's is
+refused: it is in no view, so no request goes to it, and one warning line says so (once per
+instance). A worker on another plane set would otherwise take requests while its KV events
+and load reports go where this frontend does not listen. A record that names no plane (a
+process older than the field) is accepted. ``held_back()`` lists the refused instances and
+the standby ones, with the reason, for the frontend's record and ``turnout status``.
+
 Cards of prefill instances (``ModelType.Prefill``, disaggregated serving) are not models:
 they go to ``frontend.models.prefill_watch``, which activates the model's prefill router with
 its first prefill instance and deactivates it with the last.
@@ -108,6 +115,7 @@ from turnout.frontend.models.pairs import (
 from turnout.frontend.models.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.llm.artifacts import ArtifactError
 from turnout.protocols.card_bounds import CardBounds, card_problem
+from turnout.protocols.frontend import HeldBackCard, HoldReason
 from turnout.protocols.model import (
     MDC_ROOT,
     ModelDeploymentCard,
@@ -335,6 +343,13 @@ class ModelWatcher:
         self._rejected_keys: set[str] = set()
         # (model, message) of refused cards already logged (see ``_first_sight``).
         self._refusals_logged: set[tuple[str, str]] = set()
+        # This frontend's request and event planes: an instance on others is refused.
+        self._planes = (runtime.request_plane, runtime.event_plane.kind)
+        # Instance id -> why it was refused for its planes (logged once, when added); only
+        # ids of entries in ``_groups_by_key`` (pruned when their last entry leaves).
+        self._plane_refused: dict[int, str] = {}
+        #: Set whenever what ``held_back`` returns may have changed; its reader clears it.
+        self.held_back_changed = asyncio.Event()
         # What a card may announce; artifacts as large as the factory's fetcher takes.
         self._bounds = CardBounds(max_artifact_bytes=pipeline_factory.max_artifact_bytes)
         # Model name -> its groups of cards; key -> the group holding its entry.
@@ -482,10 +497,73 @@ class ModelWatcher:
             self._settled.set()
 
     def _accept(self, model: _Model) -> None:
-        """Make every routing view list its own card's instances."""
-        for group in model.groups():
-            group.view.accepted = group.instance_ids()
+        """Make every routing view list its own card's instances (those on this frontend's
+        planes)."""
+        self._apply_planes(model)
         model.served_live = _routable(model.served)
+
+    def _apply_planes(self, model: _Model) -> None:
+        """Set each view of ``model`` to its card's instances less those refused for their
+        planes (see the module docstring)."""
+        for group in model.groups():
+            ids = group.instance_ids()
+            accepted = ids - self._refused_for_planes(group.view.client, ids)
+            if accepted != group.view.accepted:
+                group.view.accepted = accepted
+        self.held_back_changed.set()
+
+    def _refused_for_planes(self, client: ModelClient, ids: set[int]) -> set[int]:
+        """Of ``ids``, those whose instance record names other planes than this frontend's;
+        each is logged once, as a warning, the first time it is refused."""
+        refused: set[int] = set()
+        for instance_id in ids:
+            instance = client.get_instance(instance_id)
+            if instance is None or not instance.runs_other_planes(*self._planes):
+                continue
+            refused.add(instance_id)
+            if instance_id in self._plane_refused:
+                continue
+            mine = "/".join(self._planes)
+            self._plane_refused[instance_id] = f"instance runs {instance.planes()}, frontend {mine}"
+            log.warning(
+                "instance %x at %s runs request plane %s, event plane %s; this frontend runs "
+                "%s: refused; every process must use the same planes",
+                instance_id,
+                instance.where(),
+                instance.request_plane or "?",
+                instance.event_plane or "?",
+                mine,
+            )
+        return refused
+
+    def held_back(self) -> list[HeldBackCard]:
+        """Every instance with a card of a served model that gets no request, and why:
+        refused for its planes, or standby (its card differs from the served one). Sorted by
+        model, then instance id."""
+        held: list[HeldBackCard] = []
+        for name, model in self._models.items():
+            served = model.served
+            for group in model.groups():
+                for instance_id in sorted(group.instance_ids()):
+                    refused = self._plane_refused.get(instance_id)
+                    if refused is not None:
+                        reason, detail = HoldReason.PLANES_DIFFER, refused
+                    elif group is not served:
+                        reason = HoldReason.CARD_DIFFERS
+                        detail = f"served card is {served.checksum}"
+                    else:
+                        continue
+                    held.append(
+                        HeldBackCard(
+                            model=name,
+                            instance_id=f"{instance_id:x}",
+                            checksum=group.checksum,
+                            reason=reason,
+                            detail=detail,
+                        )
+                    )
+        held.sort(key=lambda h: (h.model, int(h.instance_id, 16)))
+        return held
 
     async def close(self) -> None:
         """Close every endpoint client the watcher opened (at frontend shutdown)."""
@@ -914,6 +992,7 @@ class ModelWatcher:
         model = self._models.get(name)
         if model is None:
             return
+        self._apply_planes(model)
         updates = self._switch_back(model)
         if not updates:
             updates = self._switch_if_served_gone(model)
@@ -992,7 +1071,9 @@ class ModelWatcher:
             return
         name = group.name
         model = self._models[name]
-        del group.entries[key]
+        card = group.entries.pop(key)
+        if card.instance_id not in group.instance_ids():
+            self._plane_refused.pop(card.instance_id, None)
         if group is not model.served:
             if not group.entries and group is not model.previous:
                 del model.standby[group.checksum]
@@ -1018,6 +1099,7 @@ class ModelWatcher:
         model serves any more (a kind another model still serves stays enabled)."""
         name = model.served.name
         del self._models[name]
+        self.held_back_changed.set()
         if model.previous_timer is not None:
             model.previous_timer.cancel()
         m = self._manager
@@ -1057,8 +1139,9 @@ class ModelWatcher:
 
 
 def _routable(group: _Group) -> set[int]:
-    """The group's instances its view's client can route to (announced, not set aside)."""
-    return group.instance_ids() & set(group.view.client.instance_ids())
+    """The group's instances its view can route to (announced, not set aside, not refused
+    for their planes)."""
+    return set(group.view.instance_ids())
 
 
 async def _close_endpoints(endpoints: dict[str, _Endpoint]) -> None:
