@@ -7,15 +7,28 @@ import argparse
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from turnout.errors import ConfigError
 from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_parser_names
 from turnout.protocols.model import EndpointId
+from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import open_runtime
+from turnout.runtime.system_server import SystemServer
 
 from .flags import add_flag, add_runtime_flags, env_name, planes_config
 from .lifecycle import run_command, run_until_signal
+from .system_port import (
+    AttachCollector,
+    AttachHealth,
+    EngineCollector,
+    add_system_flags,
+    attach_engines,
+    system_server,
+)
+
+if TYPE_CHECKING:
+    from turnout.engines.attach.server import AttachedServer
 
 log = logging.getLogger("turnout.cli")
 
@@ -92,6 +105,7 @@ def register(sub: Any) -> None:
                   "not answer")  # fmt: skip
     add_flag(g, "--drain-timeout", default=5.0, type=float,
              help="on SIGTERM, seconds in-flight requests may finish")  # fmt: skip
+    add_system_flags(p)
     add_runtime_flags(p)
     p.set_defaults(run=run)
 
@@ -189,11 +203,29 @@ async def run_attach(args: argparse.Namespace) -> None:
     kv = kv_assignment(urls, _values(args, "kv_events"), _values(args, "kv_events_replay"))
     settings = settings_from(args)
     tokenizers = TokenizerSource(args.tokenizer)
-    runtime = await open_runtime(planes_config(args))
-    servers = [
-        AttachedServer(runtime, url, settings, tokenizers, kv_endpoints=e, kv_replays=r)
-        for url, (e, r) in zip(urls, kv, strict=True)
-    ]
+    servers: list[AttachedServer] = []
+    health = AttachHealth(servers, len(urls))
+    collectors = [AttachCollector(servers), EngineCollector(attach_engines(servers))]
+    system = system_server(args, "attach", health.checks, collectors, health.details)
+    # Up before the store and the servers: /live answers while they start.
+    if system is not None:
+        await system.start()
+    try:
+        runtime = await open_runtime(planes_config(args))
+        servers += [
+            AttachedServer(runtime, url, settings, tokenizers, kv_endpoints=e, kv_replays=r)
+            for url, (e, r) in zip(urls, kv, strict=True)
+        ]
+        await _serve_attached(runtime, servers, system)
+    finally:
+        if system is not None:
+            system.stop()
+
+
+async def _serve_attached(
+    runtime: DistributedRuntime, servers: list[AttachedServer], system: SystemServer | None
+) -> None:
+    """Attach ``servers`` and keep them attached until a signal."""
     tasks: list[asyncio.Task[None]] = []
 
     async def start() -> None:
@@ -203,6 +235,8 @@ async def run_attach(args: argparse.Namespace) -> None:
             tasks.append(asyncio.create_task(server.run(), name=f"attach {server.url}"))
 
     async def stop() -> None:
+        if system is not None:
+            system.drain()  # readiness goes first, then the instances leave
         for task in tasks:
             task.cancel()
         if tasks:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from turnout import __version__
+
 from . import attach, frontend, mocker_server, router, serve, status, worker
 
 
@@ -13,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="turnout",
         description="A distributed LLM inference serving layer with an OpenAI-compatible API.",
     )
+    parser.add_argument("--version", action="version", version=f"turnout {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.register(sub)
     frontend.register(sub)

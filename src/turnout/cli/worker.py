@@ -14,11 +14,19 @@ from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_parser_names
 from turnout.protocols.model import EndpointId
 from turnout.runtime.planes import open_runtime
+from turnout.runtime.system_server import SystemServer
 
 from .engine_flags import ENGINE_FLAGS, check_engine_flags
 from .flags import add_flag, add_runtime_flags, env_name, planes_config
 from .lifecycle import run_command, run_until_signal
 from .parent_watch import watch_parent
+from .system_port import (
+    EngineCollector,
+    WorkerHealth,
+    add_system_flags,
+    system_server,
+    worker_engines,
+)
 
 log = logging.getLogger("turnout.cli")
 
@@ -252,6 +260,7 @@ def register(sub: Any) -> None:
     add_flag(p, "--parent-fd", type=int,
              help="set by turnout serve: the read end of a pipe its parent holds open; when it "
                   "closes (the parent died), the worker stops (see parent_watch)")  # fmt: skip
+    add_system_flags(p)
     add_runtime_flags(p)
     p.set_defaults(run=run)
 
@@ -273,8 +282,30 @@ async def run_worker(args: argparse.Namespace) -> None:
         check_parser_names(args.tool_call_parser, args.reasoning_parser)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    runtime = await open_runtime(planes_config(args))
     workers: list[Worker] = []
+    health = WorkerHealth(workers, args.num_workers)
+    collectors = [EngineCollector(worker_engines(workers))]
+    system = system_server(args, "worker", health.checks, collectors, health.details)
+    # Up before the store and the engines: /live answers while they start, /health says why
+    # the worker is not ready yet.
+    if system is not None:
+        await system.start()
+    try:
+        await _serve_workers(args, endpoint, workers, system)
+    finally:
+        if system is not None:
+            system.stop()
+
+
+async def _serve_workers(
+    args: argparse.Namespace,
+    endpoint: EndpointId,
+    workers: list[Worker],
+    system: SystemServer | None,
+) -> None:
+    """Start ``args.num_workers`` workers (appended to ``workers``) and serve until a signal
+    or an engine failure."""
+    runtime = await open_runtime(planes_config(args))
 
     async def start() -> None:
         engines = make_engines(args, args.num_workers, threads=max(1, os.cpu_count() or 2))
@@ -293,6 +324,8 @@ async def run_worker(args: argparse.Namespace) -> None:
             await worker.start()
 
     async def stop() -> None:
+        if system is not None:
+            system.drain()  # readiness goes first, then the instances leave
         try:
             await asyncio.gather(*(w.stop(args.drain_timeout) for w in workers))
         finally:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the frontend, under the prefix ``turnout_``.
+"""Prometheus metrics of the frontend, under the prefix ``turnout_``, with the process's own
+(``process_*``) and the build line (``turnout_build_info``, see ``runtime.process_metrics``).
 
 One ``FrontendMetrics`` per frontend, with its own registry (several frontends can live in
 one test process). Per-token work is one histogram observation for inter-token latency.
@@ -28,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from turnout.runtime.http import HttpServer
+from turnout.runtime.process_metrics import register_process_metrics
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -110,6 +112,7 @@ class FrontendMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        register_process_metrics(r, "frontend")
         self.requests = Counter(
             "turnout_requests",
             "HTTP requests completed, by model, endpoint, streaming and status",
