@@ -5,13 +5,18 @@ discovery store. Binding a wildcard (``0.0.0.0``, ``::``) without an advertise h
 publish an address nobody can dial, so the advertised address is then the one of the
 interface that routes towards the discovery store (or the NATS server): the interface other
 hosts of the deployment can reach, found with a connected UDP socket (no packet is sent).
+
+A wrong ``--advertise-host`` starts cleanly and then serves nobody: ``dial_error`` lets a
+process dial its own advertised address once, with a short deadline, to say so at start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
+import ssl
 from urllib.parse import urlsplit
 
 from turnout.errors import ConfigError
@@ -103,3 +108,24 @@ def _is_loopback(host: str) -> bool:
 def format_host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def dial_error(
+    host: str, port: int, timeout: float, tls: ssl.SSLContext | None = None
+) -> str | None:
+    """Why a TCP connection to ``host:port`` (with ``tls``: and its handshake, the server's
+    certificate checked against ``host``) does not open within ``timeout`` seconds, or None
+    when it opens (it is closed at once)."""
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(
+                host, port, ssl=tls, server_hostname=host if tls is not None else None
+            )
+    except TimeoutError:
+        return f"no answer within {timeout:g}s"
+    except ssl.SSLError as exc:
+        return f"TLS: {exc.reason or exc}"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    writer.close()
+    return None
