@@ -1,4 +1,9 @@
-"""``turnout frontend``: the HTTP frontend alone; workers register themselves."""
+"""``turnout frontend``: the HTTP frontend alone; workers register themselves.
+
+The frontend registers itself too (``RegisteredFrontend``): a record under its own lease
+says who it is, where it listens, which planes it runs and which instances it holds back
+(``runtime.frontend_record``), for ``turnout status`` and for workers checking their planes.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from turnout.llm.prompt_cache import DEFAULT_MAX_BYTES
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
+from turnout.runtime.frontend_record import FrontendRegistration
 from turnout.runtime.http import HttpLimits
 
 from .access_flags import add_access_flags, jwt_config, tenant_config
@@ -259,6 +265,34 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
     )
 
 
+class RegisteredFrontend(Frontend):
+    """A ``Frontend`` that publishes its record (see the module docstring) once it serves,
+    and withdraws it first when it stops."""
+
+    registration: FrontendRegistration | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        assert self.runtime is not None and self.watcher is not None
+        registration = FrontendRegistration(
+            self.runtime,
+            http_address=self.url,
+            router_mode=self.config.router_mode.value,
+            namespace=self.config.namespace,
+            held_back=self.watcher.held_back,
+            changed=self.watcher.held_back_changed,
+        )
+        await registration.start()
+        self.registration = registration
+
+    async def stop(self) -> None:
+        try:
+            if self.registration is not None:
+                await self.registration.stop()
+        finally:
+            await super().stop()
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
     add_frontend_flags(p)
@@ -269,7 +303,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     async def main() -> None:
-        frontend = Frontend(frontend_config(args))
+        frontend = RegisteredFrontend(frontend_config(args))
         await run_until_signal(frontend.start, frontend.stop, frontend.wait)
 
     return run_command(args, main)

@@ -29,13 +29,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from turnout.errors import ConfigError, TurnoutError
-from turnout.frontend.service import Frontend
 from turnout.llm.parsers import check_parser_names
 from turnout.runtime.discovery import default_file_store_path
 
 from .engine_flags import check_engine_flags, engine_flags
 from .flags import add_flag, add_runtime_flags
-from .frontend import add_frontend_flags, add_kv_router_flags, frontend_config
+from .frontend import RegisteredFrontend, add_frontend_flags, add_kv_router_flags, frontend_config
 from .lifecycle import run_command, run_until_signal
 from .parent_watch import ParentPipe
 from .worker import add_worker_flags
@@ -317,7 +316,7 @@ class ServeTree:
         self.store_path = args.store_path or default_file_store_path(f"serve-{args.port}")
         config = frontend_config(args)
         config.planes.store_path = self.store_path
-        self.frontend = Frontend(config)
+        self.frontend = RegisteredFrontend(config)
         self.supervisors: list[WorkerSupervisor] = []
         self._watchers: list[asyncio.Task[None]] = []
         self._all_dead = asyncio.Event()

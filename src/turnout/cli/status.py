@@ -1,11 +1,14 @@
-"""``turnout status``: what the discovery store says is running, and how loaded it is.
+"""``turnout status``: who is running where, what the frontends hold back, and how loaded
+the workers are.
 
-Reads the instances and model cards from whichever store ``--store`` names, then listens to
-the workers' load reports on the event plane for ``--load-wait`` seconds (reports come at a
-steady rate, about once a second), and prints namespaces, models with their types, and
-instances with their address, load and KV usage. ``--json`` prints the same for scripts.
-A malformed record is reported under ``skipped``, never fatal: status is what an operator
-runs when something is already wrong.
+Reads the frontends, instances and model cards from whichever store ``--store`` names, then
+listens to the workers' load reports on the event plane for ``--load-wait`` seconds (reports
+come at a steady rate, about once a second), and prints the frontends (host, pid, version,
+planes, HTTP address, router mode, and the instances each holds back, with the reason),
+namespaces, models with their types, and instances with their address, host, pid, version,
+planes, load and KV usage; an instance a frontend refuses for its planes says so.
+``--json`` prints the same for scripts. A malformed record is reported under ``skipped``,
+never fatal: status is what an operator runs when something is already wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from turnout.protocols.frontend import FRONTENDS_ROOT, FrontendRecord, HoldReason
 from turnout.protocols.kv import LOAD_TOPIC, LoadReport
 from turnout.protocols.model import (
     INSTANCES_ROOT,
@@ -28,7 +32,7 @@ from turnout.protocols.model import (
     ModelDeploymentCard,
 )
 from turnout.runtime.event_plane import EventPlane, decode_msg
-from turnout.runtime.planes import open_runtime
+from turnout.runtime.planes import PlanesConfig, open_runtime
 
 from .flags import add_flag, add_runtime_flags, planes_config
 from .lifecycle import run_command
@@ -45,10 +49,9 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-async def gather_status(args: argparse.Namespace) -> dict[str, Any]:
-    """The status document: ``{"store", "namespaces": {ns: {"models", "instances"}},
-    "skipped"}`` (see the module docstring)."""
-    planes = planes_config(args)
+async def gather_status(planes: PlanesConfig, load_wait: float) -> dict[str, Any]:
+    """The status document: ``{"store", "frontends", "namespaces": {ns: {"models",
+    "instances"}}, "skipped"}`` (see the module docstring)."""
     runtime = await open_runtime(planes)
     try:
         store = runtime.store
@@ -61,6 +64,12 @@ async def gather_status(args: argparse.Namespace) -> dict[str, Any]:
                 skipped.append({"key": kv.key, "reason": str(exc)})
                 continue
             instances[instance.instance_id] = instance
+        frontends: list[FrontendRecord] = []
+        for kv in await store.get_prefix(f"{FRONTENDS_ROOT}/"):
+            try:
+                frontends.append(msgspec.json.decode(kv.value, type=FrontendRecord))
+            except msgspec.DecodeError as exc:
+                skipped.append({"key": kv.key, "reason": str(exc)})
         cards: list[tuple[str, ModelDeploymentCard]] = []
         for kv in await store.get_prefix(f"{MDC_ROOT}/"):
             try:
@@ -68,12 +77,12 @@ async def gather_status(args: argparse.Namespace) -> dict[str, Any]:
             except msgspec.DecodeError as exc:
                 skipped.append({"key": kv.key, "reason": str(exc)})
         loads: dict[int, LoadReport] = {}
-        if args.load_wait > 0 and instances:
+        if load_wait > 0 and instances:
             components = {(i.endpoint.namespace, i.endpoint.component) for i in instances.values()}
-            loads = await _listen_for_load(runtime.event_plane, components, args.load_wait)
+            loads = await _listen_for_load(runtime.event_plane, components, load_wait)
     finally:
         await runtime.shutdown()
-    return _document(planes.store, instances, cards, loads, skipped)
+    return _document(planes.store, frontends, instances, cards, loads, skipped)
 
 
 async def _listen_for_load(
@@ -100,14 +109,46 @@ async def _listen_for_load(
     return loads
 
 
+def _identity(record: Instance | FrontendRecord) -> dict[str, Any]:
+    """The ``ProcessIdentity`` fields of a row (None for what an older process did not say)."""
+    return {
+        "host": record.host or None,
+        "pid": record.pid or None,
+        "version": record.version or None,
+        "request_plane": record.request_plane or None,
+        "event_plane": record.event_plane or None,
+    }
+
+
+def _frontend_row(record: FrontendRecord) -> dict[str, Any]:
+    return {
+        "id": f"{record.frontend_id:x}",
+        **_identity(record),
+        "http_address": record.http_address,
+        "router_mode": record.router_mode,
+        "namespace": record.namespace,
+        "held_back": [msgspec.to_builtins(h) for h in record.held_back],
+        "held_back_total": record.held_back_total,
+    }
+
+
 def _document(
     store: str,
+    frontends: list[FrontendRecord],
     instances: dict[int, Instance],
     cards: list[tuple[str, ModelDeploymentCard]],
     loads: dict[int, LoadReport],
     skipped: list[dict[str, str]],
 ) -> dict[str, Any]:
     namespaces: dict[str, dict[str, Any]] = {}
+    # Instance id (hex) -> what the frontends say of it: held back, refused.
+    held: dict[str, list[dict[str, str]]] = {}
+    for frontend in frontends:
+        for entry in frontend.held_back:
+            held.setdefault(entry.instance_id, []).append(
+                {"frontend": f"{frontend.frontend_id:x}", "reason": entry.reason.value,
+                 "detail": entry.detail}
+            )  # fmt: skip
 
     def space(name: str) -> dict[str, Any]:
         return namespaces.setdefault(name, {"models": {}, "instances": []})
@@ -129,7 +170,12 @@ def _document(
             "endpoint": instance.endpoint.path(),
             "transport": instance.transport.kind,
             "address": instance.transport.address,
+            **_identity(instance),
         }
+        holds = held.get(f"{iid:x}", [])
+        if holds:
+            row["held_back"] = holds
+        row["refused"] = any(h["reason"] == HoldReason.PLANES_DIFFER.value for h in holds)
         report = loads.get(iid)
         if report is not None:
             row["load"] = {
@@ -139,13 +185,37 @@ def _document(
                 "active_prefill_tokens": report.active_prefill_tokens,
             }
         space(instance.endpoint.namespace)["instances"].append(row)
-    return {"store": store, "namespaces": namespaces, "skipped": skipped}
+    return {
+        "store": store,
+        "frontends": [_frontend_row(f) for f in sorted(frontends, key=lambda f: f.frontend_id)],
+        "namespaces": namespaces,
+        "skipped": skipped,
+    }
+
+
+def _who(row: dict[str, Any]) -> str:
+    """``host 10.0.0.5 pid 4242 v0.1.0 planes tcp/zmq``, with ``?`` for what is unknown."""
+    return (
+        f"host {row['host'] or '?'} pid {row['pid'] or '?'} v{row['version'] or '?'} "
+        f"planes {row['request_plane'] or '?'}/{row['event_plane'] or '?'}"
+    )
 
 
 def render(doc: dict[str, Any]) -> str:
     """The status document as text for a terminal."""
     lines = [f"store: {doc['store']}"]
-    if not doc["namespaces"]:
+    for fe in doc["frontends"]:
+        lines.append(
+            f"frontend {fe['id']}  {fe['http_address']}  {_who(fe)}  router {fe['router_mode']}"
+        )
+        for h in fe["held_back"]:
+            lines.append(
+                f"  holds back instance {h['instance_id']} of model {h['model']} "
+                f"(card {h['checksum']}): {h['reason']}: {h['detail']}"
+            )
+        if fe["held_back_total"] > len(fe["held_back"]):
+            lines.append(f"  ... and {fe['held_back_total'] - len(fe['held_back'])} more")
+    if not doc["namespaces"] and not doc["frontends"]:
         lines.append("nothing registered")
     for ns, space in sorted(doc["namespaces"].items()):
         lines.append(f"namespace {ns}")
@@ -161,9 +231,10 @@ def render(doc: dict[str, Any]) -> str:
                 if load
                 else "no load report"
             )
+            refused = "  REFUSED (planes differ)" if row["refused"] else ""
             lines.append(
                 f"  instance {row['id']}  {row['endpoint']}  {row['transport']}://"
-                f"{row['address']}  {text}"
+                f"{row['address']}  {_who(row)}  {text}{refused}"
             )
     for item in doc["skipped"]:
         lines.append(f"skipped {item['key']}: {item['reason']}")
@@ -172,7 +243,7 @@ def render(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     async def main() -> None:
-        doc = await gather_status(args)
+        doc = await gather_status(planes_config(args), args.load_wait)
         sys.stdout.write((json.dumps(doc, indent=2) if args.json else render(doc)) + "\n")
 
     return run_command(args, main)
