@@ -31,7 +31,7 @@ from turnout.runtime.discovery import (
     WatchEventKind,
     open_store,
 )
-from turnout.runtime.discovery import etcd as etcd_module
+from turnout.runtime.discovery import etcd_watch as etcd_module
 from turnout.runtime.lease import Lease
 
 PUT, DELETE = WatchEventKind.PUT, WatchEventKind.DELETE
@@ -557,7 +557,7 @@ async def test_seen_keys_forget_deletions_no_watch_needs(
         await store.put("p/last", b"1")
         assert len(await take(watch, 1)) == 1
         # Present keys stay; of the 50 deleted ones, none is left.
-        assert set(store._seen_keys) == {"p/kept", "p/last"}
+        assert set(store._seen.keys) == {"p/kept", "p/last"}
         # A watch behind a deletion (resuming from before it) keeps it remembered.
         start = await store.put("p/x", b"1")
         await store.get("p/x")
@@ -566,12 +566,12 @@ async def test_seen_keys_forget_deletions_no_watch_needs(
             assert brief(await take(late, 1)) == [(PUT, "p/x", b"1")]
             await store.delete("p/x")
             assert brief(await take(watch, 2))[-1] == (DELETE, "p/x", b"")
-            assert "p/x" in store._seen_keys  # the late watch has not delivered it yet
+            assert "p/x" in store._seen.keys  # the late watch has not delivered it yet
             assert brief(await take(late, 1)) == [(DELETE, "p/x", b"")]
             await store.put("p/y", b"1")
             await take(watch, 1)
             await take(late, 1)
-            assert "p/x" not in store._seen_keys
+            assert "p/x" not in store._seen.keys
         finally:
             await late.aclose()
     finally:
