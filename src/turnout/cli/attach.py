@@ -14,6 +14,7 @@ from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_pars
 from turnout.protocols.model import EndpointId
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import open_runtime
+from turnout.runtime.start_checks import check_worker_start
 from turnout.runtime.system_server import SystemServer
 
 from .flags import add_flag, add_runtime_flags, env_name, planes_config
@@ -231,6 +232,7 @@ async def _serve_attached(
     async def start() -> None:
         for server in servers:
             await server.first_start()
+        await check_worker_start(runtime)  # frontends on its planes, its addresses reach it
         for server in servers:
             tasks.append(asyncio.create_task(server.run(), name=f"attach {server.url}"))
 

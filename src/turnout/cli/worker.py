@@ -14,6 +14,7 @@ from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_parser_names
 from turnout.protocols.model import EndpointId
 from turnout.runtime.planes import open_runtime
+from turnout.runtime.start_checks import check_worker_start
 from turnout.runtime.system_server import SystemServer
 
 from .engine_flags import ENGINE_FLAGS, check_engine_flags
@@ -322,6 +323,7 @@ async def _serve_workers(
             workers.append(worker)
             # A lost lease is not fatal: the instance registers again by itself.
             await worker.start()
+        await check_worker_start(runtime)  # frontends on its planes, its addresses reach it
 
     async def stop() -> None:
         if system is not None:
