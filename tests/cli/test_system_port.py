@@ -6,6 +6,7 @@ store, and in real processes (a mocker worker behind a frontend; ``attach`` in f
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import signal
@@ -229,6 +230,43 @@ async def test_a_worker_is_ready_once_registered_and_while_its_engine_answers(
         server.stop()
         for worker in workers:
             await worker.stop(0)
+        await runtime.shutdown()
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose lease grants wait while ``grants`` is clear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grants = asyncio.Event()
+        self.grants.set()
+
+    async def grant_lease(self, ttl: float) -> int:
+        await self.grants.wait()
+        return await super().grant_lease(ttl)
+
+
+async def test_a_worker_whose_lease_ended_is_not_ready_until_registered_again(
+    gguf_path: str,
+) -> None:
+    store = GatedStore()
+    runtime = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=1.5)
+    worker = Worker(runtime, EchoEngine(gguf_path), ENDPOINT, health_interval=0)
+    health = WorkerHealth([worker], 1)
+    try:
+        serving = await worker.start()
+        first = serving.instance_id
+        assert health.checks() == {"discovery": None, "engine": None}
+        store.grants.clear()
+        await store.revoke_lease(first)  # as etcd rebuilt empty would answer
+        await eventually(lambda: health.checks()["discovery"] is not None, what="not ready")
+        assert f"{first:x}" in (health.checks()["discovery"] or "")
+        store.grants.set()
+        await eventually(lambda: health.checks()["discovery"] is None, what="registered again")
+        assert serving.instance_id != first
+        assert health.details() == {"instances": [f"{serving.instance_id:x}"]}
+    finally:
+        await worker.stop(0)
         await runtime.shutdown()
 
 

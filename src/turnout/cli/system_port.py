@@ -75,10 +75,10 @@ def registration_problem(serving: ServingInstance | None) -> str | None:
     lease = serving.lease
     if lease is None:
         return "not registered yet"
-    if lease.revoked:
-        return f"instance {serving.instance_id:x} left discovery"
     if lease.lost.is_set():
         return f"instance {serving.instance_id:x} lost its lease; registering again"
+    if lease.revoked:  # leaving, or between a lost lease and the next one
+        return f"instance {serving.instance_id:x} is not registered (its lease was revoked)"
     return None
 
 
