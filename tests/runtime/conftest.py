@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -90,3 +92,38 @@ def pytest_asyncio_loop_factories(
 
 
 _BOTH_LOOPS = {"test_request_plane.py", "test_component.py", "test_tcp_mtls.py"}
+
+
+#: The etcd user turnout runs as in the least-privilege and recovery tests, and root's password.
+ETCD_USER = "turnout"
+ETCD_PASSWORD = "sk-turnout-test-etcd-user"
+ETCD_ROOT_PASSWORD = "sk-turnout-test-etcd-root"
+
+
+def etcdctl(server: EtcdServer, *args: str, user: str | None = None) -> str:
+    """Run ``etcdctl`` against ``server`` (as ``user``, ``name:password``), as an operator
+    would; its output, or an assertion naming what etcd said."""
+    require("etcdctl")
+    command = ["etcdctl", "--endpoints", server.url, "--command-timeout", "10s"]
+    if user is not None:
+        command += ["--user", user]
+    env = {"ETCDCTL_API": "3", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    done = subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=30, env=env, check=False
+    )
+    assert done.returncode == 0, f"etcdctl {' '.join(args)}: {done.stderr.strip()}"
+    return done.stdout
+
+
+def limit_etcd_to_prefix(
+    server: EtcdServer, prefix: str = "v1/", user: str = ETCD_USER, role: str = "turnout"
+) -> None:
+    """etcd's auth as the deployment docs set it up: a role with ``readwrite`` on ``prefix``
+    alone, ``user`` (password ``ETCD_PASSWORD``) with that role, ``root``, then auth on."""
+    etcdctl(server, "role", "add", role)
+    etcdctl(server, "role", "grant-permission", role, "--prefix=true", "readwrite", prefix)
+    etcdctl(server, "user", "add", f"root:{ETCD_ROOT_PASSWORD}")
+    etcdctl(server, "user", "grant-role", "root", "root")
+    etcdctl(server, "user", "add", f"{user}:{ETCD_PASSWORD}")
+    etcdctl(server, "user", "grant-role", user, role)
+    etcdctl(server, "auth", "enable")

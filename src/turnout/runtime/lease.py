@@ -50,9 +50,11 @@ class Lease:
         return self._revoked
 
     async def _keep_alive(self) -> None:
+        """Keep the lease alive until it is revoked or the store says it ended. Failures are
+        logged once per streak (and once more past the TTL), not once per retry."""
         interval = self.ttl / 3
         last_ok = time.monotonic()
-        overdue = False
+        failing = overdue = False
         while True:
             await asyncio.sleep(interval)
             try:
@@ -60,9 +62,10 @@ class Lease:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if time.monotonic() - last_ok < self.ttl:
+                if not failing:
+                    failing = True
                     logger.warning("lease %x keep-alive failed, retrying: %s", self.id, exc)
-                elif not overdue:
+                if not overdue and time.monotonic() - last_ok >= self.ttl:
                     overdue = True
                     logger.error(
                         "lease %x not kept alive for %.1fs, more than its TTL; still trying: %s",
@@ -72,12 +75,14 @@ class Lease:
                     )
                 continue
             if not alive:
-                logger.error("lease %x lost: it ended before its keep-alive", self.id)
+                logger.warning(
+                    "lease %x ended before its keep-alive; its owner registers again", self.id
+                )
                 self.lost.set()
                 return
-            if overdue:
+            if failing:
                 logger.warning("lease %x kept alive again; nothing was lost", self.id)
-                overdue = False
+                failing = overdue = False
             last_ok = time.monotonic()
 
     async def revoke(self) -> None:

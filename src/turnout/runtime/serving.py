@@ -139,6 +139,7 @@ class ServingInstance:
             logger.warning(
                 "instance %x of %s lost its lease; registering again", old, self.endpoint.path()
             )
+            failures = 0
             while True:
                 try:
                     await self.lease.revoke()  # stops the old keep-alive; its keys are gone
@@ -147,10 +148,13 @@ class ServingInstance:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    logger.warning(
-                        "re-registering %s failed (retrying in %.1fs): %s",
+                    # The first failure says why; the retries until it works say nothing new.
+                    failures += 1
+                    logger.log(
+                        logging.WARNING if failures == 1 else logging.DEBUG,
+                        "re-registering %s failed (retrying every %.1fs at most): %s",
                         self.endpoint.path(),
-                        delay,
+                        REREGISTER_MAX_DELAY,
                         exc,
                     )
                     await asyncio.sleep(delay)

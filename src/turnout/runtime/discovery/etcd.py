@@ -26,6 +26,7 @@ leases).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -129,37 +130,42 @@ class EtcdStore(EtcdWatches, DiscoveryStore):
 
     async def keep_alive(self, lease_id: int) -> bool:
         """Extend the lease; False when it ended, or was granted before the store was
-        restored or rebuilt (its keys are gone or an old copy: the owner registers again)."""
-        if self._lease_generations.get(lease_id, self.generation) != self.generation:
-            del self._lease_generations[lease_id]
-            return False
-
-        async def keep(ep: Endpoint) -> bool:
-            floor = self._floor()
-            # One request on etcd's LeaseKeepAlive stream, then the half-close: etcd answers
-            # with the lease's remaining TTL (0: the lease is gone) and ends the call.
-            stream = self._open_stream(
-                ep,
-                LEASE_KEEP_ALIVE,
-                pb.LeaseKeepAliveResponse,
-                [pb.LeaseKeepAliveRequest(ID=lease_id)],
-                keep_open=False,
-                timeout=self.connect_timeout,
-            )
-            try:
-                resp = await stream.read()
-            finally:
-                await stream.close()
-            if resp is None:
-                raise Unreachable("keep-alive stream ended without an answer")
-            self._observe(resp.header, floor)
-            return int(resp.TTL) > 0
-
+        restored or rebuilt: its keys are gone or an old copy, so it is revoked (the old
+        copy goes at once, not a TTL later) and the owner registers again."""
         generation = self._lease_generations.get(lease_id, self.generation)
-        alive = await self._call(f"keep-alive of lease {lease_id:x}", keep)
-        if alive and self.generation == generation:
-            return True
-        self._lease_generations.pop(lease_id, None)
+        if generation == self.generation:
+
+            async def keep(ep: Endpoint) -> bool:
+                floor = self._floor()
+                # One request on etcd's LeaseKeepAlive stream, then the half-close: etcd
+                # answers with the lease's remaining TTL (0: the lease is gone) and ends
+                # the call.
+                stream = self._open_stream(
+                    ep,
+                    LEASE_KEEP_ALIVE,
+                    pb.LeaseKeepAliveResponse,
+                    [pb.LeaseKeepAliveRequest(ID=lease_id)],
+                    keep_open=False,
+                    timeout=self.connect_timeout,
+                )
+                try:
+                    resp = await stream.read()
+                finally:
+                    await stream.close()
+                if resp is None:
+                    raise Unreachable("keep-alive stream ended without an answer")
+                self._observe(resp.header, floor)
+                return int(resp.TTL) > 0
+
+            alive = await self._call(f"keep-alive of lease {lease_id:x}", keep)
+            if not alive:
+                self._lease_generations.pop(lease_id, None)
+                return False
+            if generation == self.generation:
+                return True
+        # Best effort: a lease the restored store does not know is already gone.
+        with contextlib.suppress(DiscoveryError):
+            await self.revoke_lease(lease_id)
         return False
 
     async def revoke_lease(self, lease_id: int) -> None:

@@ -117,17 +117,26 @@ class KeyRegistration:
 
     async def _keep_registered(self) -> None:
         delay = 0.1
+        failures = 0
         while True:
             assert self._lease is not None
             await self._lease.lost.wait()
-            logger.error("plane key record %s lost its lease; registering it again", self.key)
+            if failures == 0:
+                logger.warning("plane key record %s lost its lease; registering it again", self.key)
             try:
                 await self._register()
-                delay = 0.1
+                delay, failures = 0.1, 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.warning("plane key record %s: registering failed: %s", self.key, exc)
+                # The first failure says why; the retries until it works say nothing new.
+                failures += 1
+                logger.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "plane key record %s: registering failed, retrying: %s",
+                    self.key,
+                    exc,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._ttl)
 

@@ -158,11 +158,12 @@ class ZmqEventPublisher(EventPublisher["ZmqEventPlane"]):
         while True:
             assert self.lease is not None
             await self.lease.lost.wait()
-            logger.error(
+            logger.warning(
                 "event publisher %s lost its lease; subscribers dropped it; re-registering",
                 self.key,
             )
             delay = 0.1
+            failures = 0
             while True:
                 try:
                     await self._register()
@@ -170,7 +171,14 @@ class ZmqEventPublisher(EventPublisher["ZmqEventPlane"]):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    logger.warning("event publisher %s re-register failed: %s", self.key, exc)
+                    # The first failure says why; the retries until it works say nothing new.
+                    failures += 1
+                    logger.log(
+                        logging.WARNING if failures == 1 else logging.DEBUG,
+                        "event publisher %s re-register failed, retrying: %s",
+                        self.key,
+                        exc,
+                    )
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self._plane.lease_ttl)
 
