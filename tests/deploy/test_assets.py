@@ -267,6 +267,9 @@ def test_nats_routes_and_clients_name_each_server() -> None:
         assert f"nats-route://{server}:6222" in conf
     urls = {c.env().get("TURNOUT_NATS_URL") for c in TURNOUT}
     assert urls == {",".join(f"tls://{s}:4222" for s in servers)}
+    payload = re.compile(r"^\s*max_payload:\s*(\S+)", re.MULTILINE)
+    docs_conf = (DEPLOY / "nats" / "nats-server.conf").read_text()
+    assert payload.findall(conf) == payload.findall(docs_conf), "max_payload as the docs' NATS"
 
 
 @pytest.mark.skipif(shutil.which("nats-server") is None, reason="nats-server is not installed")
