@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import re
 import shutil
@@ -410,3 +411,13 @@ def test_units_share_one_store_and_plane_set(monkeypatch: pytest.MonkeyPatch) ->
             args = parse_turnout(command, env, monkeypatch, path.name)
             seen.add((args.store_endpoints, args.request_plane, args.event_plane))
     assert len(seen) == 1, seen
+
+
+def test_every_environment_example_belongs_to_a_unit() -> None:
+    patterns = [
+        Path(value.lstrip("-")).name.replace("%i", "*")
+        for path in UNITS
+        for value in Unit.read(path).values("Service", "EnvironmentFile")
+    ]
+    for example in sorted(SYSTEMD.glob("*.env")):
+        assert any(fnmatch.fnmatch(example.name, p) for p in patterns), f"{example.name}: no unit"
