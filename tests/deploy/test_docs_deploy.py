@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from tests.deploy.doc_steps import DocShell, DocStep, DocStepError, parse_steps
+from tests.servers.process import require
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -69,11 +70,9 @@ def _environment() -> dict[str, str]:
 
 @pytest.fixture
 def shell(tmp_path: Path) -> Iterator[DocShell]:
-    missing = [
-        tool for tool in TOOLS if shutil.which(tool, path=f"{os.environ['PATH']}:/usr/sbin") is None
-    ]
-    if missing:
-        pytest.skip(f"not installed: {', '.join(missing)}")
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"])
+    for tool in TOOLS:
+        require(tool, found=shutil.which(tool, path=path) is not None)
     work = tmp_path / "deploy"
     work.mkdir()
     variables = {
