@@ -38,6 +38,7 @@ STEP_DEADLINES = {
     "nats": 20,
     "tcp-zmq": 90,
     "nats-nats": 90,
+    "upgrade": 90,
     "backup": 20,
     "stop": 20,
 }
