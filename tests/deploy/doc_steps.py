@@ -45,6 +45,8 @@ FENCE = re.compile(r"^```(?P<info>.*)$")
 MARKER_ENV = "DOC_STEPS_RUN"
 #: What the shell prints after each step (never part of a block's own output).
 DONE_PREFIX = "__doc_step_done__"
+#: Words that end a simple command (when written apart, as the page does).
+SHELL_OPERATORS = frozenset({"|", "||", "&", "&&", ";"})
 #: Most output lines kept per step for a failure message.
 MAX_OUTPUT_LINES = 400
 
@@ -99,6 +101,34 @@ def parse_steps(text: str) -> list[DocStep]:
             steps.append(DocStep(name, "\n".join(lines[index + 1 : end]) + "\n", opening))
         index = end + 1
     return steps
+
+
+def bash_commands(text: str, program: str) -> list[tuple[int, list[str]]]:
+    """Every command line of ``program`` in the ``bash`` blocks of ``text``, examples
+    included: (the line it starts on, its words as the shell splits them, quotes removed, up
+    to the first pipe, redirection or list operator). Continuation lines are joined; a line
+    that does not start with ``program`` is skipped."""
+    found: list[tuple[int, list[str]]] = []
+    in_bash = False
+    pending: tuple[int, str] | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = FENCE.match(line)
+        if match is not None:
+            in_bash = not in_bash and match.group("info").split()[:1] == ["bash"]
+            continue
+        if not in_bash:
+            continue
+        if pending is not None:
+            pending = (pending[0], pending[1] + " " + line)
+        elif line.lstrip().startswith(program + " "):
+            pending = (number, line)
+        if pending is not None and not line.endswith("\\"):
+            start, command = pending
+            words = shlex.split(command.replace("\\", " "), comments=True)
+            ends = [i for i, word in enumerate(words) if word in SHELL_OPERATORS or ">" in word]
+            found.append((start, words[: min(ends, default=len(words))]))
+            pending = None
+    return found
 
 
 class DocShell:

@@ -11,6 +11,7 @@ a process the blocks leave running; the test kills whatever is left either way.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import shutil
@@ -19,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.deploy.doc_steps import DocShell, DocStep, DocStepError, parse_steps
+from tests.deploy.doc_steps import DocShell, DocStep, DocStepError, bash_commands, parse_steps
 from tests.servers.process import require
+
+from turnout.cli.main import build_parser
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -113,6 +116,40 @@ def test_docs_deploy_runs_as_written(shell: DocShell) -> None:
             pytest.fail(f"{exc}\n{_logs(shell.cwd)}", pytrace=False)
     left = shell.leftover_processes()
     assert not left, f"the page's steps left processes running: {[p.cmdline() for p in left]}"
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``""`` -> the top-level parser, and each subcommand's name -> its parser."""
+    found = {"": parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.update(action.choices)
+    return found
+
+
+def test_every_turnout_line_of_the_page_names_real_flags() -> None:
+    """The examples too (attach beside vLLM, the NATS settings): each ``--flag`` of a
+    ``turnout`` command line is one its subcommand takes."""
+    parsers = _options(build_parser())
+    commands = bash_commands(DOC.read_text(), "turnout")
+    assert len(commands) > 10
+    for line, words in commands:
+        command = words[1] if len(words) > 1 and words[1] in parsers else ""
+        known = {o for a in parsers[command]._actions for o in a.option_strings}
+        flags = [w.split("=", 1)[0] for w in words[1:] if w.startswith("--")]
+        unknown = [flag for flag in flags if flag not in known]
+        assert not unknown, f"docs line {line}: `turnout {command}` takes no {unknown}"
+
+
+def test_bash_commands_joins_lines_and_stops_at_operators() -> None:
+    text = (
+        '```bash\nturnout worker --a 1 \\\n  --b "x y" >log 2>&1 &  # note\n'
+        "echo turnout --c\nturnout status | jq --d\n```\n"
+    )
+    assert bash_commands(text, "turnout") == [
+        (2, ["turnout", "worker", "--a", "1", "--b", "x y"]),
+        (5, ["turnout", "status"]),
+    ]
 
 
 @pytest.mark.parametrize(
