@@ -480,7 +480,7 @@ class Preprocessor:
             output_options=OutputOptions(logprobs=logprobs, skip_special_tokens=skip_special),
             eos_token_ids=list(self.card.eos_token_ids),
             lora_name=self.card.lora.name if self.card.lora else None,
-            backend_instance_id=nvext.backend_instance_id if nvext else None,
+            backend_instance_id=nvext.pinned_instance if nvext else None,
             cache_salt=cache_salt,
             mdc_sum=self._mdc_sum,
         )

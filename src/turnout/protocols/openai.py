@@ -19,13 +19,29 @@ import msgspec
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 #: An instance id (a discovery lease id: a positive int64).
 InstanceIdInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+#: An instance id as every output prints it (``%x``: ``/health``, ``turnout status``, logs,
+#: headers), with or without ``0x``; at most 2**63 - 1, like ``InstanceIdInt``.
+InstanceIdHex = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^(0[xX])?([0-9a-fA-F]{1,15}|[0-7][0-9a-fA-F]{15})$",
+        description="an instance id in hex, as /health prints it",
+    ),
+]
+
+
+def _instance_id(value: int | str | None) -> int | None:
+    """``backend_instance_id`` as an int: hex text (already checked by ``InstanceIdHex``)
+    is parsed. Both structs that carry it call this in ``__post_init__``, so a decoded
+    request holds the int; ``pinned_instance`` gives it with the int's type."""
+    return int(value, 16) if isinstance(value, str) else value
 
 
 class NvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """turnout/Dynamo extensions carried beside the OpenAI fields."""
 
     ignore_eos: bool | None = None
-    backend_instance_id: InstanceIdInt | None = None
+    backend_instance_id: InstanceIdInt | InstanceIdHex | None = None
     #: Names of extra response fields the client asks for (e.g. ``"worker_id"``, ``"routing"``).
     extra_fields: list[str] | None = None
     greed_sampling: bool | None = None
@@ -37,6 +53,14 @@ class NvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     #: The tenant's KV cache partition (same as the top-level ``cache_salt``).
     cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        self.backend_instance_id = _instance_id(self.backend_instance_id)
+
+    @property
+    def pinned_instance(self) -> int | None:
+        """The instance the request pins (``backend_instance_id``, hex or int), if any."""
+        return _instance_id(self.backend_instance_id)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -303,9 +327,17 @@ class UnaryNvExt(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The ``nvext`` fields that mean something to a one-reply request (embeddings,
     tensors): no sampling, no streaming, no cache."""
 
-    backend_instance_id: InstanceIdInt | None = None
+    backend_instance_id: InstanceIdInt | InstanceIdHex | None = None
     priority: Int64 | None = None
     request_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def __post_init__(self) -> None:
+        self.backend_instance_id = _instance_id(self.backend_instance_id)
+
+    @property
+    def pinned_instance(self) -> int | None:
+        """The instance the request pins (``backend_instance_id``, hex or int), if any."""
+        return _instance_id(self.backend_instance_id)
 
 
 class EmbeddingsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -69,9 +69,9 @@ class Responder:
         ctx: RequestContext,
     ) -> None:
         nvext = request.nvext
-        if nvext is not None and nvext.backend_instance_id is not None:
+        if nvext is not None and nvext.pinned_instance is not None:
             # The router cannot read the raw body it forwards: hand it the pin.
-            ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
+            ctx.metadata[PIN_METADATA] = nvext.pinned_instance
         account = ctx.metadata.get(ACCOUNT_METADATA)
         meter = RelayMeter(account) if account is not None else None
         chunks = pipeline.generate(body, ctx)

@@ -25,8 +25,8 @@ def apply_nvext(nvext: UnaryNvExt | None, ctx: RequestContext) -> float | None:
     returns its own deadline (``nvext.request_timeout``), if any."""
     if nvext is None:
         return None
-    if nvext.backend_instance_id is not None:
-        ctx.metadata[PIN_METADATA] = nvext.backend_instance_id
+    if nvext.pinned_instance is not None:
+        ctx.metadata[PIN_METADATA] = nvext.pinned_instance
     return nvext.request_timeout
 
 
