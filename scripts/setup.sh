@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs turnout with what its commands and tests need:
-# Python packages from PyPI, and the etcd (with etcdctl), NATS, PostgreSQL and Redis servers from
-# Debian (the distributed planes', the deployment docs' and the response store's tests start real
-# ones). Idempotent: a second
-# run only checks.
+# Python packages from PyPI; from Debian, the etcd (with etcdctl), NATS, PostgreSQL and Redis
+# servers (the distributed planes' and the response store's tests start real ones) and openssl,
+# curl and jq (the deployment docs' commands, which a test runs as written). Idempotent: a
+# second run only checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 # Debian's postgresql keeps initdb and postgres off PATH, under /usr/lib/postgresql/N/bin.
 have_postgres() { command -v initdb >/dev/null || compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; }
-if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null || ! command -v nats-server >/dev/null \
-   || ! command -v redis-server >/dev/null || ! have_postgres; then
+missing_tool() {
+  local tool
+  for tool in etcd etcdctl nats-server redis-server openssl curl jq; do
+    command -v "$tool" >/dev/null || return 0
+  done
+  ! have_postgres
+}
+if missing_tool; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-      etcd-server etcd-client nats-server postgresql redis-server >/dev/null
+      etcd-server etcd-client nats-server postgresql redis-server openssl curl jq >/dev/null
   else
-    echo "setup: some of etcd, etcdctl, nats-server, postgresql and redis-server are missing;" \
-         "install them from Debian (as root: apt-get install etcd-server etcd-client nats-server postgresql" \
-         "redis-server)" >&2
+    echo "setup: some of etcd, etcdctl, nats-server, postgresql, redis-server, openssl, curl and" \
+         "jq are missing; install them from Debian (as root: apt-get install etcd-server" \
+         "etcd-client nats-server postgresql redis-server openssl curl jq)" >&2
   fi
 fi
 if [ ! -x .venv/bin/python ]; then
