@@ -262,6 +262,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         tls_key=args.tls_key,
         shared_cache_tenants=tenants.shared_cache_tenants,
         tenant_metrics_max=tenants.tenant_metrics_max,
+        drain_timeout=args.drain_timeout,
     )
 
 
@@ -298,12 +299,16 @@ def register(sub: Any) -> None:
     add_frontend_flags(p)
     add_kv_router_flags(p)
     add_runtime_flags(p)
+    add_flag(p, "--drain-timeout", default=30.0, type=float,
+             help="on SIGTERM, /health answers 503 and new requests are refused at once; "
+                  "seconds the requests in flight may finish before the listener closes "
+                  "(a second signal stops at once)")  # fmt: skip
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         frontend = RegisteredFrontend(frontend_config(args))
-        await run_until_signal(frontend.start, frontend.stop, frontend.wait)
+        await run_until_signal(frontend.start, frontend.stop, frontend.wait, frontend.drain)
 
     return run_command(args, main)

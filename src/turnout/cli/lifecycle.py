@@ -36,13 +36,21 @@ def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any,
     return 0
 
 
-async def run_until_signal(start: Step, stop: Step, wait: Step) -> None:
+async def run_until_signal(start: Step, stop: Step, wait: Step, drain: Step | None = None) -> None:
     """Start, then run until SIGINT/SIGTERM or until ``wait()`` returns; always stop. An
-    exception from ``wait()`` is raised after stopping (a ``TurnoutError``: exit 2)."""
+    exception from ``wait()`` is raised after stopping (a ``TurnoutError``: exit 2).
+
+    ``drain``: run on the first signal, before ``stop`` (a frontend lets the requests in
+    flight finish); a second signal cuts it short and stops at once."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
+    again = asyncio.Event()
+
+    def on_signal() -> None:
+        (again if stopping.is_set() else stopping).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await start()
         waiter = asyncio.ensure_future(wait())
@@ -51,6 +59,25 @@ async def run_until_signal(start: Step, stop: Step, wait: Step) -> None:
         stopper.cancel()
         if waiter.done() and not waiter.cancelled():
             waiter.result()  # a failure of what we waited on is the command's failure
+        if drain is not None:
+            await _drain(drain, again, waiter)
         waiter.cancel()
     finally:
         await stop()
+
+
+async def _drain(drain: Step, again: asyncio.Event, waiter: asyncio.Future[Any]) -> None:
+    """Run ``drain`` until it ends, ``again`` is set (a second signal) or ``waiter`` ends;
+    a drain that fails is logged: stopping goes on."""
+    drainer = asyncio.ensure_future(drain())
+    interrupt = asyncio.ensure_future(again.wait())
+    watched: set[asyncio.Future[Any]] = {drainer, interrupt, waiter}
+    await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+    interrupt.cancel()
+    if not drainer.done():
+        if again.is_set():
+            log.info("second signal: stopping now")
+        drainer.cancel()
+    await asyncio.wait([drainer])
+    if not drainer.cancelled() and drainer.exception() is not None:
+        log.error("drain failed; stopping: %s", drainer.exception())

@@ -407,6 +407,11 @@ def run(args: argparse.Namespace) -> int:
         tree: ServeTree | InProcessServe = (
             InProcessServe(args) if args.in_process else ServeTree(args)
         )
-        await run_until_signal(tree.start, tree.stop, tree.wait)
+
+        async def drain() -> None:  # the frontend first: workers drain in ``stop``
+            if tree.frontend is not None:
+                await tree.frontend.drain()
+
+        await run_until_signal(tree.start, tree.stop, tree.wait, drain)
 
     return run_command(args, main)

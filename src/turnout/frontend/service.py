@@ -4,6 +4,11 @@ Security: with ``api_keys``, ``api_keys_file`` or ``jwt`` set, callers need a cr
 (``access.authenticator``), and ``SIGHUP`` reloads the keys and JWKS files; with
 ``tls_cert``/``tls_key`` the HTTP server speaks HTTPS only. A frontend bound to an address
 other than loopback with no credentials says so in one warning line at start.
+
+Drain (``drain``, on SIGTERM): readiness goes first (``/health`` answers 503 with
+``"status": "draining"``), new generation requests are refused with a 503 in OpenAI's shape
+(``service_unavailable``, ``Retry-After``) while those in flight finish, and the listener
+closes once none is left or after ``drain_timeout`` seconds (``stop``).
 """
 
 from __future__ import annotations
@@ -150,6 +155,9 @@ class FrontendConfig:
     #: Tenants whose prompts hash into the un-tenanted cache space, sharing cached prefixes
     #: with each other and the ``default`` tenant (``--shared-cache-tenants``).
     shared_cache_tenants: frozenset[str] = frozenset()
+    #: Seconds a drain lets the requests in flight finish before the listener closes
+    #: (``--drain-timeout``).
+    drain_timeout: float = 30.0
 
 
 def server_ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
@@ -391,6 +399,28 @@ class Frontend:
             exc = None if task.cancelled() else task.exception()
             reason = f"{type(exc).__name__}: {exc}" if exc else "it returned"
             raise TurnoutError(f"frontend task {task.get_name()!r} stopped: {reason}") from exc
+
+    async def drain(self) -> None:
+        """Refuse new work and let the requests in flight finish (see the module docstring);
+        ``stop`` then closes the listener. Cancelling it (a second signal) ends the wait."""
+        if self.http is None or self._server is None:
+            return
+        self.http.draining = True
+        timeout = self.config.drain_timeout
+        log.info(
+            "draining: /health answers 503 and new requests are refused; waiting up to %gs "
+            "for %d request(s) in flight",
+            timeout,
+            self._server.num_in_flight,
+        )
+        if await self._server.wait_idle(timeout):
+            log.info("drained: no request in flight")
+        else:
+            log.warning(
+                "drain timeout (%gs) passed with %d request(s) in flight; closing them",
+                timeout,
+                self._server.num_in_flight,
+            )
 
     async def stop(self) -> None:
         if self._sighup:

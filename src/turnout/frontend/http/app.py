@@ -66,7 +66,7 @@ from turnout.frontend.admission.limiter import AdmissionController
 from turnout.frontend.anthropic.api import count_tokens_surface, messages_surface
 from turnout.frontend.http.access_gate import AccessGate
 from turnout.frontend.http.admin import BUSY_THRESHOLD, USAGE, AdminRoutes, Handler
-from turnout.frontend.http.errors import HttpError, to_http_error
+from turnout.frontend.http.errors import HttpError, to_http_error, unavailable
 from turnout.frontend.http.info_routes import InfoRoutes
 from turnout.frontend.http.openapi import build_openapi
 from turnout.frontend.http.surface import (
@@ -189,8 +189,11 @@ class HttpService:
                 open_paths=self.access.open_paths if auth is not None else None,
             )
         )
+        #: Set when the frontend drains (SIGTERM): ``/health`` answers 503 and generation
+        #: requests are refused with a 503 while those in flight finish.
+        self.draining = False
         self._routes: dict[tuple[str, str], Handler] = InfoRoutes(
-            manager, metrics, openapi_body, prefill
+            manager, metrics, openapi_body, prefill, draining=lambda: self.draining
         ).routes()
         admin = AdminRoutes(self._read_body, audit, busy_thresholds=busy_thresholds, usage=usage)
         self._routes.update(admin.routes())
@@ -400,6 +403,8 @@ class HttpService:
         disconnect.add_done_callback(on_disconnect)
         account: TenantAccount | None = None
         try:
+            if self.draining:
+                raise unavailable("this frontend is shutting down; send the request to another")
             body = await self._read_body(scope, proto)
             log_prompt("body", ctx.request_id, body)
             request = surface.decode(body)

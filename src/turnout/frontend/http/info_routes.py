@@ -2,7 +2,9 @@
 ``/metrics`` and ``/openapi.json``.
 
 ``/health`` is 200 while every model has an instance (and, under disaggregation, its prefill
-side is ready), else 503 with the same body; ``/live`` is 200 while the process answers.
+side is ready), else 503 with the same body; while the frontend drains (SIGTERM) it is 503
+with ``"status": "draining"``, so a load balancer stops sending before the listener closes.
+``/live`` is 200 while the process answers.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ class InfoRoutes:
         metrics: FrontendMetrics,
         openapi_body: bytes,
         prefill_health: Callable[[str], dict[str, Any] | None] | None = None,
+        draining: Callable[[], bool] | None = None,
     ) -> None:
         """``prefill_health``: a model's disaggregated-serving state for ``/health`` (None:
-        none to report)."""
+        none to report); ``draining``: whether the frontend is draining (None: never)."""
         self.manager = manager
         self.metrics = metrics
         self._openapi_body = openapi_body
         self._prefill_health = prefill_health
+        self._draining = draining
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {
@@ -99,7 +103,10 @@ class InfoRoutes:
         healthy = bool(models) and all(
             m["instances"] and m.get("disaggregation", {}).get("ready", True) for m in models
         )
-        body = {"status": "healthy" if healthy else "unhealthy", "models": models}
+        status = "healthy" if healthy else "unhealthy"
+        if self._draining is not None and self._draining():
+            healthy, status = False, "draining"
+        body = {"status": status, "models": models}
         proto.response_bytes(200 if healthy else 503, JSON_HEADERS, _json.encode(body))
 
     async def _live(self, scope: Scope, proto: Exchange, _: Principal) -> None:

@@ -25,6 +25,9 @@ body does not come; and a few thousand silent connections fill its connection sl
 
 One task runs each request (``Application(scope, exchange)``); responses on a connection go
 out in request order.
+
+Drain is not close: ``wait_idle`` returns once no connection has a request in flight (the
+listener still open, so probes are answered meanwhile), and ``stop`` then closes the rest.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class HttpServer:
         self._busy: set[Connection] = set()
         self._server: asyncio.Server | None = None
         self._stopped: asyncio.Event | None = None
+        #: Set while ``wait_idle`` waits, by the change that leaves no request in flight.
+        self._quiet: asyncio.Event | None = None
         #: Connections the server closed, by reason (``CLOSE_REASONS``).
         self.closed: dict[str, int] = dict.fromkeys(CLOSE_REASONS, 0)
 
@@ -96,6 +101,31 @@ class HttpServer:
             await self.start()
         assert self._stopped is not None
         await self._stopped.wait()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Connections with a request in flight."""
+        return len(self._busy)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a moment with no request in flight; whether it
+        came. New connections are still accepted meanwhile (what they are answered is the
+        application's choice)."""
+        if not self._busy:
+            return True
+        quiet = self._quiet = asyncio.Event()
+        try:
+            async with asyncio.timeout(timeout):
+                await quiet.wait()
+        except TimeoutError:
+            return False
+        finally:
+            self._quiet = None
+        return True
+
+    def _check_quiet(self) -> None:
+        if not self._busy and self._quiet is not None:
+            self._quiet.set()
 
     def stop(self) -> None:
         """Stop accepting; close idle connections, the others after their response."""
@@ -135,10 +165,12 @@ class HttpServer:
         self._busy.discard(conn)
         self._idle.pop(conn, None)
         self._idle[conn] = self.loop.time()  # to the end: the longest idle stay first
+        self._check_quiet()
 
     def forget(self, conn: Connection) -> None:
         self._busy.discard(conn)
         self._idle.pop(conn, None)
+        self._check_quiet()
 
     def count_close(self, reason: str) -> None:
         self.closed[reason] += 1
