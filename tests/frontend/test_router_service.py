@@ -7,15 +7,17 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 import pytest
 from tests.frontend.stack import ENDPOINT, Stack, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.mocker import MockerConfig, make_mocker_engines
-from turnout.protocols.model import EndpointId
+from turnout.protocols.model import EndpointId, Instance, TransportAddress, instance_key
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
+from turnout.router.same_planes import SamePlanes
 from turnout.router.service import RouterClient, RouterService
 
 ROUTER = EndpointId(namespace="test", component="router", name="best_worker")
@@ -87,3 +89,30 @@ async def test_replicas_share_in_flight_requests(
             break
         await asyncio.sleep(0.02)
     assert len(service.router.core.active) == 0, "the request's end did not reach the replica"
+
+
+async def test_router_service_refuses_a_worker_on_other_planes(
+    stack_and_service: tuple[Stack, RouterService], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Like a frontend, the service never picks a worker whose KV events it cannot hear."""
+    stack, service = stack_and_service
+    assert service.router is not None
+    record = Instance(
+        endpoint=ENDPOINT, instance_id=0x1A2B,
+        transport=TransportAddress(kind="tcp", address="10.0.0.9:4000"),
+        host="10.0.0.9", pid=4242, request_plane="tcp", event_plane="zmq",
+    )  # fmt: skip
+    await stack.runtime.store.put(instance_key(ENDPOINT, 0x1A2B), msgspec.json.encode(record))
+    view = service.router.client
+    assert isinstance(view, SamePlanes)
+    async with asyncio.timeout(5):
+        while 0x1A2B not in view.client.instance_ids():
+            await asyncio.sleep(0.01)
+    assert 0x1A2B not in view.instance_ids() and len(view.instance_ids()) == 2
+    warnings = [
+        r.getMessage() for r in caplog.records if "every process must use" in r.getMessage()
+    ]
+    assert warnings == [
+        "instance 1a2b at 10.0.0.9:4242 runs request plane tcp, event plane zmq; this router "
+        "runs tcp/local: refused; every process must use the same planes"
+    ]

@@ -28,6 +28,7 @@ from turnout.protocols.model import MDC_ROOT, EndpointId, ModelDeploymentCard
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.router import KvRouter
 from turnout.router.kv.selector import Selection
+from turnout.router.same_planes import SamePlanes, refusals_of
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.endpoint_client import EndpointClient
@@ -123,7 +124,7 @@ class RouterService:
         self._client = await self.runtime.endpoint(self.workers).client()
         self.router = KvRouter(
             config,
-            self._client,
+            SamePlanes(self._client, refusals_of(self.runtime, "router")),
             self.runtime.event_plane,
             self.workers,
             share_active=self.share_active,

@@ -122,6 +122,7 @@ from turnout.protocols.model import (
     ModelType,
 )
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
+from turnout.runtime.plane_refusals import PlaneRefusals
 
 if TYPE_CHECKING:
     from turnout.router.lora import LoraRegistry
@@ -343,11 +344,9 @@ class ModelWatcher:
         self._rejected_keys: set[str] = set()
         # (model, message) of refused cards already logged (see ``_first_sight``).
         self._refusals_logged: set[tuple[str, str]] = set()
-        # This frontend's request and event planes: an instance on others is refused.
-        self._planes = (runtime.request_plane, runtime.event_plane.kind)
-        # Instance id -> why it was refused for its planes (logged once, when added); only
-        # ids of entries in ``_groups_by_key`` (pruned when their last entry leaves).
-        self._plane_refused: dict[int, str] = {}
+        # Instances on other planes than this frontend's: refused. Only ids of entries in
+        # ``_groups_by_key`` (forgotten when their last entry leaves).
+        self._planes = PlaneRefusals(runtime.request_plane, runtime.event_plane.kind, "frontend")
         #: Set whenever what ``held_back`` returns may have changed; its reader clears it.
         self.held_back_changed = asyncio.Event()
         # What a card may announce; artifacts as large as the factory's fetcher takes.
@@ -513,28 +512,9 @@ class ModelWatcher:
         self.held_back_changed.set()
 
     def _refused_for_planes(self, client: ModelClient, ids: set[int]) -> set[int]:
-        """Of ``ids``, those whose instance record names other planes than this frontend's;
-        each is logged once, as a warning, the first time it is refused."""
-        refused: set[int] = set()
-        for instance_id in ids:
-            instance = client.get_instance(instance_id)
-            if instance is None or not instance.runs_other_planes(*self._planes):
-                continue
-            refused.add(instance_id)
-            if instance_id in self._plane_refused:
-                continue
-            mine = "/".join(self._planes)
-            self._plane_refused[instance_id] = f"instance runs {instance.planes()}, frontend {mine}"
-            log.warning(
-                "instance %x at %s runs request plane %s, event plane %s; this frontend runs "
-                "%s: refused; every process must use the same planes",
-                instance_id,
-                instance.where(),
-                instance.request_plane or "?",
-                instance.event_plane or "?",
-                mine,
-            )
-        return refused
+        """Of ``ids``, those whose instance record names other planes than this frontend's
+        (each logged once, as a warning, the first time)."""
+        return {i for i in ids if self._planes.refuses(client.get_instance(i))}
 
     def held_back(self) -> list[HeldBackCard]:
         """Every instance with a card of a served model that gets no request, and why:
@@ -545,7 +525,7 @@ class ModelWatcher:
             served = model.served
             for group in model.groups():
                 for instance_id in sorted(group.instance_ids()):
-                    refused = self._plane_refused.get(instance_id)
+                    refused = self._planes.reason(instance_id)
                     if refused is not None:
                         reason, detail = HoldReason.PLANES_DIFFER, refused
                     elif group is not served:
@@ -1073,7 +1053,7 @@ class ModelWatcher:
         model = self._models[name]
         card = group.entries.pop(key)
         if card.instance_id not in group.instance_ids():
-            self._plane_refused.pop(card.instance_id, None)
+            self._planes.forget(card.instance_id)
         if group is not model.served:
             if not group.entries and group is not model.previous:
                 del model.standby[group.checksum]
