@@ -15,7 +15,7 @@ import psutil
 import pytest
 from tests.integration.procs import health, start_serve, stop_serve, wait_until
 
-from turnout.cli.serve import WorkerSupervisor, describe_exit
+from turnout.cli.serve import WorkerSupervisor, describe_exit, spawn_child
 from turnout.frontend.service import free_port
 
 
@@ -165,3 +165,26 @@ def test_serve_gives_up_on_workers_that_keep_dying_and_exits_non_zero(tmp_path: 
     assert text.count("restarting it in") == 4, text[-3000:]
     assert "its 5th death within 60s; giving up on it" in text, text[-3000:]
     assert "every worker failed for good" in text, text[-3000:]
+
+
+async def test_workers_do_not_inherit_a_per_process_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system port set for ``serve`` would make every worker bind the same port: children
+    get the environment without it, and with every other variable."""
+    monkeypatch.setenv("TURNOUT_SYSTEM_PORT", "9090")
+    monkeypatch.setenv("TURNOUT_LOG_LEVEL", "debug")
+    read_r, read_w = os.pipe()
+    try:
+        script = (
+            "import os; os.write(int(os.environ['FD']), repr(("
+            "os.environ.get('TURNOUT_SYSTEM_PORT'), os.environ.get('TURNOUT_LOG_LEVEL'))).encode())"
+        )
+        monkeypatch.setenv("FD", str(read_w))
+        child = await spawn_child([sys.executable, "-c", script], pass_fds=(read_w,))
+        assert await child.wait() == 0
+        os.close(read_w)
+        read_w = -1
+        assert os.read(read_r, 1024).decode() == "(None, 'debug')"
+    finally:
+        os.close(read_r)
+        if read_w >= 0:
+            os.close(read_w)

@@ -163,10 +163,17 @@ class ChildProcess(Protocol):
 Spawn = Callable[[list[str]], Awaitable[ChildProcess]]
 
 
+#: Variables of one worker process's own settings, never inherited by serve's workers: every
+#: child would read the same port, and all but one would fail to bind it.
+PER_PROCESS_ENV = ("TURNOUT_SYSTEM_PORT", "TURNOUT_SYSTEM_HOST")
+
+
 async def spawn_child(argv: list[str], *, pass_fds: Sequence[int] = ()) -> ChildProcess:
-    """Start ``argv`` in a session of its own, with ``pass_fds`` open in it."""
+    """Start ``argv`` in a session of its own, with ``pass_fds`` open in it, in this process's
+    environment less ``PER_PROCESS_ENV``."""
+    env = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
     return await asyncio.create_subprocess_exec(
-        *argv, start_new_session=True, pass_fds=tuple(pass_fds)
+        *argv, start_new_session=True, pass_fds=tuple(pass_fds), env=env
     )
 
 
