@@ -18,6 +18,7 @@ from typing import Any
 import uvloop
 
 from turnout.errors import TurnoutError
+from turnout.runtime.asyncio_logs import quiet_asyncio
 
 from .flags import setup_logging
 
@@ -28,6 +29,7 @@ Step = Callable[[], Awaitable[object]]
 
 def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     setup_logging(args.log_level, log_prompts=getattr(args, "log_prompts", False))
+    quiet_asyncio()
     try:
         uvloop.run(main())
     except TurnoutError as exc:
