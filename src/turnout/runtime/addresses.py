@@ -88,7 +88,7 @@ def resolve_advertise_host(
         address = socket.gethostbyname(socket.gethostname())
     except OSError:
         address = DEFAULT_HOST
-    if _is_loopback(address):
+    if is_loopback(address):
         logger.warning(
             "bound to %s with no --advertise-host and no remote store to route to: advertising "
             "%s, which other hosts cannot reach",
@@ -98,7 +98,8 @@ def resolve_advertise_host(
     return address
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or ``localhost``: reachable from this machine only."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

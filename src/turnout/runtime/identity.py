@@ -10,19 +10,23 @@ import msgspec
 
 import turnout
 from turnout.protocols.model import ProcessIdentity
-from turnout.runtime.addresses import is_wildcard
+from turnout.runtime.addresses import is_loopback, is_wildcard
 
 if TYPE_CHECKING:
     from turnout.runtime.component import DistributedRuntime
 
 
 def process_identity(runtime: DistributedRuntime) -> ProcessIdentity:
-    """Host (the advertised one, else the bound one, else this machine's hostname for a
-    wildcard bind), pid, version and the planes of ``runtime``: the same on every plane set,
-    NATS included, whose addresses are subjects and name no host."""
+    """Host, pid, version and the planes of ``runtime``: the same on every plane set, NATS
+    included, whose addresses are subjects and name no host.
+
+    The host is the advertised one, else the bound one; this machine's hostname instead of a
+    wildcard bind, and instead of a loopback one where the request plane is not tcp (on NATS
+    nothing dials that address, and ``127.0.0.1`` would not tell an operator which machine)."""
     host = runtime.advertise_host or runtime.host
+    anonymous = is_wildcard(host) or (runtime.request_plane != "tcp" and is_loopback(host))
     return ProcessIdentity(
-        host=socket.gethostname() if is_wildcard(host) else host,
+        host=socket.gethostname() if anonymous else host,
         pid=os.getpid(),
         version=turnout.__version__,
         request_plane=runtime.request_plane,
