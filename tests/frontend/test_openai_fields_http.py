@@ -1,5 +1,5 @@
 """OpenAI's request fields that agent clients send by default, over HTTP: each honoured, with
-what it does checked, or refused with a 400 naming it (``preprocessor.check_openai_fields``,
+what it does checked, or refused with a 400 naming it (``openai_fields.check_openai_fields``,
 ``llm.reasoning_switch``, ``parallel_tool_calls``, ``prompt_cache_key``)."""
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     #: whose template has none refuses it.
     reasoning_effort: str | None = None
     #: OpenAI's fields that ask nothing of generation, each checked as OpenAI checks it
-    #: (``preprocessor.check_openai_fields`` says what each does here).
+    #: (``openai_fields.check_openai_fields`` says what each does here).
     store: bool | None = None
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = None

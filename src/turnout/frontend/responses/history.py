@@ -45,7 +45,7 @@ from turnout.frontend.http.errors import SERVER_ERROR, HttpError
 from turnout.frontend.openai.chunk_writer import new_request_id
 from turnout.frontend.responses.request import ResponsesRequest
 from turnout.frontend.responses.store import NO_TENANT, ResponseStore, ResponseStoreError
-from turnout.llm.preprocessor import (
+from turnout.llm.openai_fields import (
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_PAIRS,
     MAX_METADATA_VALUE_CHARS,

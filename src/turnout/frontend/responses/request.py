@@ -53,7 +53,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     truncation: str | None = None
     include: list[str] | None = None
     top_logprobs: Int64 | None = None
-    #: As chat's (``preprocessor.check_openai_fields``); ``prompt_cache_key`` is the routing
+    #: As chat's (``openai_fields.check_openai_fields``); ``prompt_cache_key`` is the routing
     #: session key, as chat's.
     service_tier: str | None = None
     safety_identifier: str | None = None
