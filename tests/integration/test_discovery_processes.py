@@ -79,6 +79,14 @@ def test_worker_dead_before_answering_is_503(tmp_path: Path) -> None:
         assert r.headers["retry-after"]
         assert r.json()["error"]["code"] == "service_unavailable"
         assert httpx.get(procs.url + "/live").status_code == 200
+        # Seen dead, it stays out of /health while its record lasts: its set-aside ends in a
+        # probe that finds nothing there, not in its return.
+        assert instance_of(procs.url) == []
+        wait_until(
+            lambda: "still unreachable" in procs.logs() or instance_of(procs.url) != [],
+            30, "a probe, or the instance listed again", procs.logs,
+        )  # fmt: skip
+        assert instance_of(procs.url) == [], "a dead instance is listed in /health again"
     finally:
         procs.close()
 
