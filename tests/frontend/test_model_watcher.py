@@ -24,14 +24,9 @@ from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.frontend.models import watcher as model_watcher
 from turnout.frontend.models.accepted_instances import AcceptedInstances, ModelClient
 from turnout.frontend.models.manager import ModelKind, ModelManager
-from turnout.frontend.models.watcher import (
-    SUPPORTED_PAIRS,
-    ModelAdded,
-    ModelRemoved,
-    ModelUpdate,
-    ModelWatcher,
-    is_global_namespace,
-)
+from turnout.frontend.models.model_updates import ModelAdded, ModelRemoved, ModelUpdate
+from turnout.frontend.models.pairs import SUPPORTED_PAIRS
+from turnout.frontend.models.watcher import ModelWatcher, is_global_namespace
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.protocols.frontend import HoldReason
 from turnout.protocols.model import (
