@@ -1,7 +1,8 @@
 """A TLS peer going away logs nothing at WARNING or above from asyncio: a NATS server under
 TLS stopping (nats-py's TLS stream protocol makes asyncio warn "returning true from
 eof_received() has no effect when using ssl" at each disconnect, which every command drops),
-and a peer of the tcp request plane under plane TLS disconnecting, on either side.
+a peer of the tcp request plane under plane TLS disconnecting, on either side, and a client
+of the HTTPS server leaving.
 
 Real servers: nats-server with TLS, run as the CLI runs a command (``run_command``), and a
 plane-TLS request-plane server and client in this process."""
@@ -12,20 +13,23 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import ssl
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from tests.certs import TestCa
 from tests.servers.nats import nats_binary
 from tests.servers.process import require
 
 from turnout.cli.lifecycle import run_command
-from turnout.frontend.service import free_port
+from turnout.frontend.service import free_port, server_ssl_context
 from turnout.runtime.asyncio_logs import SslEofFilter
 from turnout.runtime.context import RequestContext
+from turnout.runtime.http import Exchange, HttpServer, Scope
 from turnout.runtime.nats import NatsOptions, connect_nats
 from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.request_plane import TcpClient, TcpServer
@@ -121,4 +125,36 @@ async def test_a_plane_tls_peer_disconnecting_logs_no_asyncio_warning(
         while client._conns:  # until the client has seen its connection end
             await asyncio.sleep(0.01)
     await client.close()
+    assert not asyncio_warnings(caplog)
+
+
+async def hello(scope: Scope, proto: Exchange) -> None:
+    proto.response_bytes(200, [("content-type", "text/plain")], b"hello")
+
+
+async def test_an_https_client_disconnecting_logs_no_asyncio_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients of the HTTPS server leave with close_notify, mid-keep-alive, and while the
+    server is stopping: asyncio says nothing."""
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    leaf = TestCa(tmp_path).issue("frontend")
+    context = server_ssl_context(leaf.cert, leaf.key)
+    server = HttpServer(hello, "127.0.0.1", 0, ssl=context)
+    await server.start()
+    serving = asyncio.create_task(server.serve())
+    url = f"https://127.0.0.1:{server.port}/"
+    try:
+        for _ in range(3):
+            async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=leaf.ca)) as c:
+                assert (await c.get(url)).text == "hello"
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=leaf.ca)) as c:
+            assert (await c.get(url)).text == "hello"
+            server.stop()  # the server closes the kept-alive connection, the client too
+        async with asyncio.timeout(10):
+            while server.num_connections:
+                await asyncio.sleep(0.01)
+    finally:
+        server.stop()
+        await serving
     assert not asyncio_warnings(caplog)
