@@ -238,7 +238,8 @@ class ServedCards:
         self._accept(model)
         if self._factory.metrics is not None:
             self._factory.metrics.card_switches.labels(name).inc()
-        log.warning(
+        # The expected end of a rolling upgrade (the held-back line was the warning): info.
+        log.info(
             "model switched card: model=%s checksum=%s -> %s (%d instances); %s",
             name,
             old.checksum,
