@@ -69,6 +69,10 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
+#: Unary calls in a row without an answer after which an endpoint's asyncio channel is
+#: replaced: a channel can stay stuck on a connection to an etcd that is no more.
+RECONNECT_AFTER_TIMEOUTS = 2
+
 #: Members whose latest revision is remembered (a cluster has a handful; past this many the
 #: memory starts over, which only delays noticing a restore until the next answer).
 MAX_MEMBERS_TRACKED = 64
@@ -76,6 +80,11 @@ MAX_MEMBERS_TRACKED = 64
 
 class EtcdUnavailable(DiscoveryError):
     """No endpoint of the etcd store answered in time."""
+
+
+class EtcdAuthRejected(DiscoveryError):
+    """etcd refused the user's credentials (a wrong password, an unknown user, auth not
+    enabled: a rebuilt etcd whose users are being re-created)."""
 
 
 class Unreachable(Exception):
@@ -173,6 +182,8 @@ class Endpoint:
     channel: grpc.aio.Channel | None = None
     calls: EtcdCalls | None = None
     stream_channel: grpc.Channel | None = None
+    #: Unary calls in a row that got no answer in time (see ``_timed_out``).
+    timeouts: int = 0
 
 
 class EtcdConnection:
@@ -234,6 +245,9 @@ class EtcdConnection:
         self._closed = False
         self._closed_event: asyncio.Event | None = None
         self._reachable = True
+        #: Replaced asyncio channels (when, channel), closed once no call can be left on them
+        #: (every call has a deadline of ``connect_timeout``); a handful at most.
+        self._retired: list[tuple[float, grpc.aio.Channel]] = []
         #: Member id → the highest revision an answer of that member carried.
         self._heads: dict[int, int] = {}
         #: How many times the store was found restored or rebuilt (its revision went back):
@@ -316,7 +330,7 @@ class EtcdConnection:
             if exc.code() in TRANSIENT_CODES:
                 raise Unreachable(one_line(exc)) from None
             # etcd answers a wrong password with INVALID_ARGUMENT.
-            raise DiscoveryError(
+            raise EtcdAuthRejected(
                 f"etcd at {ep.url} rejected user {self.user!r}: {one_line(exc)}"
             ) from None
         self._token = resp.token
@@ -392,6 +406,7 @@ class EtcdConnection:
         once). Errors become ``DiscoveryError`` naming ``what``.
         """
         self._check_open()
+        await self._close_retired()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout
         backoff = 0.05
@@ -445,7 +460,9 @@ class EtcdConnection:
                 share = max(self.connect_timeout / len(self._endpoints), 0.5)
                 budget = min(max(deadline - loop.time(), 0.05), share)
                 async with asyncio.timeout(budget):
-                    return await fn(ep)
+                    result = await fn(ep)
+                ep.timeouts = 0
+                return result
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if self._closed and task is not None and task.cancelling() == 0:
@@ -453,6 +470,7 @@ class EtcdConnection:
                     raise DiscoveryError(f"etcd store {self.endpoints} is closed") from None
                 raise
             except TimeoutError as exc:
+                self._timed_out(ep)
                 raise Unreachable(one_line(exc)) from None
             except grpc.RpcError as exc:
                 code = status_code(exc)
@@ -462,6 +480,29 @@ class EtcdConnection:
                     reauthenticated = True
                     continue
                 raise DiscoveryError(f"etcd {what}: {one_line(exc)}") from None
+
+    def _timed_out(self, ep: Endpoint) -> None:
+        """A unary call to ``ep`` got no answer in time; after a few in a row, the next call
+        opens a new channel (and takes a fresh token). The old channel is closed later, by
+        ``_close_retired``, once the calls on it have passed their deadlines."""
+        ep.timeouts += 1
+        if ep.timeouts < RECONNECT_AFTER_TIMEOUTS or ep.channel is None:
+            return
+        ep.timeouts = 0
+        self._retired.append((asyncio.get_running_loop().time(), ep.channel))
+        ep.channel = ep.calls = None
+        self._token = None
+
+    async def _close_retired(self, *, all_of_them: bool = False) -> None:
+        """Close the replaced channels no call can be on any more (all, at close)."""
+        if not self._retired:
+            return
+        horizon = asyncio.get_running_loop().time() - self.connect_timeout
+        keep = [] if all_of_them else [(t, c) for t, c in self._retired if t > horizon]
+        done = [c for t, c in self._retired if all_of_them or t <= horizon]
+        self._retired = keep
+        for channel in done:
+            await channel.close()
 
     def _retry_auth(self, already: bool) -> bool:
         """An UNAUTHENTICATED answer: drop the token and retry once when we have a user
@@ -495,6 +536,7 @@ class EtcdConnection:
             self._closed_event.set()
         # Let watches see the event and cancel their streams before the channels go.
         await asyncio.sleep(0)
+        await self._close_retired(all_of_them=True)
         for ep in self._endpoints:
             if ep.channel is not None:
                 channel, ep.channel = ep.channel, None

@@ -15,7 +15,11 @@
   change on the way. So when an answer shows the store's revision went back (see
   ``EtcdConnection.generation``), or etcd creates a watch at a head below where it was asked
   to start, the watch re-lists its prefix as if resuming from the start of history: PUTs of
-  every key present, DELETEs of every key it knew that is gone.
+  every key present, DELETEs of every key it knew that is gone. A store that was restored
+  while a process could not reach it may have got back past that revision by other changes
+  meanwhile; so a watch whose stream broke lists its prefix once before it resumes, and
+  re-lists as above unless every key there from before its revision is one it knows, at
+  that version (``SeenKeys.matches``).
 * A watch stream broken by the transport (gRPC UNAVAILABLE, DEADLINE_EXCEEDED, and the
   resets proxies and restarts produce: INTERNAL "RST_STREAM", UNKNOWN "Stream removed",
   CANCELLED) is re-opened; a watch creation that gets no answer reconnects (a new channel,
@@ -43,6 +47,7 @@ from turnout.runtime.discovery.base import (
 from turnout.runtime.discovery.etcd_client import WATCH
 from turnout.runtime.discovery.etcd_connection import (
     Endpoint,
+    EtcdAuthRejected,
     EtcdConnection,
     EtcdUnavailable,
     Unreachable,
@@ -117,24 +122,44 @@ class SeenKeys:
             self.positions[token] = 0
 
     def resync(
-        self, prefix: str, kvs: list[KeyValue], after: int, revision: int
+        self, prefix: str, kvs: list[KeyValue], after: int | None, revision: int
     ) -> list[WatchEvent]:
         """Events that bring a watcher current at ``after`` to the listing ``kvs`` at
         ``revision``: PUTs of keys changed since, DELETEs of seen keys that are gone (at the
-        listing's revision: when they went is lost to the compaction)."""
-        events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs if kv.revision > after]
+        listing's revision: when they went is lost to the compaction). ``after`` None: the
+        watcher's revision belongs to an earlier history of the store (restored, rebuilt):
+        PUTs of every key, DELETEs of the keys known present that are gone."""
+        since = 0 if after is None else after
+        events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs if kv.revision > since]
         events.sort(key=lambda e: e.kv.revision)
         present = {kv.key for kv in kvs}
         gone = sorted(
             key
             for key, (seen, known_present) in self.keys.items()
-            if key.startswith(prefix) and key not in present and (known_present or seen > after)
+            if key.startswith(prefix)
+            and key not in present
+            and (known_present or (after is not None and seen > after))
         )
         for key in gone:
             events.append(
                 WatchEvent(WatchEventKind.DELETE, KeyValue(key=key, value=b"", revision=revision))
             )
         return events
+
+    def matches(self, prefix: str, kvs: list[KeyValue], after: int) -> bool:
+        """Whether the current listing ``kvs`` of ``prefix`` can follow the history the
+        store's watches reported up to ``after``: every key listed at a version from then
+        or before is known at that very version. (A key known only from later says nothing
+        of it; a key gone since may have been deleted after ``after``.) False means the
+        store's history is another one: it was restored or rebuilt, and reached ``after``
+        again by other changes."""
+        for kv in kvs:
+            if kv.revision > after:
+                continue
+            known = self.keys.get(kv.key)
+            if known is None or (known[0] <= after and known != (kv.revision, True)):
+                return False
+        return True
 
     def note(self, event: WatchEvent) -> WatchEvent:
         """Remember what ``event`` (about to be delivered) says of its key, for resyncs."""
@@ -216,9 +241,13 @@ class EtcdWatches(EtcdConnection):
         after = start_revision
         #: The store generation ``after`` belongs to.
         generation = self.generation
-        #: ``after`` was compacted away, or belongs to an earlier history of the store:
-        #: re-list and report the differences.
+        #: ``after`` was compacted away: re-list and report the differences.
         resync = False
+        #: ``after`` belongs to an earlier history of the store: re-list, report it all.
+        restored = False
+        #: The stream broke (etcd restarted, or the network): before streaming again from
+        #: ``after``, check the store still has the history the watch followed.
+        broken = False
         delay = WATCH_RETRY_MIN_SECONDS
         token = object()  # this watch's entry in seen.positions
         if after is not None:
@@ -228,7 +257,13 @@ class EtcdWatches(EtcdConnection):
                 index = self._current
                 try:
                     if after is not None and generation != self.generation:
-                        after, resync = 0, True
+                        resync = restored = True
+                    elif broken and after is not None and not resync:
+                        # etcd may have been restored or rebuilt meanwhile and have reached
+                        # ``after`` again by other changes: the listing tells.
+                        kvs, _ = await self._list(prefix)
+                        resync = restored = not seen.matches(prefix, kvs, after)
+                    broken = False
                     if after is None or resync:
                         generation = self.generation
                         kvs, revision = await self._list(prefix)
@@ -238,10 +273,10 @@ class EtcdWatches(EtcdConnection):
                             events = [WatchEvent(WatchEventKind.PUT, kv) for kv in kvs]
                             seen.learn(prefix, kvs, revision)  # what vanished before
                         else:
-                            events = seen.resync(prefix, kvs, after, revision)
+                            events = seen.resync(prefix, kvs, None if restored else after, revision)
                         for event in events:
                             yield seen.note(event)
-                        after, resync = revision, False
+                        after, resync, restored = revision, False, False
                         seen.positions[token] = after
                         index = self._current
                     ep = self._endpoints[index]
@@ -265,13 +300,20 @@ class EtcdWatches(EtcdConnection):
                     resync = True
                     continue
                 except _Restored:
-                    after, resync = 0, True
+                    resync = restored = True
                     continue
+
                 except Unreachable as exc:
+                    broken = True
                     self._mark(False, f"{self._endpoints[index].url}: {exc}")
                     self._advance(index)
                 except EtcdUnavailable:
-                    pass  # _call logged it and moved to the next endpoint
+                    broken = True  # _call logged it and moved to the next endpoint
+                except EtcdAuthRejected as exc:
+                    broken = True
+                    # At start the check refused such credentials; now it is an etcd being
+                    # rebuilt, its users not yet re-created: retried, logged once.
+                    self._mark(False, str(exc))
                 except DiscoveryError:
                     if self._closed:
                         return
@@ -296,11 +338,7 @@ class EtcdWatches(EtcdConnection):
         store lost)."""
         fresh_token = self.user is not None and self._token is None
         if fresh_token:
-            try:
-                await self._authenticate(ep)
-            except DiscoveryError as exc:
-                # A rebuilt etcd may not know the user yet: retried, logged once.
-                raise Unreachable(str(exc)) from None
+            await self._authenticate(ep)
         key, end = self._range(prefix)
         create = pb.WatchRequest(
             create_request=pb.WatchCreateRequest(
