@@ -125,16 +125,17 @@ def test_probes_reach_declared_ports(container: Container) -> None:
 def test_turnout_probes_are_its_health_and_live(
     container: Container, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """/health for readiness (and start-up), /live for liveness, on the port turnout serves
-    them on, bound where the kubelet reaches it."""
+    """Readiness (and start-up) on the frontend's /ready (this frontend can serve; /health is
+    the whole deployment's state) and the workers' /health, /live for liveness, on the port
+    turnout serves them on, bound where the kubelet reaches it."""
     args = parse_turnout(container.spec["args"], container.env(), monkeypatch, container.id)
     if container.spec["args"][0] == "frontend":
-        served, host = args.port, args.host
+        served, host, ready = args.port, args.host, "/ready"
     else:
-        served, host = args.system_port, args.system_host
+        served, host, ready = args.system_port, args.system_host, "/health"
     assert host == "0.0.0.0", f"{container.id}: binds {host}, which the kubelet cannot reach"
     ports = container.ports()
-    paths = {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/live"}
+    paths = {"startupProbe": ready, "readinessProbe": ready, "livenessProbe": "/live"}
     for kind, path in paths.items():
         probe = container.spec.get(kind)
         if probe is None:

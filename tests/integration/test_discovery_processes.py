@@ -91,6 +91,41 @@ def test_worker_dead_before_answering_is_503(tmp_path: Path) -> None:
         procs.close()
 
 
+def test_one_model_without_workers_leaves_the_frontend_ready(tmp_path: Path) -> None:
+    """``/health`` reports the deployment (503: a model has no live instance); ``/ready`` this
+    frontend's readiness (200 while some model is served), so a load balancer keeps it for the
+    models that still have workers."""
+    procs = ProcessSet(tmp_path, lease_ttl=30.0)  # the dead worker stays registered
+    try:
+        procs.frontend()
+        wait_until(lambda: health(procs.url) == {}, 60, "frontend", procs.logs)
+        ready = httpx.get(procs.url + "/ready", timeout=5)
+        assert (ready.status_code, ready.json()["status"]) == (503, "not_ready")
+        procs.worker("--engine", "echo", "--model-name", "echo")
+        other = procs.worker(
+            "--engine", "echo", "--model-name", "other", "--endpoint", "turnout/other/generate"
+        )
+        wait_until(
+            lambda: instance_of(procs.url) and instance_of(procs.url, "other"),
+            60, "both models", procs.logs,
+        )  # fmt: skip
+        assert httpx.get(procs.url + "/ready", timeout=5).json()["models_serving"] == 2
+        os.killpg(other.pid, signal.SIGKILL)
+        other.wait()
+        r = httpx.post(
+            procs.url + "/v1/chat/completions",
+            json={"model": "other", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=20,
+        )
+        assert r.status_code == 503, r.text
+        assert httpx.get(procs.url + "/health", timeout=5).status_code == 503
+        ready = httpx.get(procs.url + "/ready", timeout=5)
+        assert ready.status_code == 200, ready.text
+        assert ready.json() == {"status": "ready", "models_serving": 1}
+    finally:
+        procs.close()
+
+
 def test_stream_migrates_when_its_worker_dies(procs: ProcessSet) -> None:
     procs.frontend("--migration-limit", "2")
     first = procs.worker("--engine", "echo", "--model-name", "echo", "--echo-delay-ms", "40")

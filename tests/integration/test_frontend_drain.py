@@ -95,6 +95,8 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_0(procs: ProcessSet) -> 
     frontend.send_signal(signal.SIGTERM)
     wait_until(lambda: health(procs.url).status_code == 503, 30, "/health 503", procs.logs)
     assert health(procs.url).json()["status"] == "draining"
+    ready = httpx.get(procs.url + "/ready", timeout=5)
+    assert (ready.status_code, ready.json()["status"]) == (503, "draining")
     refused = httpx.post(
         procs.url + "/v1/completions",
         json={"model": model, "prompt": "hi", "max_tokens": 2},

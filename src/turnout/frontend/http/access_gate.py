@@ -25,7 +25,7 @@ from turnout.runtime.context import RequestContext
 from turnout.runtime.http import ClientDisconnected, Scope
 
 #: Routes anyone may call, with credentials configured or not.
-OPEN_ROUTES = frozenset({"/health", "/live"})
+OPEN_ROUTES = frozenset({"/health", "/live", "/ready"})
 #: Routes ``public_routes`` (``--public-route``) may open to callers without a key.
 PUBLIC_ROUTE_CHOICES = ("/metrics", "/v1/models", "/openapi.json")
 

@@ -2,9 +2,12 @@
 ``/metrics`` and ``/openapi.json``.
 
 ``/health`` is 200 while every model has an instance (and, under disaggregation, its prefill
-side is ready), else 503 with the same body; while the frontend drains (SIGTERM) it is 503
-with ``"status": "draining"``, so a load balancer stops sending before the listener closes.
-``/live`` is 200 while the process answers.
+side is ready), else 503 with the same body: the state of the whole deployment, for people and
+monitors. ``/ready`` is the readiness of this frontend, for load balancers and Kubernetes: 200
+while some model has a live instance, so one model losing its workers does not take every
+frontend out of its Service and with it the models that still have theirs. While the frontend
+drains (SIGTERM) both are 503 with ``"status": "draining"``, so a load balancer stops sending
+before the listener closes. ``/live`` is 200 while the process answers.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class InfoRoutes:
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/live"): self._live,
+            ("GET", "/ready"): self._ready,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/openapi.json"): self._openapi,
         }
@@ -108,6 +112,16 @@ class InfoRoutes:
             healthy, status = False, "draining"
         body = {"status": status, "models": models}
         proto.response_bytes(200 if healthy else 503, JSON_HEADERS, _json.encode(body))
+
+    async def _ready(self, scope: Scope, proto: Exchange, _: Principal) -> None:
+        serving = [n for n in self.manager.list_models() if self.manager.model_instances(n)]
+        if self._draining is not None and self._draining():
+            code, body = 503, {"status": "draining", "models_serving": len(serving)}
+        elif serving:
+            code, body = 200, {"status": "ready", "models_serving": len(serving)}
+        else:
+            code, body = 503, {"status": "not_ready", "models_serving": 0}
+        proto.response_bytes(code, JSON_HEADERS, _json.encode(body))
 
     async def _live(self, scope: Scope, proto: Exchange, _: Principal) -> None:
         proto.response_bytes(200, JSON_HEADERS, b'{"status":"live"}')

@@ -146,6 +146,15 @@ def build_openapi(
                 },
             }
         },
+        "/ready": {
+            "get": {
+                "summary": "This frontend can serve: some model has a live instance",
+                "responses": {
+                    "200": _json_response("some model has a live instance", {"type": "object"}),
+                    "503": _json_response("no model has one, or draining", {"type": "object"}),
+                },
+            }
+        },
         "/live": {
             "get": {
                 "summary": "The process is up",
