@@ -302,7 +302,6 @@ class EtcdWatches(EtcdConnection):
                 except _Restored:
                     resync = restored = True
                     continue
-
                 except Unreachable as exc:
                     broken = True
                     self._mark(False, f"{self._endpoints[index].url}: {exc}")
