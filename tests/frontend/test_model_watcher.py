@@ -392,7 +392,7 @@ async def test_invalid_entry_is_logged_and_skipped(
     # Its DELETE is expected, not an error.
     await h.store.delete(bad_key)
     assert await h.barrier() == []
-    assert not [r for r in caplog.records if "Missing model entry" in r.getMessage()]
+    assert not [r for r in caplog.records if "not held" in r.getMessage()]
 
 
 @pytest.mark.parametrize(
@@ -783,14 +783,17 @@ async def test_removed_only_for_kinds_left_empty(h: Harness) -> None:
     assert "chatty" in h.manager.list_models_of(ModelKind.CHAT)
 
 
-async def test_unknown_delete_is_logged(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+async def test_unknown_delete_is_harmless(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """A DELETE of a key never held (a store re-listing after a restore reports such keys) is
+    a debug line, not an alarm."""
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     key = "v1/mdc/ns/backend/generate/abc"
     await h.watcher.handle_event(
         WatchEvent(WatchEventKind.DELETE, KeyValue(key=key, value=b"", revision=1))
     )
-    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert error == f"Missing model entry for {key}"
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+    (line,) = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert line == f"model entry not held deleted key={key}"
 
 
 async def test_expired_lease_removes_the_card(h: Harness) -> None:

@@ -511,10 +511,10 @@ class ModelWatcher:
         self._rejected_keys.discard(key)
         if await self._cards.remove_entry(key):
             return
-        if was_rejected:
-            log.debug("refused model entry deleted key=%s", key)
-        else:
-            log.error("Missing model entry for %s", key)
+        # A DELETE of a key this frontend never held is harmless (the store may report keys
+        # gone that it never announced, e.g. on a re-list after a restore): nothing to do.
+        what = "refused model entry" if was_rejected else "model entry not held"
+        log.debug("%s deleted key=%s", what, key)
 
     async def _send_all(self, updates: list[ModelUpdate]) -> None:
         for update in updates:
