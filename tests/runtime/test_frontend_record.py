@@ -128,10 +128,15 @@ async def test_frontend_record_comes_back_under_a_new_lease() -> None:
 # -- the worker's start checks ------------------------------------------------------------------
 
 
-async def put_frontend(store: DiscoveryStore, frontend_id: int, planes: tuple[str, str]) -> None:
+async def put_frontend(
+    store: DiscoveryStore,
+    frontend_id: int,
+    planes: tuple[str, str],
+    namespace: str | None = None,
+) -> None:
     record = FrontendRecord(
         frontend_id=frontend_id, host="10.0.0.1", pid=77,
-        request_plane=planes[0], event_plane=planes[1],
+        request_plane=planes[0], event_plane=planes[1], namespace=namespace,
     )  # fmt: skip
     await store.put(frontend_key(frontend_id), msgspec.json.encode(record))
 
@@ -159,6 +164,27 @@ async def test_worker_with_no_frontend_on_its_planes_stops(
         await check_frontend_planes(rt)
         (line,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
         assert line.levelno == logging.WARNING and "frontend ab at 10.0.0.1:77" in line.getMessage()
+    finally:
+        await rt.shutdown()
+        await store.close()
+
+
+async def test_frontends_of_other_namespaces_do_not_stop_the_worker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frontend with ``--namespace`` watches only that namespace: on other planes, it would
+    never see this worker, so it neither stops it nor is warned about; a global one is."""
+    store = FileStore(tmp_path / "s.sqlite")
+    rt = await DistributedRuntime.create(store=store, request_plane="tcp", lease_ttl=2.0)
+    try:
+        await rt.endpoint(EID).serve(echo)
+        await put_frontend(store, 0xAB, ("nats", "nats"), namespace=EID.namespace + "-other")
+        caplog.clear()
+        await check_frontend_planes(rt)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        await put_frontend(store, 0xAC, ("nats", "nats"), namespace="global")
+        with pytest.raises(ConfigError, match=r"frontend ac at 10\.0\.0\.1:77 runs nats/nats"):
+            await check_frontend_planes(rt)
     finally:
         await rt.shutdown()
         await store.close()

@@ -181,13 +181,15 @@ class EndpointClient:
                 logger.warning("ignoring instance record at %r: it names another instance", key)
                 return
             changed = self._instances.get(instance_id) != instance
-            if changed:
-                self._strikes.pop(instance_id, None)  # a new address deserves a fresh try
             self._instances[instance_id] = instance
-            timer = self._down.pop(instance_id, None)
-            if timer is not None:  # announced again: back in service
-                timer.cancel()
-                changed = True
+            if changed:
+                # Announced anew (another address, or a record that was gone): a fresh try.
+                # The same record again is a replay or a re-list (a watch resumed, a restored
+                # store), which says nothing of whether the instance answers.
+                self._strikes.pop(instance_id, None)
+                timer = self._down.pop(instance_id, None)
+                if timer is not None:
+                    timer.cancel()
         if changed:
             self._live = None
             if notify:
@@ -346,6 +348,9 @@ class EndpointClient:
             alive = True  # it answered, if only that it has no such handler
         except (RequestPlaneError, ConfigError, TimeoutError) as exc:
             reason = str(exc) or "no answer"
+        except Exception as exc:  # never leave the instance aside with no probe to come
+            logger.exception("probe of instance %x failed", instance_id)
+            reason = repr(exc)
         self._probed(instance_id, alive, reason)
 
     def _probed(self, instance_id: int, alive: bool, reason: str) -> None:
