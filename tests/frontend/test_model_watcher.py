@@ -26,9 +26,9 @@ from turnout.frontend.models.accepted_instances import AcceptedInstances, ModelC
 from turnout.frontend.models.manager import ModelKind, ModelManager
 from turnout.frontend.models.model_updates import ModelAdded, ModelRemoved, ModelUpdate
 from turnout.frontend.models.pairs import SUPPORTED_PAIRS
-from turnout.frontend.models.watcher import ModelWatcher, is_global_namespace
+from turnout.frontend.models.watcher import ModelWatcher
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
-from turnout.protocols.frontend import HoldReason
+from turnout.protocols.frontend import HoldReason, is_global_namespace
 from turnout.protocols.model import (
     EndpointId,
     Instance,

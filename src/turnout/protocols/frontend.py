@@ -37,6 +37,16 @@ class HoldReason(enum.StrEnum):
     PLANES_DIFFER = "planes_differ"
 
 
+#: Namespaces whose frontend serves the models of every namespace: the empty one (no
+#: namespace given) and ``"global"``. Any other name serves only its own namespace.
+GLOBAL_NAMESPACES = frozenset({"", "global"})
+
+
+def is_global_namespace(namespace: str | None) -> bool:
+    """True when a frontend in ``namespace`` sees every namespace's models."""
+    return namespace is None or namespace in GLOBAL_NAMESPACES
+
+
 class HeldBackCard(msgspec.Struct, frozen=True, kw_only=True):
     """One instance a frontend holds back, and why."""
 
@@ -66,3 +76,7 @@ class FrontendRecord(ProcessIdentity, frozen=True, kw_only=True):
 
     def key(self) -> str:
         return frontend_key(self.frontend_id)
+
+    def serves_namespace(self, namespace: str) -> bool:
+        """Whether this frontend watches the models of ``namespace``."""
+        return is_global_namespace(self.namespace) or self.namespace == namespace

@@ -65,6 +65,10 @@ async def check_frontend_planes(runtime: DistributedRuntime) -> None:
             frontends.append(msgspec.json.decode(kv.value, type=FrontendRecord))
         except msgspec.DecodeError as exc:
             logger.debug("skipping malformed frontend record %s: %s", kv.key, exc)
+    # Only the frontends that watch this worker's namespaces would refuse it.
+    namespaces = {i.endpoint.namespace for i in await _own_instances(runtime)}
+    if namespaces:
+        frontends = [f for f in frontends if any(map(f.serves_namespace, namespaces))]
     other = [f for f in frontends if f.runs_other_planes(me.request_plane, me.event_plane)]
     if not other:
         return
@@ -118,18 +122,27 @@ async def check_advertised_addresses(
     return failed
 
 
-async def _own_addresses(runtime: DistributedRuntime) -> list[tuple[str, str, int]]:
-    """``(what, host, port)`` of this process's advertised tcp addresses, from its records in
-    the store: tcp instances and zmq event publishers."""
+async def _own_instances(runtime: DistributedRuntime) -> list[Instance]:
+    """This process's instance records in the store (its records carry its host and pid)."""
     me = process_identity(runtime)
-    found: set[tuple[str, str, int]] = set()
-    store = runtime.store
-    for kv in await store.get_prefix(f"{INSTANCES_ROOT}/"):
+    own: list[Instance] = []
+    for kv in await runtime.store.get_prefix(f"{INSTANCES_ROOT}/"):
         try:
             instance = msgspec.json.decode(kv.value, type=Instance)
         except msgspec.DecodeError:
             continue
-        if (instance.pid, instance.host) != (me.pid, me.host) or instance.transport.kind != "tcp":
+        if (instance.pid, instance.host) == (me.pid, me.host):
+            own.append(instance)
+    return own
+
+
+async def _own_addresses(runtime: DistributedRuntime) -> list[tuple[str, str, int]]:
+    """``(what, host, port)`` of this process's advertised tcp addresses, from its records in
+    the store: tcp instances and zmq event publishers."""
+    found: set[tuple[str, str, int]] = set()
+    store = runtime.store
+    for instance in await _own_instances(runtime):
+        if instance.transport.kind != "tcp":
             continue
         host, port = url_host_port(instance.transport.address, 0)
         found.add((REQUEST_PLANE, host, port))

@@ -86,7 +86,7 @@ from turnout.frontend.models.prefill_watch import PrefillWatch, is_prefill_card
 from turnout.frontend.models.served_cards import ServedCards
 from turnout.llm.artifacts import ArtifactError
 from turnout.protocols.card_bounds import CardBounds, card_problem
-from turnout.protocols.frontend import HeldBackCard
+from turnout.protocols.frontend import HeldBackCard, is_global_namespace
 from turnout.protocols.model import MDC_ROOT, ModelDeploymentCard
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
 from turnout.runtime.plane_refusals import PlaneRefusals
@@ -95,7 +95,7 @@ if TYPE_CHECKING:
     from turnout.router.lora import LoraRegistry
     from turnout.runtime.component import DistributedRuntime
 
-__all__ = ["GLOBAL_NAMESPACES", "ModelWatcher", "is_global_namespace"]
+__all__ = ["ModelWatcher"]
 
 # The name every module of the watcher logs under (``card_intake.WATCHER_LOGGER``).
 log = logging.getLogger(__name__)
@@ -116,15 +116,6 @@ MAX_CONCURRENT_MODELS = 8
 #: Events read from the store and not yet handled; past it the watch waits (a model whose
 #: build is stalled cannot make the watcher hold an unbounded backlog).
 MAX_QUEUED_EVENTS = 4096
-
-#: Namespaces whose frontend serves the models of every namespace: the empty one (no
-#: namespace given) and ``"global"``. Any other name serves only its own namespace.
-GLOBAL_NAMESPACES = frozenset({"", "global"})
-
-
-def is_global_namespace(namespace: str | None) -> bool:
-    """True when a frontend in ``namespace`` sees every namespace's models (see above)."""
-    return namespace is None or namespace in GLOBAL_NAMESPACES
 
 
 class _Outcome(enum.Enum):
