@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,12 @@ async def test_status_shows_frontends_held_back_and_who_runs_each_instance(
     assert f"frontend {fe['id']}  {frontend.url}  host 127.0.0.1 pid {os.getpid()}" in text
     assert "holds back instance 1a2b of model mock" in text
     assert "host 10.0.0.7 pid 31337 v0.1.0 planes nats/nats  no load report  REFUSED" in text
+
+
+def test_a_wildcard_bound_frontend_records_a_name_others_can_dial() -> None:
+    """``turnout status`` shows where to reach each frontend: a wildcard bind (0.0.0.0, as in
+    the Kubernetes manifests) is recorded as this machine's name, any other host as it is."""
+    wildcard = RegisteredFrontend(FrontendConfig(host="0.0.0.0", port=8000, response_store="off"))
+    assert wildcard._reachable_url() == f"http://{socket.gethostname()}:8000"
+    bound = RegisteredFrontend(FrontendConfig(host="10.0.0.5", port=8000, response_store="off"))
+    assert bound._reachable_url() == "http://10.0.0.5:8000"

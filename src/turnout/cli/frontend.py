@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from typing import Any
 
 from turnout.errors import ConfigError
@@ -22,6 +23,7 @@ from turnout.llm.prompt_cache import DEFAULT_MAX_BYTES
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.mode import RouterMode
+from turnout.runtime.addresses import format_host_port, is_wildcard
 from turnout.runtime.frontend_record import FrontendRegistration
 from turnout.runtime.http import HttpLimits
 
@@ -272,12 +274,20 @@ class RegisteredFrontend(Frontend):
 
     registration: FrontendRegistration | None = None
 
+    def _reachable_url(self) -> str:
+        """The URL others may dial: this machine's name instead of a wildcard bind, which
+        ``turnout status`` would otherwise print as ``http://0.0.0.0:8000``."""
+        if not is_wildcard(self.config.host):
+            return self.url
+        scheme = self.url.split("://", 1)[0]
+        return f"{scheme}://{format_host_port(socket.gethostname(), self.config.port)}"
+
     async def start(self) -> None:
         await super().start()
         assert self.runtime is not None and self.watcher is not None
         registration = FrontendRegistration(
             self.runtime,
-            http_address=self.url,
+            http_address=self._reachable_url(),
             router_mode=self.config.router_mode.value,
             namespace=self.config.namespace,
             held_back=self.watcher.held_back,
