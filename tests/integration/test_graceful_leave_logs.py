@@ -57,6 +57,14 @@ def test_a_worker_stopped_with_sigterm_logs_nothing_alarming(procs: ProcessSet) 
     ]
     for thread in streams:
         thread.start()
+
+    def all_streaming() -> bool:
+        metrics = httpx.get(procs.url + "/metrics", timeout=5).text
+        line = f'turnout_inflight_requests{{model="{model}"}} '
+        return any(m.startswith(line) and float(m[len(line):]) >= 4 for m in metrics.splitlines())
+
+    # The leave must happen with streams in flight, else it shows nothing of their failover.
+    wait_until(all_streaming, 30, "four streams in flight", procs.logs)
     leaving.send_signal(signal.SIGTERM)
     assert leaving.wait(timeout=60) == 0
     for thread in streams:

@@ -76,6 +76,10 @@ _presence_decoder = msgspec.msgpack.Decoder(ReplicaPresence)
 _snapshot_decoder = msgspec.msgpack.Decoder(KvSnapshot)
 
 
+#: Departed workers remembered, to drop their late KV events (see ``KvRouter._departed``).
+DEPARTED_MEMORY = 4096
+
+
 class KvRouterClient(Protocol):
     """What the KV router (and its push router) use of the workers' endpoint client
     (``runtime.endpoint_client.EndpointClient`` is one; so is a routing view over it)."""
@@ -136,6 +140,10 @@ class KvRouter:
         self._all_candidates: tuple[WorkerKey, ...] = ()
         self._candidates_source: Sequence[int] | None = None
         self._known_workers: set[int] = set()
+        #: Workers that left discovery, newest last (at most ``DEPARTED_MEMORY``): the events a
+        #: leaving worker publishes as its last streams end arrive after it left, and must not
+        #: bring back a cache of a worker that is gone (nor a gap and a resync it cannot answer).
+        self._departed: dict[int, None] = {}
         self._silence_warn_s = silence_warn_s
         #: worker id -> (monotonic time of its last KV event, requests routed since then)
         self._last_event: dict[int, float] = {}
@@ -310,11 +318,14 @@ class KvRouter:
         core = self.core
         last_event = self._last_event
         routed = self._routed_since_event
+        departed = self._departed
         async for batch in sub.messages(KvEventBatch):
             now = self._clock()
             for event in batch.events:
-                core.on_kv_event(event)
                 worker = event.worker_id
+                if worker in departed:
+                    continue  # a leaving worker's last events: its cache is already forgotten
+                core.on_kv_event(event)
                 last_event[worker] = now
                 routed.pop(worker, None)
                 self._silent_warned.discard(worker)
@@ -436,7 +447,12 @@ class KvRouter:
         # Only discovery's view matters here: an instance set aside (unreachable) keeps its
         # cache; one that left discovery is forgotten.
         live = self.client.announced_ids()
+        for back in live - self._known_workers:
+            self._departed.pop(back, None)
         for gone in self._known_workers - live:
+            self._departed[gone] = None
+            if len(self._departed) > DEPARTED_MEMORY:
+                del self._departed[next(iter(self._departed))]
             self.core.on_worker_removed(gone)
             self._step_backlog.remove_worker(gone)
             self._last_event.pop(gone, None)
