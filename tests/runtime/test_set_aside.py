@@ -144,33 +144,6 @@ async def test_an_answer_or_a_new_address_starts_afresh(runtime: DistributedRunt
     await served.stop()
 
 
-async def test_the_same_record_again_does_not_bring_a_dead_instance_back(
-    runtime: DistributedRuntime,
-) -> None:
-    """A replay or a re-list (a resumed watch, a restored store) sends a set-aside
-    instance's unchanged record again: that says nothing of whether it answers, so it stays
-    aside; the same instance at a new address is a fresh start."""
-    address = f"127.0.0.1:{free_port()}"
-    await announce(runtime, address)
-    client = await runtime.endpoint(EID).client()
-    clock = manual_clock(client)
-    await fail_once(client, GHOST)
-    assert GHOST not in client.instance_ids()
-    await announce(runtime, address)  # the same record, put again
-    # A record put after it: once the client knows this one, it has handled the replay.
-    marker = Instance(
-        endpoint=EID, instance_id=GHOST + 1,
-        transport=TransportAddress(kind="tcp", address=f"127.0.0.1:{free_port()}"),
-    )  # fmt: skip
-    await runtime.store.put(marker.key(), msgspec.json.encode(marker))
-    await until(lambda: marker.instance_id in client.announced_ids())
-    assert GHOST not in client.instance_ids()
-    assert next_probe_in(clock) == pytest.approx(BASE)
-    await announce(runtime, f"127.0.0.1:{free_port()}")
-    await until(lambda: GHOST in client.instance_ids())
-    await client.close()
-
-
 async def test_a_silent_peer_with_no_instance_here_is_not_recorded(
     runtime: DistributedRuntime,
 ) -> None:

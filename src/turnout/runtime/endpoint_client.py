@@ -181,15 +181,13 @@ class EndpointClient:
                 logger.warning("ignoring instance record at %r: it names another instance", key)
                 return
             changed = self._instances.get(instance_id) != instance
-            self._instances[instance_id] = instance
             if changed:
-                # Announced anew (another address, or a record that was gone): a fresh try.
-                # The same record again is a replay or a re-list (a watch resumed, a restored
-                # store), which says nothing of whether the instance answers.
-                self._strikes.pop(instance_id, None)
-                timer = self._down.pop(instance_id, None)
-                if timer is not None:
-                    timer.cancel()
+                self._strikes.pop(instance_id, None)  # a new address deserves a fresh try
+            self._instances[instance_id] = instance
+            timer = self._down.pop(instance_id, None)
+            if timer is not None:  # announced again: back in service
+                timer.cancel()
+                changed = True
         if changed:
             self._live = None
             if notify:
