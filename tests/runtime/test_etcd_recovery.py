@@ -15,12 +15,13 @@ import asyncio
 import logging
 import os
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from tests.integration.procs import ProcessSet, health, wait_until
+from tests.polling import eventually
 from tests.runtime.conftest import (
     ETCD_PASSWORD,
     ETCD_ROOT_PASSWORD,
@@ -97,16 +98,6 @@ async def store(etcd: EtcdServer, auth: bool) -> AsyncIterator[EtcdStore]:
     await s.close()
 
 
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll ``predicate`` under a deadline."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
-
-
 async def follow(watch: AsyncIterator[WatchEvent], into: dict[str, bytes]) -> None:
     """Apply a watch's events to ``into`` until it ends, as a frontend does."""
     async for event in watch:
@@ -141,7 +132,7 @@ async def test_store_recovers_watches_and_leases(
         await store.put("v1/i/later", b"1")  # not in the snapshot
         for n in range(20):  # the store moves on past the snapshot's revision
             await store.put("v1/i/churn", str(n).encode())
-        await until(lambda: seen.get("v1/i/churn") == b"19", "the churn")
+        await eventually(lambda: seen.get("v1/i/churn") == b"19", timeout=20, what="the churn")
         # On this loop: the process is frozen while etcd goes and comes back (as a stalled
         # loop or a paused VM would be), and its channels must not stay stuck on the old one.
         if path is not None:
@@ -150,7 +141,9 @@ async def test_store_recovers_watches_and_leases(
         else:
             rebuild(etcd, auth)
             expected = {}
-        await until(lease.lost.is_set, "the lease of the earlier store to be lost")
+        await eventually(
+            lease.lost.is_set, timeout=20, what="the lease of the earlier store to be lost"
+        )
 
         def relisted() -> bool:
             if watcher.done():
@@ -159,17 +152,21 @@ async def test_store_recovers_watches_and_leases(
                 k: v for k, v in expected.items() if k != "v1/i/leased"
             }
 
-        await until(relisted, "the watch to re-list")
+        await eventually(relisted, timeout=20, what="the watch to re-list")
         # Registering again, as a worker does: a new lease, the key put again.
         renewed = await Lease.grant(store, 2)
         await store.put("v1/i/leased", b"2", lease_id=renewed.id)
         await store.put("v1/i/new", b"1")
         expected.update({"v1/i/leased": b"2", "v1/i/new": b"1"})
-        await until(lambda: seen == expected, "the watch to follow the new store")
+        await eventually(
+            lambda: seen == expected, timeout=20, what="the watch to follow the new store"
+        )
         assert {kv.key for kv in await store.get_prefix("v1/i/")} == set(expected)
         assert await store.keep_alive(renewed.id)
         await renewed.revoke()
-        await until(lambda: "v1/i/leased" not in seen, "the new lease's key to go with it")
+        await eventually(
+            lambda: "v1/i/leased" not in seen, timeout=20, what="the new lease's key to go with it"
+        )
         restored = [r for r in caplog.records if RESTORED in r.getMessage()]
         assert len(restored) == 1, [r.getMessage() for r in caplog.records]
     finally:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from tests.certs import TestCa
+from tests.polling import eventually
 
 import turnout
 from turnout.errors import ConfigError
@@ -31,12 +32,6 @@ from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.start_checks import check_advertised_addresses, check_frontend_planes
 
 EID = EndpointId(namespace="ns", component="backend", name="generate")
-
-
-async def until(cond: Callable[[], object], within: float = 5.0) -> None:
-    async with asyncio.timeout(within):
-        while not cond():
-            await asyncio.sleep(0.01)
 
 
 async def read_records(store: DiscoveryStore) -> list[FrontendRecord]:
@@ -116,7 +111,7 @@ async def test_frontend_record_comes_back_under_a_new_lease() -> None:
     try:
         first = reg.frontend_id
         await store.revoke_lease(first)  # the store ended it (an outage past the TTL)
-        await until(lambda: reg.frontend_id != first and reg.record is not None)
+        await eventually(lambda: reg.frontend_id != first and reg.record is not None, timeout=5)
         (record,) = await read_records(store)
         assert record.frontend_id == reg.frontend_id != first and record.namespace == "team"
     finally:
