@@ -2,8 +2,9 @@
 # Creates .venv (if missing) and installs turnout with what its commands and tests need:
 # Python packages from PyPI; from Debian, the etcd (with etcdctl), NATS, PostgreSQL and Redis
 # servers (the distributed planes' and the response store's tests start real ones) and openssl,
-# curl and jq (the deployment docs' commands, which a test runs as written). Idempotent: a
-# second run only checks.
+# curl and jq (the deployment docs' commands, which a test runs as written), Prometheus (its
+# tests scrape a running turnout and load the alert rules) and Chromium with its driver (the
+# dashboard is tested in a real browser). Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -11,7 +12,8 @@ PY=${PYTHON:-python3}
 have_postgres() { command -v initdb >/dev/null || compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; }
 missing_tool() {
   local tool
-  for tool in etcd etcdctl nats-server redis-server openssl curl jq; do
+  for tool in etcd etcdctl nats-server redis-server openssl curl jq prometheus promtool \
+      chromium chromedriver; do
     command -v "$tool" >/dev/null || return 0
   done
   ! have_postgres
@@ -20,11 +22,13 @@ if missing_tool; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-      etcd-server etcd-client nats-server postgresql redis-server openssl curl jq >/dev/null
+      etcd-server etcd-client nats-server postgresql redis-server openssl curl jq \
+      prometheus chromium chromium-driver >/dev/null
   else
-    echo "setup: some of etcd, etcdctl, nats-server, postgresql, redis-server, openssl, curl and" \
-         "jq are missing; install them from Debian (as root: apt-get install etcd-server" \
-         "etcd-client nats-server postgresql redis-server openssl curl jq)" >&2
+    echo "setup: some of etcd, etcdctl, nats-server, postgresql, redis-server, openssl, curl," \
+         "jq, prometheus, promtool, chromium and chromedriver are missing; install them from" \
+         "Debian (as root: apt-get install etcd-server etcd-client nats-server postgresql" \
+         "redis-server openssl curl jq prometheus chromium chromium-driver)" >&2
   fi
 fi
 if [ ! -x .venv/bin/python ]; then

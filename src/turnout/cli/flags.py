@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from turnout.runtime.addresses import DEFAULT_HOST
+from turnout.runtime.log_context import LOG_FORMATS, log_handler
 from turnout.runtime.plane_tls import PlaneTls
 from turnout.runtime.planes import PlanesConfig
 from turnout.runtime.redact import disable_prompt_logging, enable_prompt_logging, redact_url
@@ -106,6 +107,12 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -
                   "the same value")  # fmt: skip
     add_flag(parser, "--log-level", default="info",
              choices=["debug", "info", "warning", "error"], help="log level")  # fmt: skip
+    add_flag(parser, "--log-format", default="text", choices=list(LOG_FORMATS),
+             help="log lines as text, or as one JSON object per line (with the request id, "
+                  "model, instance and tenant of the request a line is about)")  # fmt: skip
+    add_flag(parser, "--otlp-endpoint",
+             help="send OpenTelemetry traces over OTLP/HTTP (protobuf) to URL/v1/traces "
+                  "(default: tracing off)")  # fmt: skip
     add_flag(parser, "--log-prompts", action="store_true",
              help="log prompts and request bodies at debug level, for debugging only: they "
                   "are user data (one warning line at start says it is on)")  # fmt: skip
@@ -157,13 +164,10 @@ def planes_config(args: argparse.Namespace) -> PlanesConfig:
     return config
 
 
-def setup_logging(level: str, *, log_prompts: bool = False) -> None:
-    """Log lines to stderr at ``level``; prompts and bodies only with ``log_prompts``
-    (``turnout.runtime.redact``)."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
-    )
+def setup_logging(level: str, *, log_format: str = "text", log_prompts: bool = False) -> None:
+    """Log lines to stderr at ``level`` in ``log_format`` (``runtime.log_context``); prompts
+    and bodies only with ``log_prompts`` (``turnout.runtime.redact``)."""
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[log_handler(log_format)])
     if log_prompts:
         enable_prompt_logging()
     else:

@@ -28,7 +28,11 @@ Step = Callable[[], Awaitable[object]]
 
 
 def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any, None]]) -> int:
-    setup_logging(args.log_level, log_prompts=getattr(args, "log_prompts", False))
+    setup_logging(
+        args.log_level,
+        log_format=getattr(args, "log_format", "text"),
+        log_prompts=getattr(args, "log_prompts", False),
+    )
     quiet_asyncio()
     try:
         uvloop.run(main())

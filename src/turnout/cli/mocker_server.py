@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from turnout.errors import ConfigError
+from turnout.runtime.log_context import LOG_FORMATS
 
 from .flags import add_flag
 from .lifecycle import run_command, run_until_signal
@@ -93,6 +94,13 @@ def register(sub: Any) -> None:
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="log level",
+    )
+    add_flag(
+        p,
+        "--log-format",
+        default="text",
+        choices=list(LOG_FORMATS),
+        help="log lines as text, or as one JSON object per line",
     )
     p.set_defaults(run=run)
 

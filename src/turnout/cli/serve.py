@@ -110,7 +110,10 @@ def worker_argv(
         "--max-frame-bytes", str(args.max_frame_bytes),
         "--drain-timeout", str(args.drain_timeout),
         "--log-level", args.log_level,
+        "--log-format", args.log_format,
     ]  # fmt: skip
+    if getattr(args, "otlp_endpoint", None):
+        argv += ["--otlp-endpoint", args.otlp_endpoint]
     if getattr(args, "device_type", None):
         argv += ["--device-type", args.device_type]
     if getattr(args, "log_prompts", False):

@@ -59,6 +59,7 @@ from turnout.protocols.model import (
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPublisher
+from turnout.runtime.log_context import INSTANCE_METADATA, MODEL_METADATA
 from turnout.runtime.redact import log_prompt
 from turnout.runtime.request_plane.base import Handler
 from turnout.runtime.serving import ServingInstance
@@ -340,6 +341,10 @@ class Worker:
                 )
             )
             return
+        card = self.card
+        if card is not None:  # for the request's log lines (``runtime.log_context``)
+            ctx.metadata[MODEL_METADATA] = card.display_name
+            ctx.metadata[INSTANCE_METADATA] = card.instance_id
         log_prompt("worker request", ctx.request_id, request)
         refusal = self._refusal(request)
         if refusal is not None:

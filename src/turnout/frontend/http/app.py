@@ -80,7 +80,13 @@ from turnout.frontend.http.surface import (
 from turnout.frontend.metrics.frontend import UNKNOWN_MODEL, FrontendMetrics
 from turnout.frontend.models.manager import ModelKind, ModelManager
 from turnout.frontend.models.pipeline import TextPipeline, TokensPipeline
-from turnout.frontend.openai.chunk_writer import JSON_HEADERS, new_request_id
+from turnout.frontend.openai.chunk_writer import (
+    JSON_HEADERS,
+    MAX_REQUEST_ID_CHARS,
+    REQUEST_ID_HEADER,
+    new_request_id,
+    valid_request_id,
+)
 from turnout.frontend.openai.responder import Responder
 from turnout.frontend.responses.api import responses_surface
 from turnout.frontend.responses.history import ResponseHistory
@@ -100,6 +106,7 @@ from turnout.protocols.openai import (
 )
 from turnout.runtime.context import EXPLAIN_ROUTING_METADATA, RequestContext
 from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
+from turnout.runtime.log_context import MODEL_METADATA, TENANT_METADATA, bind_request
 from turnout.runtime.redact import log_prompt
 
 log = logging.getLogger("turnout.frontend")
@@ -385,10 +392,16 @@ class HttpService:
         model = UNKNOWN_MODEL
         stream = False
         status = 200
-        # A client's x-request-id is kept for logs but never trusted to be unique: ids key the
+        # A client's x-request-id is sent back as it came and starts the id every log line of
+        # the request carries, in every process; it is never trusted to be unique: ids key the
         # router's bookings, and two requests sharing one would share (and free) one booking.
         client_id = scope.headers.get("x-request-id")
+        bad_client_id = client_id is not None and not valid_request_id(client_id)
+        if bad_client_id:
+            client_id = None
         ctx = RequestContext(f"{client_id}.{new_request_id()}" if client_id else new_request_id())
+        proto.add_response_header(REQUEST_ID_HEADER, client_id or ctx.request_id)
+        bind_request(ctx)
         task = asyncio.current_task()
         assert task is not None
         client_gone = False
@@ -403,6 +416,13 @@ class HttpService:
         disconnect.add_done_callback(on_disconnect)
         account: TenantAccount | None = None
         try:
+            if bad_client_id:
+                raise HttpError(
+                    400,
+                    f"the x-request-id header must be 1 to {MAX_REQUEST_ID_CHARS} visible "
+                    "ASCII characters",
+                    param=REQUEST_ID_HEADER,
+                )
             if self.draining:
                 raise unavailable("this frontend is shutting down; send the request to another")
             body = await self._read_body(scope, proto)
@@ -411,6 +431,9 @@ class HttpService:
             stream = request.stream
             pipeline = self.manager.get_engine(surface.serves, request.model)
             model = request.model
+            ctx.metadata[MODEL_METADATA] = model
+            if principal.tenant != DEFAULT_TENANT:
+                ctx.metadata[TENANT_METADATA] = principal.tenant
             metrics = self.metrics.model(model)
             account = self.access.open_account(principal, ctx)
             ticket = None

@@ -49,6 +49,24 @@ _ID_PREFIX = os.urandom(8).hex()
 _id_counter = itertools.count()
 
 
+#: The header a client names its request with, sent back on every response to a generation
+#: route (the client's value, else the id turnout gave the request).
+REQUEST_ID_HEADER = "x-request-id"
+#: Longest client request id taken.
+MAX_REQUEST_ID_CHARS = 128
+
+
+def valid_request_id(value: str) -> bool:
+    """Whether a client's ``x-request-id`` can name a request: 1 to ``MAX_REQUEST_ID_CHARS``
+    visible ASCII characters (it is echoed in a header and written in every log line)."""
+    return (
+        0 < len(value) <= MAX_REQUEST_ID_CHARS
+        and value.isascii()
+        and value.isprintable()
+        and " " not in value
+    )
+
+
 def new_request_id() -> str:
     """A fresh 32-hex-digit id (see ``_ID_PREFIX``)."""
     return f"{_ID_PREFIX}{next(_id_counter):016x}"

@@ -103,6 +103,11 @@ class Exchange(Protocol):
         shared by whoever asks: add callbacks to it, never cancel it."""
         ...
 
+    def add_response_header(self, name: str, value: str) -> None:
+        """Send ``name: value`` with the response, whichever route or error writes it (set
+        before the response starts; the caller vouches for the value: no CR or LF)."""
+        ...
+
     def response_bytes(self, status: int, headers: HeaderList, body: bytes) -> None:
         """Send the whole response."""
         ...

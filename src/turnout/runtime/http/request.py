@@ -24,6 +24,7 @@ class HttpExchange:
         "_conn",
         "_continue",
         "_disconnect",
+        "_extra_head",
         "_waiter",
         "buffered",
         "chunked",
@@ -49,6 +50,7 @@ class HttpExchange:
         self.received = 0
         self.eof = False
         self._waiter: asyncio.Future[None] | None = None
+        self._extra_head = b""
         self._disconnect: asyncio.Future[None] | None = None
         self.started = False
         self.chunked = False
@@ -130,12 +132,15 @@ class HttpExchange:
         if conn.closing or conn.unread_body_exceeds_allowance(self):
             self.keep_alive = False
         line = STATUS_LINES.get(status) or f"HTTP/1.1 {status} Status\r\n".encode("latin-1")
-        parts = [line, conn.server.date.get()]
+        parts = [line, conn.server.date.get(), self._extra_head]
         for name, value in headers:
             parts.append(f"{name}: {value}\r\n".encode("latin-1"))
         parts.append(framing)
         parts.append(b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n")
         return b"".join(parts)
+
+    def add_response_header(self, name: str, value: str) -> None:
+        self._extra_head += f"{name}: {value}\r\n".encode("latin-1")
 
     def response_bytes(self, status: int, headers: HeaderList, body: bytes) -> None:
         conn = self._conn

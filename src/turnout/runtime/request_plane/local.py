@@ -20,6 +20,7 @@ from collections.abc import Callable
 from turnout.errors import PeerUnavailable, RemoteError, StreamBroken
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
+from turnout.runtime.log_context import bind_request
 from turnout.runtime.request_plane.base import (
     Handler,
     RequestPlaneClient,
@@ -116,6 +117,7 @@ class LocalServer(RequestPlaneServer):
 
     async def _run(self, pipe: _Pipe, handler: Handler, payload: bytes) -> None:
         items = pipe.items
+        bind_request(pipe.ctx)
         stream = handler(payload, pipe.ctx)
         try:
             async for item in stream:

@@ -27,6 +27,7 @@ from nats.aio.subscription import Subscription
 from turnout.errors import RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.context import RequestContext
+from turnout.runtime.log_context import bind_request
 from turnout.runtime.nats import NatsConnection, NatsUnavailable, subscribe_confirmed
 from turnout.runtime.request_plane.base import (
     Handler,
@@ -380,6 +381,7 @@ class NatsServer(RequestPlaneServer):
     async def _run(self, stream: _ServerStream, handler: Handler, payload: bytes) -> None:
         push = self._push
         limit = self.max_frame_bytes
+        bind_request(stream.ctx)
         items = handler(payload, stream.ctx)
         try:
             async for item in items:

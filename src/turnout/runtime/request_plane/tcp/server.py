@@ -28,6 +28,7 @@ from turnout.errors import RequestPlaneError
 from turnout.protocols.model import TransportAddress
 from turnout.runtime.addresses import format_host_port
 from turnout.runtime.context import RequestContext
+from turnout.runtime.log_context import bind_request
 from turnout.runtime.request_plane.base import (
     Handler,
     RequestPlaneServer,
@@ -324,6 +325,7 @@ class TcpServer(RequestPlaneServer):
     ) -> None:
         push = conn.push
         limit = self.item_limit
+        bind_request(stream.ctx)
         items = handler(payload, stream.ctx)
         try:
             async for item in items:
