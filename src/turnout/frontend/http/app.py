@@ -226,6 +226,12 @@ class HttpService:
         self.add_surface("POST", "/v1/embeddings", embeddings_surface())
         self.add_surface("POST", "/v1/tensor", tensor_surface())
 
+    def add_routes(self, routes: dict[tuple[str, str], Handler]) -> None:
+        """Serve more exact routes (``(method, path)`` to handler), under the same access rules
+        as the describing routes: a credential when auth is on, unless the path is public."""
+        self._routes.update(routes)
+        self._paths.update(path for _, path in routes)
+
     @property
     def routes(self) -> set[tuple[str, str]]:
         """(method, path) of every route served; paths with ids as OpenAPI templates."""
