@@ -379,6 +379,12 @@ class Worker:
             if not producer.done():
                 producer.cancel()
                 await asyncio.wait([producer])
+            log.debug(
+                "request %s: %d prompt tokens; stream %s",
+                ctx.request_id,
+                len(request.token_ids),
+                "cancelled" if ctx.is_cancelled else "ended",
+            )
 
     def _refusal(self, request: PreprocessedRequest) -> str | None:
         """Why ``request`` asks for more than this instance's card says its engine does (None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
@@ -408,6 +409,7 @@ class HttpService:
         ctx = RequestContext(f"{client_id}.{new_request_id()}" if client_id else new_request_id())
         proto.add_response_header(REQUEST_ID_HEADER, client_id or ctx.request_id)
         bind_request(ctx)
+        started = time.perf_counter()
         task = asyncio.current_task()
         assert task is not None
         client_gone = False
@@ -488,6 +490,14 @@ class HttpService:
             disconnect.remove_done_callback(on_disconnect)
             self.metrics.count_request(model, endpoint, stream, status)
             self.access.close(account, principal, status)
+            log.debug(
+                "request %s: %s%s answered %d in %.3f s",
+                ctx.request_id,
+                scope.path,
+                " (stream)" if stream else "",
+                status,
+                time.perf_counter() - started,
+            )
 
     # ------------------------------------------------------------------ response store
 
