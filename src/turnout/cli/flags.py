@@ -55,10 +55,13 @@ def add_flag(
     parser.add_argument(flag, default=default, **kwargs)
 
 
-def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -> None:
-    """Discovery, planes, addresses, leases, logs. ``planes=False`` (``serve``, which always
-    runs the file store, tcp and zmq on this machine) keeps only the settings that still mean
-    something there."""
+def add_runtime_flags(
+    parser: argparse.ArgumentParser, *, planes: bool = True, tracing: bool = True
+) -> None:
+    """Discovery, planes, addresses, leases, logs, traces. ``planes=False`` (``serve``, which
+    always runs the file store, tcp and zmq on this machine) keeps only the settings that still
+    mean something there; ``tracing=False`` (``status``, which serves no request) leaves out
+    ``--otlp-endpoint``."""
     if planes:
         add_flag(parser, "--store", default="file", choices=["memory", "file", "etcd"],
                  help="discovery store")  # fmt: skip
@@ -110,9 +113,10 @@ def add_runtime_flags(parser: argparse.ArgumentParser, *, planes: bool = True) -
     add_flag(parser, "--log-format", default="text", choices=list(LOG_FORMATS),
              help="log lines as text, or as one JSON object per line (with the request id, "
                   "model, instance and tenant of the request a line is about)")  # fmt: skip
-    add_flag(parser, "--otlp-endpoint",
-             help="send OpenTelemetry traces over OTLP/HTTP (protobuf) to URL/v1/traces "
-                  "(default: tracing off)")  # fmt: skip
+    if tracing:
+        add_flag(parser, "--otlp-endpoint",
+                 help="send OpenTelemetry traces over OTLP/HTTP (protobuf) to URL/v1/traces "
+                      "(default: tracing off)")  # fmt: skip
     add_flag(parser, "--log-prompts", action="store_true",
              help="log prompts and request bodies at debug level, for debugging only: they "
                   "are user data (one warning line at start says it is on)")  # fmt: skip

@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
     add_flag(p, "--json", action="store_true", help="print JSON for scripts")
     add_flag(p, "--load-wait", default=2.0, type=float,
              help="seconds to listen for load reports (0: skip load)")  # fmt: skip
-    add_runtime_flags(p)
+    add_runtime_flags(p, tracing=False)
     p.set_defaults(run=run)
 
 
