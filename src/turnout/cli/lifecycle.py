@@ -1,6 +1,7 @@
 """How every ``turnout`` command runs: logging, the uvloop loop, signals, and clean errors.
 
-A command's ``run(args)`` is ``run_command(args, main)``: ``main`` is a coroutine function
+A command's ``run(args)`` is ``run_command(args, main)`` (with the process's tracing set up
+from ``--otlp-endpoint``, and flushed at exit): ``main`` is a coroutine function
 that usually ends in ``run_until_signal``. A ``TurnoutError`` (bad flag value, bad
 combination, a start-up failure we understand) becomes one log line and exit status 2,
 never a traceback.
@@ -19,6 +20,7 @@ import uvloop
 
 from turnout.errors import TurnoutError
 from turnout.runtime.asyncio_logs import quiet_asyncio
+from turnout.runtime.tracing import configure_tracing, shutdown_tracing
 
 from .flags import setup_logging
 
@@ -35,10 +37,13 @@ def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any,
     )
     quiet_asyncio()
     try:
+        configure_tracing(getattr(args, "otlp_endpoint", None), f"turnout-{args.command}")
         uvloop.run(main())
     except TurnoutError as exc:
         log.error("%s", exc)
         return 2
+    finally:
+        shutdown_tracing()  # exports what is queued, within the exporter's timeout
     return 0
 
 

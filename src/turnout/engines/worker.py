@@ -56,6 +56,7 @@ from turnout.protocols.model import (
     ModelDeploymentCard,
     mdc_key,
 )
+from turnout.runtime import tracing
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.context import RequestContext
 from turnout.runtime.event_plane import EventPublisher
@@ -365,6 +366,17 @@ class Worker:
                 )
             )
             return
+        span = tracing.start_worker_span(
+            ctx,
+            "generate",
+            {
+                "turnout.request_id": ctx.request_id,
+                "turnout.instance": f"{card.instance_id:x}" if card is not None else "",
+                "turnout.prompt_tokens": len(request.token_ids),
+            },
+        )
+        tokens_out = 0
+        error: BaseException | None = None
         buffer = _OutputBuffer()
         producer = buffer.producer = asyncio.get_running_loop().create_task(
             buffer.fill(self.engine.generate(request, ctx))  # type: ignore[attr-defined]
@@ -373,12 +385,26 @@ class Worker:
         try:
             while outputs := await buffer.take():
                 for output in merge_outputs(outputs):
+                    if span is not None:
+                        if not tokens_out and output.token_ids:
+                            span.add_event("first_token")
+                        tokens_out += len(output.token_ids)
+                        if output.finish_reason is not None:
+                            span.set_attribute("turnout.finish_reason", str(output.finish_reason))
                     yield _encode(output)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self._buffers.discard(buffer)
             if not producer.done():
                 producer.cancel()
                 await asyncio.wait([producer])
+            if span is not None:
+                span.set_attribute("turnout.output_tokens", tokens_out)
+                span.set_attribute("turnout.cancelled", ctx.is_cancelled)
+                cancelled = isinstance(error, GeneratorExit | asyncio.CancelledError)
+                tracing.end_span(span, None if cancelled else error)
             log.debug(
                 "request %s: %d prompt tokens; stream %s",
                 ctx.request_id,

@@ -68,6 +68,7 @@ from turnout.errors import (
     StreamBroken,
 )
 from turnout.protocols.llm import ErrorKind, FinishReason, LLMEngineOutput, PreprocessedRequest
+from turnout.runtime import tracing
 from turnout.runtime.context import (
     AVOID_METADATA,
     DEADLINE_METADATA,
@@ -419,6 +420,9 @@ class Migration:
             return False
         self._avoid(ctx, progress)
         progress.failure = exc
+        tracing.add_event(
+            ctx, "retry", {"turnout.reason": str(exc), "turnout.avoided": len(progress.avoid)}
+        )
         log.warning(
             "request %s: instance %s failed before the first token (%s); trying another "
             "(%d avoided)",
@@ -467,6 +471,15 @@ class Migration:
         ctx.metadata["migrations"] = migrations
         if self._on_migration is not None:
             self._on_migration()
+        tracing.add_event(
+            ctx,
+            "migration",
+            {
+                "turnout.reason": str(exc),
+                "turnout.tokens_generated": len(generated),
+                "turnout.migration": migrations,
+            },
+        )
         log.warning(
             "request %s: stream broke after %d tokens (%s); migrating (%d/%d)",
             ctx.request_id,

@@ -39,6 +39,7 @@ from turnout.errors import (
 from turnout.protocols.llm import PreprocessedRequest
 from turnout.router.instance_load import InstanceLoad
 from turnout.router.selectors import InstanceSelector
+from turnout.runtime import tracing
 from turnout.runtime.context import AVOID_METADATA, RequestContext
 
 log = logging.getLogger("turnout.router")
@@ -160,7 +161,17 @@ class PushRouter(Generic[Req, Resp]):
         avoid: Collection[int] = ctx.metadata.get(AVOID_METADATA, ())
         decode = self._decode
         while True:
-            instance_id = self._pick(request, excluded, avoid, ctx)
+            span = tracing.start_span(
+                ctx, "route", {"turnout.router.selector": type(self._selector).__name__}
+            )
+            try:
+                instance_id = self._pick(request, excluded, avoid, ctx)
+            except BaseException as exc:
+                tracing.end_span(span, exc)
+                raise
+            if span is not None:
+                span.set_attribute("turnout.instance", f"{instance_id:x}")
+                tracing.end_span(span)
             ctx.metadata["worker_instance_id"] = instance_id
             stream = self._client.stream(instance_id, payload, ctx)
             ticket = self.load.on_stream_started(instance_id)

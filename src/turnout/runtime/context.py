@@ -39,11 +39,16 @@ class RequestContext:
     ``is_cancelled`` or await ``wait_cancelled()``.
     """
 
-    __slots__ = ("_cancelled", "metadata", "request_id")
+    __slots__ = ("_cancelled", "metadata", "request_id", "trace", "traceparent")
 
-    def __init__(self, request_id: str | None = None) -> None:
+    def __init__(self, request_id: str | None = None, traceparent: str = "") -> None:
         self.request_id = request_id or uuid.uuid4().hex
         self._cancelled: asyncio.Event | None = None
+        #: The span the request's next spans are children of (``runtime.tracing``); None when
+        #: the request is not traced in this process.
+        self.trace: Any = None
+        #: The W3C ``traceparent`` the request plane carries to the next process ("": none).
+        self.traceparent = traceparent
         #: Facts gathered along the pipeline for the response and logs (e.g. the chosen
         #: ``worker_instance_id``, routing explanations, ``migrations``). Written by the
         #: operator that learns the fact; read by the frontend.
@@ -65,5 +70,7 @@ class RequestContext:
         await self._event().wait()
 
     def child(self) -> RequestContext:
-        """A context with the same id (for a re-issued request, e.g. on migration)."""
-        return RequestContext(self.request_id)
+        """A context with the same id and trace (for a re-issued request, e.g. on migration)."""
+        child = RequestContext(self.request_id, self.traceparent)
+        child.trace = self.trace
+        return child

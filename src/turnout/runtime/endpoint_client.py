@@ -25,7 +25,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -37,6 +37,7 @@ from turnout.errors import (
     StreamBroken,
 )
 from turnout.protocols.model import INSTANCES_ROOT, EndpointId, Instance, TransportAddress
+from turnout.runtime import tracing
 from turnout.runtime.context import RequestContext
 from turnout.runtime.discovery.base import WatchEvent, WatchEventKind
 from turnout.runtime.request_plane.base import PeerState, ResponseStream
@@ -446,9 +447,19 @@ class EndpointClient:
 
 class _InstanceStream:
     """Iterator over one call; reports the instance down when it cannot be reached, and is
-    failed as broken when the instance leaves discovery (see ``EndpointClient._abandon``)."""
+    failed as broken when the instance leaves discovery (see ``EndpointClient._abandon``).
+    A traced request gets an ``attempt`` span per call (``runtime.tracing``)."""
 
-    __slots__ = ("__weakref__", "_client", "_ctx", "_inner", "_instance_id", "_payload")
+    __slots__ = (
+        "__weakref__",
+        "_client",
+        "_ctx",
+        "_inner",
+        "_instance_id",
+        "_payload",
+        "_span",
+        "_untold",
+    )
 
     def __init__(
         self, client: EndpointClient, instance_id: int, payload: bytes, ctx: RequestContext
@@ -458,6 +469,9 @@ class _InstanceStream:
         self._payload = payload
         self._ctx = ctx
         self._inner: ResponseStream | None = None
+        self._span: Any = None
+        #: A traced call whose first response is not yet recorded.
+        self._untold = False
 
     def __aiter__(self) -> _InstanceStream:
         return self
@@ -465,40 +479,81 @@ class _InstanceStream:
     async def __anext__(self) -> bytes:
         inner = self._inner
         if inner is None:
-            client = self._client
-            instance = client.get_instance(self._instance_id)
-            if instance is None:
-                raise PeerUnavailable(
-                    f"no instance {self._instance_id:x} of {client.endpoint.path()}"
-                )
-            try:
-                rp_client = client.runtime.request_plane_client(instance.transport.kind)
-            except ConfigError as exc:
-                raise PeerUnavailable(f"instance {self._instance_id:x}: {exc}") from exc
-            path = handler_path(client.endpoint, self._instance_id)
-            inner = self._inner = rp_client.stream(
-                instance.transport, path, self._payload, self._ctx
-            )
-            self._payload = b""
-            client._open.setdefault(self._instance_id, weakref.WeakSet()).add(self)
-            client._open_transport[self._instance_id] = instance.transport
-            try:
-                first = await inner.__anext__()
-            except PeerUnavailable:
-                self._forget()
-                client.report_instance_down(self._instance_id)
-                raise
-            except BaseException:
-                self._forget()
-                raise
-            if client._strikes:
-                client._strikes.pop(self._instance_id, None)  # it answered
-            return first
+            return await self._open()
         try:
-            return await inner.__anext__()
-        except BaseException:
+            item = await inner.__anext__()
+        except BaseException as exc:
             self._forget()
+            self._end(exc)
             raise
+        if self._untold:
+            self._first_item()
+        return item
+
+    async def _open(self) -> bytes:
+        client = self._client
+        ctx = self._ctx
+        if ctx.trace is not None:
+            self._span = tracing.start_span(
+                ctx,
+                "attempt",
+                {
+                    "turnout.instance": f"{self._instance_id:x}",
+                    "turnout.endpoint": client.endpoint.path(),
+                },
+                client=True,
+            )
+            self._untold = True
+        instance = client.get_instance(self._instance_id)
+        if instance is None:
+            exc = PeerUnavailable(f"no instance {self._instance_id:x} of {client.endpoint.path()}")
+            self._end(exc)
+            raise exc
+        try:
+            rp_client = client.runtime.request_plane_client(instance.transport.kind)
+        except ConfigError as err:
+            exc = PeerUnavailable(f"instance {self._instance_id:x}: {err}")
+            self._end(exc)
+            raise exc from err
+        path = handler_path(client.endpoint, self._instance_id)
+        inner = self._inner = rp_client.stream(instance.transport, path, self._payload, ctx)
+        self._payload = b""
+        client._open.setdefault(self._instance_id, weakref.WeakSet()).add(self)
+        client._open_transport[self._instance_id] = instance.transport
+        try:
+            first = await inner.__anext__()
+        except PeerUnavailable as exc:
+            self._forget()
+            self._end(exc)
+            client.report_instance_down(self._instance_id)
+            raise
+        except BaseException as exc:
+            self._forget()
+            self._end(exc)
+            raise
+        if client._strikes:
+            client._strikes.pop(self._instance_id, None)  # it answered
+        if self._untold:
+            self._first_item()
+        return first
+
+    def _first_item(self) -> None:
+        self._untold = False
+        self._span.add_event("first_token")
+        tracing.add_event(self._ctx, "first_token", {"turnout.instance": f"{self._instance_id:x}"})
+
+    def _end(self, exc: BaseException | None) -> None:
+        """End the call's span: a normal end of the stream, or what broke it."""
+        span, self._span = self._span, None
+        if span is None:
+            return
+        if isinstance(exc, StopAsyncIteration):
+            span.add_event("stream_end")
+            exc = None
+        elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            span.set_attribute("turnout.cancelled", True)
+            exc = None
+        tracing.end_span(span, exc)
 
     def _forget(self) -> None:
         streams = self._client._open.get(self._instance_id)
@@ -515,5 +570,11 @@ class _InstanceStream:
 
     async def aclose(self) -> None:
         self._forget()
+        if self._span is not None:  # closed by its reader: done with it, or gone
+            if self._ctx.is_cancelled:
+                self._span.set_attribute("turnout.cancelled", True)
+            else:
+                self._span.add_event("stream_end")
+            self._end(None)
         if self._inner is not None:
             await self._inner.aclose()

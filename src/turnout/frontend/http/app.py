@@ -105,6 +105,7 @@ from turnout.protocols.openai import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from turnout.runtime import tracing
 from turnout.runtime.context import EXPLAIN_ROUTING_METADATA, RequestContext
 from turnout.runtime.http import ClientDisconnected, Exchange, Scope, discard_body
 from turnout.runtime.log_context import MODEL_METADATA, TENANT_METADATA, bind_request
@@ -409,6 +410,16 @@ class HttpService:
         ctx = RequestContext(f"{client_id}.{new_request_id()}" if client_id else new_request_id())
         proto.add_response_header(REQUEST_ID_HEADER, client_id or ctx.request_id)
         bind_request(ctx)
+        surface_path = scope.path.rstrip("/")
+        span = tracing.start_request_span(
+            ctx,
+            f"{scope.method} {surface_path}",
+            scope.headers,
+            {"http.request.method": scope.method, "http.route": surface_path,
+             "turnout.request_id": ctx.request_id},
+        )  # fmt: skip
+        if span is not None:  # a traced request's route span says why, so routers explain
+            ctx.metadata[EXPLAIN_ROUTING_METADATA] = True
         started = time.perf_counter()
         task = asyncio.current_task()
         assert task is not None
@@ -440,6 +451,9 @@ class HttpService:
             pipeline = self.manager.get_engine(surface.serves, request.model)
             model = request.model
             ctx.metadata[MODEL_METADATA] = model
+            if span is not None:
+                span.set_attribute("gen_ai.request.model", model)
+                span.set_attribute("turnout.stream", stream)
             if principal.tenant != DEFAULT_TENANT:
                 ctx.metadata[TENANT_METADATA] = principal.tenant
             metrics = self.metrics.model(model)
@@ -449,7 +463,8 @@ class HttpService:
                 priority = request_priority(
                     request.priority, principal.policy, authenticated=self.access.auth is not None
                 )
-                ticket = await self.admission.acquire(model, priority)
+                with tracing.traced(ctx, "admission", **{"turnout.priority": priority}):
+                    ticket = await self.admission.acquire(model, priority)
                 metrics.queue_wait.observe(ticket.waited)
             inflight = metrics.inflight
             inflight.inc()
@@ -490,6 +505,11 @@ class HttpService:
             disconnect.remove_done_callback(on_disconnect)
             self.metrics.count_request(model, endpoint, stream, status)
             self.access.close(account, principal, status)
+            if span is not None:
+                span.set_attribute("http.response.status_code", status)
+                tracing.end_span(
+                    span, RuntimeError(f"answered {status}") if status >= 500 else None
+                )
             log.debug(
                 "request %s: %s%s answered %d in %.3f s",
                 ctx.request_id,

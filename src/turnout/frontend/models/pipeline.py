@@ -35,6 +35,7 @@ from turnout.protocols.llm import FinishReason, PreprocessedRequest
 from turnout.protocols.model import ModelDeploymentCard
 from turnout.protocols.openai import ChatCompletionRequest, CompletionRequest
 from turnout.router.push_router import InstanceSource, PushRouter
+from turnout.runtime import tracing
 from turnout.runtime.context import RequestContext
 
 
@@ -110,10 +111,13 @@ class TokensPipeline:
         """The request's token-level form, salted with its tenant's cache space (``ctx``
         None: the un-tenanted space, for a request that only counts its prompt's tokens)."""
         tenant = self.cache_spaces.tenant_of(ctx) if ctx is not None else None
-        if isinstance(request, ChatCompletionRequest):
-            pre = await self.preprocessor.preprocess_chat(request, tenant)
-        else:
-            pre = await self.preprocessor.preprocess_completion(request, tenant)
+        with tracing.traced(ctx, "preprocess") as span:
+            if isinstance(request, ChatCompletionRequest):
+                pre = await self.preprocessor.preprocess_chat(request, tenant)
+            else:
+                pre = await self.preprocessor.preprocess_completion(request, tenant)
+            if span is not None:
+                span.set_attribute("turnout.prompt_tokens", len(pre.token_ids))
         nvext = request.nvext
         if nvext is not None and nvext.request_timeout is not None:
             pre.request_timeout = nvext.request_timeout

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -28,6 +29,7 @@ from turnout.protocols.kv import SequenceHash
 from turnout.protocols.llm import LLMEngineOutput, PreprocessedRequest
 from turnout.router.kv.router import KvRouter
 from turnout.router.kv.selector import Selection, SelectionStatus
+from turnout.runtime import tracing
 from turnout.runtime.context import (
     AVOID_METADATA,
     EXPLAIN_ROUTING_METADATA,
@@ -53,6 +55,30 @@ def explain(selection: Selection, block_size: int) -> dict[str, object]:
     for candidate in out.get("candidates", []):
         candidate["worker_id"] = f"{candidate['worker_id']:x}"
     out["busy"] = [f"{w[0]:x}" for w in out.get("busy", [])]
+    return out
+
+
+def route_attributes(selection: Selection) -> dict[str, Any]:
+    """A KV routing decision as span attributes: the choice and, per candidate, its overlap,
+    load and predicted TTFT (arrays in one order)."""
+    candidates = selection.candidates
+    out: dict[str, Any] = {
+        "turnout.route.status": selection.status.value,
+        "turnout.route.overlap_blocks": selection.overlap_blocks,
+        "turnout.route.new_blocks": selection.new_blocks,
+        "turnout.route.candidates.instance": [f"{c.worker_id:x}" for c in candidates],
+        "turnout.route.candidates.overlap_blocks": [c.overlap_blocks for c in candidates],
+        "turnout.route.candidates.active_blocks": [
+            c.active_prefill_blocks + c.active_decode_blocks for c in candidates
+        ],
+        "turnout.route.candidates.cost": [c.cost for c in candidates],
+    }
+    if all(c.predicted_ttft_s is not None for c in candidates) and candidates:
+        out["turnout.route.candidates.predicted_ttft_s"] = [c.predicted_ttft_s for c in candidates]
+    if selection.worker_id is not None:
+        out["turnout.instance"] = f"{selection.worker_id:x}"
+    if selection.predicted_ttft_s is not None:
+        out["turnout.route.predicted_ttft_s"] = selection.predicted_ttft_s
     return out
 
 
@@ -134,6 +160,7 @@ class KvPushRouter:
                 raise NoInstanceAvailable(
                     f"no live instance holds or can load LoRA adapter {request.lora_name!r}"
                 )
+        span = tracing.start_span(ctx, "route", {"turnout.router.mode": "kv"})
         selection = router.route(
             ctx.request_id,
             request.token_ids,
@@ -145,8 +172,13 @@ class KvPushRouter:
             explain=bool(ctx.metadata.get(EXPLAIN_ROUTING_METADATA)),
             seq_hashes=seq_hashes_of(router, request, ctx),
         )
+        if span is not None:
+            span.set_attributes(route_attributes(selection))
         if not selection.ok or selection.worker_id is None:
-            raise NoInstanceAvailable(_why(selection, router.endpoint.path()))
+            error = NoInstanceAvailable(_why(selection, router.endpoint.path()))
+            tracing.end_span(span, error)
+            raise error
+        tracing.end_span(span)
         return selection
 
     async def generate(

@@ -3,7 +3,7 @@
 One connection carries many streams, told apart by ``stream_id`` (chosen by the client)::
 
     client                                   server
-    REQUEST(sid, text=path, data=payload, text2=request id) ──▶
+    REQUEST(sid, text=path, data=payload, text2=request id, text3=traceparent) ──▶
                                       ◀── ACK(sid)        the handler runs: from now on a
                                                           lost connection is StreamBroken
                                       ◀── DATA(sid, item | [items]) x n  (<= WINDOW unconsumed)
@@ -94,6 +94,9 @@ class Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num: int = 0
     #: REQUEST: the request id, so the server's logs name the same request.
     text2: str = ""
+    #: REQUEST: the W3C ``traceparent`` of the span that sent it ("": not traced). A peer
+    #: that predates the field ignores it (msgspec drops an array's extra trailing items).
+    text3: str = ""
 
 
 class FrameError(Exception):

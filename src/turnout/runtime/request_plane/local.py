@@ -99,7 +99,7 @@ class LocalServer(RequestPlaneServer):
         handler = self._handlers.get(path)
         if handler is None:
             raise RemoteError(f"unknown endpoint {path!r} at local peer {address}")
-        pipe = _Pipe(address, path, RequestContext(ctx.request_id))
+        pipe = _Pipe(address, path, RequestContext(ctx.request_id, ctx.traceparent))
         self._inflight.add(pipe)
         pipe.task = asyncio.get_running_loop().create_task(self._run(pipe, handler, payload))
         pipe.task.add_done_callback(lambda _: self._on_done(pipe))

@@ -95,7 +95,7 @@ class _NatsStream(CreditedStream[_Inbox]):
 
     async def _open(self) -> _Inbox:
         self._sid, inbox = await self._client._open(
-            self._address, self._path, self._payload, self._ctx.request_id
+            self._address, self._path, self._payload, self._ctx.request_id, self._ctx.traceparent
         )
         self._payload = b""
         return inbox
@@ -191,7 +191,7 @@ class NatsClient(RequestPlaneClient):
             raise PeerUnavailable(f"nats peer {server}: {exc}") from exc
 
     async def _open(
-        self, server: str, path: str, payload: bytes, request_id: str
+        self, server: str, path: str, payload: bytes, request_id: str, traceparent: str = ""
     ) -> tuple[int, _Inbox]:
         if self._closed:
             raise PeerUnavailable("nats request plane client is closed")
@@ -220,7 +220,7 @@ class NatsClient(RequestPlaneClient):
         inbox = _Inbox(server, subject, time.monotonic())
         self._inboxes[sid] = inbox
         self._consumed[sid] = 0
-        frame = Frame(Kind.REQUEST, 0, payload, path, TAKES_BATCHES, request_id)
+        frame = Frame(Kind.REQUEST, 0, payload, path, TAKES_BATCHES, request_id, traceparent)
         self._outbox.put((server, encode_frame(frame), subject))
         return sid, inbox
 

@@ -345,7 +345,7 @@ class NatsServer(RequestPlaneServer):
             prefix, _, tail = reply.rpartition(".")
             if prefix and tail.isdigit() and len(tail) <= _MAX_SID_DIGITS:
                 batch, sid = f"{prefix}.{BATCH_SID}", int(tail)
-        ctx = RequestContext(frame.text2 or None)
+        ctx = RequestContext(frame.text2 or None, frame.text3)
         stream = _ServerStream(reply, path, ctx, time.monotonic(), batch, sid)
         if not self._takes(path):
             self._send(stream, Kind.REJECT, f"not taking requests for {path!r}")

@@ -134,7 +134,9 @@ class _ClientConnection(_Connection):
             "(not a turnout request plane, or frozen)"
         )
 
-    def open_stream(self, path: str, payload: bytes, request_id: str) -> tuple[int, Inbox]:
+    def open_stream(
+        self, path: str, payload: bytes, request_id: str, traceparent: str = ""
+    ) -> tuple[int, Inbox]:
         """Send a request on a new stream; ``PeerUnavailable`` on a connection already closing
         or lost (its request would be dropped, and nothing would ever end the stream)."""
         if not self.is_open:
@@ -149,7 +151,7 @@ class _ClientConnection(_Connection):
             self.restart_silence()  # idle until now: the silence counts from this request
         inbox = Inbox(self.peer_name)
         self.inboxes[sid] = inbox
-        self.send(Frame(Kind.REQUEST, sid, payload, path, 0, request_id))
+        self.send(Frame(Kind.REQUEST, sid, payload, path, 0, request_id, traceparent))
         return sid, inbox
 
     def cancel_stream(self, sid: int) -> None:
@@ -216,7 +218,10 @@ class _TcpStream(CreditedStream[Inbox]):
     async def _open(self) -> Inbox:
         self._client.check_payload(self._payload, self._path)
         conn = await self._client._connection(self._address)
-        self._sid, inbox = conn.open_stream(self._path, self._payload, self._ctx.request_id)
+        ctx = self._ctx
+        self._sid, inbox = conn.open_stream(
+            self._path, self._payload, ctx.request_id, ctx.traceparent
+        )
         self._conn = conn
         self._payload = b""
         return inbox

@@ -301,7 +301,7 @@ class TcpServer(RequestPlaneServer):
         if not isinstance(payload, bytes):
             conn.send(Frame(Kind.ERROR, sid, text="request payload must be bytes"))
             return
-        stream = _ServerStream(sid, path, RequestContext(frame.text2 or None))
+        stream = _ServerStream(sid, path, RequestContext(frame.text2 or None, frame.text3))
         conn.streams[sid] = stream
         self._inflight.add(stream)
         conn.send(Frame(Kind.ACK, sid))
