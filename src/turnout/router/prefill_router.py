@@ -77,6 +77,7 @@ from turnout.router.kv.push import KvPushRouter
 from turnout.router.kv.selector import Selection
 from turnout.router.prefill_policy import BypassPolicy, LocalReason
 from turnout.router.prefill_slots import EngineFn, PrefillPool, PrefillSlot
+from turnout.runtime import tracing
 from turnout.runtime.context import (
     AVOID_METADATA,
     DEADLINE_METADATA,
@@ -403,9 +404,23 @@ class PrefillRouter:
         refused: set[int] = set()
         avoided = ctx.metadata.get(AVOID_METADATA)
         ctx.metadata[AVOID_METADATA] = refused
+        # The prefill stage's span: the prefill workers' attempts are its children.
+        parent = ctx.trace
+        span = tracing.start_span(
+            ctx, "prefill", {"turnout.push_to": f"{push_to:x}" if push_to is not None else ""}
+        )
+        if span is not None:
+            ctx.trace = span
+        error: BaseException | None = None
         try:
             return await self._prefill_attempts(prefill_request, ctx, pool, refused)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            if span is not None:
+                ctx.trace = parent
+                tracing.end_span(span, error)
             if avoided is None:
                 ctx.metadata.pop(AVOID_METADATA, None)
             else:

@@ -37,6 +37,8 @@ from turnout.protocols.disagg import (
     KvTransferRequest,
 )
 from turnout.protocols.model import EndpointId
+from turnout.runtime import tracing
+from turnout.runtime.log_context import current_request
 
 log = logging.getLogger(__name__)
 
@@ -245,14 +247,20 @@ class KvArrivals:
 
     async def obtain(self, handle: KvHandle, instance_id: int) -> str | None:
         """Get ``handle``'s KV here; None when it is here, else why it could not be."""
+        attributes = {
+            "turnout.kv.mode": handle.mode.value,
+            "turnout.kv.bytes": handle.num_bytes,
+            "turnout.kv.from": f"{handle.instance_id:x}",
+        }
         try:
-            async with asyncio.timeout(self._config.kv_transfer_timeout_s):
-                if handle.mode is KvTransferMode.PUSH and handle.pushed_to == instance_id:
-                    await self._wait_push(handle)
-                    return None
-                if self.transport is None:
-                    return "this worker has no KV transport"
-                reply = await self.transport.pull(handle)
+            with tracing.traced(current_request(), "kv_transfer", **attributes):
+                async with asyncio.timeout(self._config.kv_transfer_timeout_s):
+                    if handle.mode is KvTransferMode.PUSH and handle.pushed_to == instance_id:
+                        await self._wait_push(handle)
+                        return None
+                    if self.transport is None:
+                        return "this worker has no KV transport"
+                    reply = await self.transport.pull(handle)
         except TimeoutError:
             how = "push" if handle.mode is KvTransferMode.PUSH else "pull"
             return (
