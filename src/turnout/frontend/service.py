@@ -31,6 +31,9 @@ from turnout.frontend.access.limits import TenantLimits
 from turnout.frontend.access.usage import TenantUsage
 from turnout.frontend.admission.busy_threshold import BusyThresholds
 from turnout.frontend.admission.limiter import AdmissionController, AdmissionLimits, Clock
+from turnout.frontend.dashboard.fleet import FleetView
+from turnout.frontend.dashboard.history import LatencyHistory
+from turnout.frontend.dashboard.routes import DashboardRoutes
 from turnout.frontend.http.access_gate import PUBLIC_ROUTE_CHOICES
 from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, HttpService
 from turnout.frontend.http.errors import REJECT_STATUSES
@@ -346,6 +349,7 @@ class Frontend:
             usage=self.usage,
         )
         self.http = service
+        self._mount_dashboard(factory)
         limits = dataclasses.replace(cfg.http, reject_status=cfg.reject_status)
         self._server = HttpServer(service, cfg.host, cfg.port, limits=limits, ssl=self._ssl)
         await self._server.start()
@@ -373,6 +377,28 @@ class Frontend:
         if cfg.api_keys_file is not None or cfg.jwt is not None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, auth.reload)
             self._sighup = True
+
+    def _mount_dashboard(self, factory: PipelineFactory) -> None:
+        """``/dashboard``, and the task that samples its latency history."""
+        watcher = self.watcher
+
+        def prefill(name: str) -> list[int] | None:
+            watch = watcher.prefill if watcher is not None else None
+            return watch.instances(name) if watch is not None else None
+
+        view = FleetView(
+            self.manager,
+            self.metrics,
+            LatencyHistory(self.metrics),
+            factory=factory,
+            admission=self.admission,
+            prefill=prefill,
+            router_mode=self.config.router_mode.value,
+        )
+        dashboard = DashboardRoutes(view)
+        assert self.http is not None
+        self.http.add_routes(dashboard.routes())
+        self._tasks.append(asyncio.create_task(dashboard.run(), name="dashboard-history"))
 
     def _prefill_health(self, name: str) -> dict[str, object] | None:
         """``/health``'s disaggregation view of a model: its workers' role, its prefill

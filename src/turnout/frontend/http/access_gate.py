@@ -27,7 +27,13 @@ from turnout.runtime.http import ClientDisconnected, Scope
 #: Routes anyone may call, with credentials configured or not.
 OPEN_ROUTES = frozenset({"/health", "/live", "/ready"})
 #: Routes ``public_routes`` (``--public-route``) may open to callers without a key.
-PUBLIC_ROUTE_CHOICES = ("/metrics", "/v1/models", "/openapi.json")
+PUBLIC_ROUTE_CHOICES = (
+    "/metrics",
+    "/v1/models",
+    "/openapi.json",
+    "/dashboard",
+    "/dashboard/state.json",
+)
 
 
 class AccessGate:

@@ -178,6 +178,35 @@ def build_openapi(
                 "responses": {"200": _json_response("OpenAPI 3.1", {"type": "object"})},
             }
         },
+        "/dashboard": {
+            "get": {
+                "summary": "The live dashboard page (HTML; ?fragment=1: its live part alone)",
+                "parameters": [
+                    {
+                        "name": "fragment",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["1", "true"]},
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": "the page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    },
+                    "400": _error("an unknown query"),
+                },
+            }
+        },
+        "/dashboard/state.json": {
+            "get": {
+                "summary": "What the dashboard shows, as JSON",
+                "responses": {
+                    "200": _json_response("the fleet snapshot", {"type": "object"}),
+                    "400": _error("a query"),
+                },
+            }
+        },
     }
     paths.update(_store_paths())
     if busy_thresholds:

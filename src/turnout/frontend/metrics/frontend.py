@@ -96,6 +96,18 @@ class LoopHistogram(Collector):
     def describe(self) -> Iterator[Any]:
         yield HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
 
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        return self._bounds
+
+    def total_counts(self) -> list[int]:
+        """Observations per bucket (not cumulative; the last is +Inf), over all label sets."""
+        total = [0] * (len(self._bounds) + 1)
+        for child in list(self._children.values()):
+            for i, n in enumerate(child.counts):
+                total[i] += n
+        return total
+
     def collect(self) -> Iterator[Any]:
         family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
         for values, child in list(self._children.items()):
@@ -206,6 +218,20 @@ class FrontendMetrics:
         if child is None:
             child = self._requests[key] = self.requests.labels(*key)
         child.inc()
+
+    def requests_completed(self) -> float:
+        """Requests answered since start, every model, endpoint and status."""
+        return sum(child._value.get() for child in list(self._requests.values()))
+
+    def rejections_by_reason(self) -> dict[str, float]:
+        """Requests refused before generation since start, by reason (every model)."""
+        out: dict[str, float] = {}
+        for family in self.rejections.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    reason = sample.labels["reason"]
+                    out[reason] = out.get(reason, 0.0) + sample.value
+        return out
 
     def watch_admission(self, queued: Callable[[], float]) -> None:
         """Read ``turnout_queued_requests`` from the admission controller at scrape time."""

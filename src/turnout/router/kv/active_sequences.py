@@ -412,6 +412,12 @@ class ActiveSequences:
         c = self._counters.get(worker_key)
         return (0, 0) if c is None else (c.prefill_tokens, c.decode_blocks)
 
+    def get_prefill_tokens(self, request_id: str) -> int | None:
+        """The prompt tokens the router expected ``request_id``'s worker to compute (the rest
+        were predicted cached); None when it is not in flight."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.prefill_tokens
+
     def get_worker_key(self, request_id: str) -> WorkerKey | None:
         req = self._requests.get(request_id)
         return None if req is None else req.worker_key

@@ -19,6 +19,7 @@ explanation (every candidate's cost terms) is built only for a client that asked
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -161,6 +162,8 @@ class KvPushRouter:
                     f"no live instance holds or can load LoRA adapter {request.lora_name!r}"
                 )
         span = tracing.start_span(ctx, "route", {"turnout.router.mode": "kv"})
+        asked = bool(ctx.metadata.get(EXPLAIN_ROUTING_METADATA))
+        sampled = router.decisions.wants_sample()
         selection = router.route(
             ctx.request_id,
             request.token_ids,
@@ -169,9 +172,18 @@ class KvPushRouter:
             session_id=request.session_id,
             excluded=excluded,
             allowed=allowed,
-            explain=bool(ctx.metadata.get(EXPLAIN_ROUTING_METADATA)),
+            explain=asked or sampled,
             seq_hashes=seq_hashes_of(router, request, ctx),
         )
+        if sampled:
+            router.decisions.record(
+                {
+                    "time": time.time(),
+                    "request_id": ctx.request_id,
+                    "prompt_tokens": len(request.token_ids),
+                    **explain(selection, router.config.block_size),
+                }
+            )
         if span is not None:
             span.set_attributes(route_attributes(selection))
         if not selection.ok or selection.worker_id is None:

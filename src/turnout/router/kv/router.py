@@ -50,6 +50,7 @@ from turnout.router.kv.active_sequences import ActiveSequenceBatch, ActiveSequen
 from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.core import KvRouterCore
+from turnout.router.kv.decisions import DecisionLog, WorkerHits
 from turnout.router.kv.load_feed import StepBacklog, latest_per_worker
 from turnout.router.kv.replicas import (
     DEFAULT_PRESENCE_INTERVAL_S,
@@ -161,6 +162,10 @@ class KvRouter:
         self.reported_prompt_tokens = 0
         #: Time of each ``route`` decision (exported as ``turnout_kv_router_decision_seconds``).
         self.decision_seconds = DurationHistogram()
+        #: A sample of recent decisions, explained (``/dashboard``).
+        self.decisions = DecisionLog()
+        #: Per live worker: prompt tokens predicted cached against those it reported cached.
+        self.worker_hits: dict[int, WorkerHits] = {}
         self.core = KvRouterCore(
             config,
             clock=clock,
@@ -307,6 +312,15 @@ class KvRouter:
     def on_finished(
         self, request_id: str, *, prompt_tokens: int = 0, cached_tokens: int | None = None
     ) -> None:
+        active = self.core.active
+        if cached_tokens is not None and prompt_tokens:
+            key = active.get_worker_key(request_id)
+            computed = active.get_prefill_tokens(request_id)
+            if key is not None and computed is not None:
+                hits = self.worker_hits.get(key.worker_id)
+                if hits is None:
+                    hits = self.worker_hits[key.worker_id] = WorkerHits()
+                hits.add(prompt_tokens, prompt_tokens - computed, cached_tokens)
         self.core.on_finished(request_id)
         if cached_tokens is not None:
             self.reported_cached_tokens += cached_tokens
@@ -457,6 +471,7 @@ class KvRouter:
             self._step_backlog.remove_worker(gone)
             self._last_event.pop(gone, None)
             self._routed_since_event.pop(gone, None)
+            self.worker_hits.pop(gone, None)
             log.info("kv router %s: worker %x left; its cache is forgotten", self.router_id, gone)
         self._known_workers = live
 
