@@ -14,6 +14,7 @@ from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_pars
 from turnout.protocols.model import EndpointId
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import open_runtime
+from turnout.runtime.process_metrics import StoreContactCollector
 from turnout.runtime.start_checks import check_worker_start
 from turnout.runtime.system_server import SystemServer
 
@@ -206,7 +207,11 @@ async def run_attach(args: argparse.Namespace) -> None:
     tokenizers = TokenizerSource(args.tokenizer)
     servers: list[AttachedServer] = []
     health = AttachHealth(servers, len(urls))
-    collectors = [AttachCollector(servers), EngineCollector(attach_engines(servers))]
+    collectors = [
+        AttachCollector(servers),
+        EngineCollector(attach_engines(servers)),
+        StoreContactCollector(lambda: servers[0].runtime.store if servers else None),
+    ]
     system = system_server(args, "attach", health.checks, collectors, health.details)
     # Up before the store and the servers: /live answers while they start.
     if system is not None:

@@ -14,6 +14,7 @@ from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, check_parser_names
 from turnout.protocols.model import EndpointId
 from turnout.runtime.planes import open_runtime
+from turnout.runtime.process_metrics import StoreContactCollector
 from turnout.runtime.start_checks import check_worker_start
 from turnout.runtime.system_server import SystemServer
 
@@ -285,7 +286,10 @@ async def run_worker(args: argparse.Namespace) -> None:
         raise ConfigError(str(exc)) from None
     workers: list[Worker] = []
     health = WorkerHealth(workers, args.num_workers)
-    collectors = [EngineCollector(worker_engines(workers))]
+    collectors = [
+        EngineCollector(worker_engines(workers)),
+        StoreContactCollector(lambda: workers[0].runtime.store if workers else None),
+    ]
     system = system_server(args, "worker", health.checks, collectors, health.details)
     # Up before the store and the engines: /live answers while they start, /health says why
     # the worker is not ready yet.

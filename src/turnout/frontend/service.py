@@ -61,6 +61,7 @@ from turnout.router.mode import RouterMode, validate_router_mode_for_lora
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.http import HttpLimits, HttpServer
 from turnout.runtime.planes import PlanesConfig, open_runtime
+from turnout.runtime.process_metrics import StoreContactCollector
 
 log = logging.getLogger("turnout.frontend")
 
@@ -326,6 +327,12 @@ class Frontend:
             ),
         )
         self.metrics.watch_kv_routers(factory.kv_routers)
+        manager = self.manager
+        self.metrics.watch_models(
+            lambda: {name: len(manager.model_instances(name)) for name in manager.list_models()}
+        )
+        runtime = self.runtime
+        self.metrics.registry.register(StoreContactCollector(lambda: runtime.store))
         self.metrics.registry.register(SessionAffinityCollector(factory.session_tables))
         self.watcher = ModelWatcher(
             self.runtime, self.manager, factory, namespace=cfg.namespace, lora=self.lora

@@ -54,6 +54,9 @@ class Lease:
         logged once per streak (and once more past the TTL), not once per retry."""
         interval = self.ttl / 3
         last_ok = time.monotonic()
+        contact = self.store.contact
+        if contact.last_ok is None:
+            contact.last_ok = last_ok  # the grant was an answer
         failing = overdue = False
         while True:
             await asyncio.sleep(interval)
@@ -62,6 +65,7 @@ class Lease:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                contact.failures += 1
                 if not failing:
                     failing = True
                     logger.warning("lease %x keep-alive failed, retrying: %s", self.id, exc)
@@ -83,7 +87,7 @@ class Lease:
             if failing:
                 logger.warning("lease %x kept alive again; nothing was lost", self.id)
                 failing = overdue = False
-            last_ok = time.monotonic()
+            last_ok = contact.last_ok = time.monotonic()
 
     async def revoke(self) -> None:
         """End the lease now (its keys vanish) and stop the keep-alive. Idempotent."""

@@ -242,6 +242,11 @@ class FrontendMetrics:
         (deadlines, eviction, stalled readers, malformed requests)."""
         self.registry.register(_HttpCollector(server))
 
+    def watch_models(self, instances: Callable[[], Mapping[str, int]]) -> None:
+        """Expose ``turnout_model_instances``: each served model's live instances, read at
+        scrape time (``instances()``: model name to count)."""
+        self.registry.register(_ModelInstancesCollector(instances))
+
     def watch_kv_routers(self, routers: Mapping[str, Any]) -> None:
         """Expose the KV routers' own counters (read at scrape time: no hot-path cost)."""
         self.registry.register(_KvRouterCollector(routers))
@@ -330,6 +335,21 @@ class _HttpCollector(Collector):
         for reason, count in server.closed.items():
             closed.add_metric([reason], count)
         yield closed
+
+
+class _ModelInstancesCollector(Collector):
+    """``turnout_model_instances{model}``: workers leaving show as a drop here."""
+
+    def __init__(self, instances: Callable[[], Mapping[str, int]]) -> None:
+        self._instances = instances
+
+    def collect(self) -> Iterator[Any]:
+        family = GaugeMetricFamily(
+            "turnout_model_instances", "Live instances of each served model", labels=["model"]
+        )
+        for model, count in sorted(self._instances().items()):
+            family.add_metric([model], count)
+        yield family
 
 
 class _KvRouterCollector(Collector):

@@ -57,11 +57,32 @@ class WatchEvent:
     kv: KeyValue
 
 
+class StoreContact:
+    """How this process's keep-alives of its leases on a store have gone: when the store last
+    answered one, and how many failed. A store that stops answering shows here (as seconds
+    since the last answer) before its leases, and the instances under them, expire."""
+
+    __slots__ = ("failures", "last_ok")
+
+    def __init__(self) -> None:
+        #: ``time.monotonic()`` of the last answered keep-alive; None before the first.
+        self.last_ok: float | None = None
+        self.failures = 0
+
+
 class DiscoveryStore(abc.ABC):
     """Abstract discovery store; see the module docstring for the contract."""
 
     #: Registry name: ``memory``, ``file``, ``etcd``.
     kind: str
+    _contact: StoreContact | None = None
+
+    @property
+    def contact(self) -> StoreContact:
+        """This process's keep-alive record with the store (``runtime.lease`` writes it)."""
+        if self._contact is None:
+            self._contact = StoreContact()
+        return self._contact
 
     @abc.abstractmethod
     async def grant_lease(self, ttl: float) -> int:

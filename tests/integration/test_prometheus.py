@@ -1,0 +1,119 @@
+"""A real Prometheus (Debian's) scraping a running ``turnout serve``: it finds the frontend
+through a target file as ``deploy/prometheus/prometheus.yml`` says, loads the alert rules of
+``deploy/prometheus/turnout-rules.yml``, and the rule for a KV router that gets no KV events
+fires when ``serve`` runs echo workers (which publish none) under ``--router-mode kv``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from tests.integration.procs import health, start_serve, stop_serve, wait_until
+
+from turnout.frontend.service import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None, reason="Debian's prometheus is not installed (scripts/setup.sh does it)"
+)
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    proc = start_serve(tmp_path, port, "--engine", "echo", "--router-mode", "kv")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: any(health(url).values()), 90, "serve's workers")
+        yield url
+    finally:
+        stop_serve(proc)
+
+
+def prometheus_config(tmp: Path, frontend: str) -> Path:
+    """deploy/prometheus's config, every 1 s, with the frontend in its target file and the
+    rules' ``for:`` at 0 s (the shipped durations are minutes: the rule's condition is what
+    is under test, not the wait)."""
+    targets = tmp / "targets"
+    targets.mkdir()
+    (targets / "frontends.json").write_text(json.dumps([{"targets": [frontend]}]))
+    (targets / "workers.json").write_text("[]")
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    for job in config["scrape_configs"]:
+        job.pop("authorization", None)  # this serve has no API keys
+        for sd in job["file_sd_configs"]:
+            sd["files"] = [str(targets / Path(f).name) for f in sd["files"]]
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/turnout-rules.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule["for"] = "0s"
+    (tmp / "turnout-rules.yml").write_text(yaml.safe_dump(rules))
+    path = tmp / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_prometheus_scrapes_serve_and_the_kv_events_rule_fires(serve: str, tmp_path: Path) -> None:
+    assert PROMETHEUS is not None
+    frontend = serve.removeprefix("http://")
+    config = prometheus_config(tmp_path, frontend)
+    web = f"127.0.0.1:{free_port()}"
+    api = f"http://{web}/api/v1"
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        prom = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--web.listen-address={web}",
+             f"--storage.tsdb.path={tmp_path / 'data'}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def logs() -> str:
+        return (tmp_path / "prometheus.log").read_text()[-3000:]
+
+    def query(expr: str) -> list[dict[str, object]]:
+        body = httpx.get(f"{api}/query", params={"query": expr}, timeout=5).json()
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    try:
+        wait_until(
+            lambda: any(
+                t["health"] == "up" and t["labels"]["job"] == "turnout-frontends"
+                for t in httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]
+            ),
+            60,
+            "the frontend target up",
+            logs,
+        )
+        groups = httpx.get(f"{api}/rules", timeout=5).json()["data"]["groups"]
+        assert sum(len(g["rules"]) for g in groups) == 8  # every rule loaded
+        model = next(iter(health(serve)))
+        for _ in range(5):  # routed by the KV router, which hears no KV event
+            answer = httpx.post(
+                serve + "/v1/completions",
+                json={"model": model, "prompt": "count the blocks", "max_tokens": 2},
+                timeout=30,
+            )
+            assert answer.status_code == 200, answer.text
+        wait_until(lambda: bool(query("turnout_model_instances")), 30, "scraped samples", logs)
+
+        def firing() -> set[str]:
+            alerts = httpx.get(f"{api}/alerts", timeout=5).json()["data"]["alerts"]
+            return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
+
+        wait_until(lambda: "TurnoutKvEventsMissing" in firing(), 60, "the rule firing", logs)
+        assert "TurnoutModelWithoutInstance" not in firing()
+    finally:
+        prom.terminate()
+        try:
+            prom.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+            prom.wait()
