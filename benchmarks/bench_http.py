@@ -18,6 +18,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from turnout.runtime.progress import Bar, progress_bar
+
 
 def render_post(host: str, path: str, body: bytes) -> bytes:
     """A complete POST request with a JSON body (sent as is for every request)."""
@@ -128,6 +130,10 @@ class LoadResult:
     sample_body: bytes = b""
 
 
+#: Requests between two updates of the progress bar.
+PROGRESS_EVERY = 64
+
+
 async def run_load(
     host: str, port: int, raw: bytes, total: int, concurrency: int, *, streamed: bool
 ) -> LoadResult:
@@ -140,7 +146,7 @@ async def run_load(
     result = LoadResult(elapsed_s=0.0)
     remaining = total
 
-    async def worker(conn: _Conn) -> None:
+    async def worker(conn: _Conn, bar: Bar) -> None:
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
@@ -152,13 +158,18 @@ async def run_load(
                 result.sample_body = body
             if status != 200:
                 result.errors += 1
-            result.latencies_s.append(t1 - t0)
+            latencies = result.latencies_s
+            latencies.append(t1 - t0)
             if streamed and first:
                 result.first_chunk_s.append(first - t0)
+            if not len(latencies) % PROGRESS_EVERY:
+                bar.update(len(latencies))
 
     started = time.perf_counter()
     try:
-        await asyncio.gather(*(worker(c) for c in conns))
+        # On a terminal only (rich, throttled): the client's CPU is part of what is measured.
+        with progress_bar(f"{total} requests x{concurrency}", total) as bar:
+            await asyncio.gather(*(worker(c, bar) for c in conns))
     finally:
         result.elapsed_s = time.perf_counter() - started
         for conn in conns:

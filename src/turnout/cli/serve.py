@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.parsers import check_parser_names
 from turnout.runtime.discovery import default_file_store_path
+from turnout.runtime.progress import progress_bar, progress_shown
 
 from .engine_flags import check_engine_flags, engine_flags
 from .flags import add_flag, add_runtime_flags
@@ -301,6 +302,10 @@ def num_worker_processes(args: argparse.Namespace) -> int:
     return 1 if args.engine == "mocker" and workers > 0 else workers
 
 
+#: Longest time the bar of workers coming up shows.
+WORKERS_UP_VIEW_S = 300.0
+
+
 class ServeTree:
     def __init__(self, args: argparse.Namespace) -> None:
         if worker_count(args) < 0:
@@ -355,6 +360,23 @@ class ServeTree:
             worker_count(self.args),
             self.args.engine,
         )
+        if progress_shown():
+            self._watchers.append(asyncio.create_task(self._show_workers_coming_up()))
+
+    async def _show_workers_coming_up(self) -> None:
+        """On a terminal: a bar of the workers registered with the frontend, until all are,
+        or for ``WORKERS_UP_VIEW_S`` at most (supervision says why a worker does not come)."""
+        expected = worker_count(self.args)
+        manager = self.frontend.manager
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WORKERS_UP_VIEW_S
+        with progress_bar("workers ready", expected) as bar:
+            while loop.time() < deadline:
+                ready = sum(len(manager.model_instances(n)) for n in manager.list_models())
+                bar.update(min(ready, expected))
+                if ready >= expected:
+                    return
+                await asyncio.sleep(0.2)
 
     async def _supervise(self, argv: list[str], name: str) -> None:
         if self._parent_pipe is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -100,10 +101,26 @@ def _rfc3339(created: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is written (unless ``setStream`` gave
+    it another stream), so that a live progress display, which redirects stderr through
+    itself while it shows (``runtime.progress``), keeps log lines whole above it."""
+
+    _fixed: Any = None
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr if self._fixed is None else self._fixed
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        self._fixed = None if value is sys.stderr else value
+
+
 def log_handler(log_format: str) -> logging.Handler:
     """A stderr handler writing ``log_format`` (``text`` or ``json``) lines with the request's
     fields."""
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.addFilter(RequestFields())
     if log_format == "json":
         handler.setFormatter(JsonFormatter())

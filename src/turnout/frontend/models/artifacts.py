@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -44,6 +45,7 @@ from turnout.llm.tokenizer import Tokenizer, load_tokenizer
 from turnout.protocols.card_bounds import DEFAULT_MAX_ARTIFACT_BYTES
 from turnout.protocols.model import ARTIFACT_HANDLER, ArtifactRef, ArtifactRequest, EndpointId
 from turnout.runtime.context import RequestContext
+from turnout.runtime.progress import MIN_BYTES, Bar, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -310,17 +312,20 @@ class ArtifactFetcher:
         # Checked as each chunk arrives, before it is kept: the bound on what is held.
         limit = min(ref.size, self.max_bytes)
         stream = source.call(instance_id, ARTIFACT_HANDLER, payload, ctx)
+        shown = progress_bar(f"fetching {ref.name}", ref.size, unit="bytes")
         try:
             async with asyncio.timeout(timeout):
-                async for chunk in stream:
-                    received += len(chunk)
-                    if received > limit:
-                        raise ArtifactError(
-                            f"sent more than the {ref.size} bytes announced"
-                            if limit == ref.size
-                            else f"sent more than {self.max_bytes} bytes (--max-artifact-bytes)"
-                        )
-                    chunks.append(chunk)
+                with shown if ref.size >= MIN_BYTES else contextlib.nullcontext(Bar()) as bar:
+                    async for chunk in stream:
+                        received += len(chunk)
+                        if received > limit:
+                            raise ArtifactError(
+                                f"sent more than the {ref.size} bytes announced"
+                                if limit == ref.size
+                                else f"sent more than {self.max_bytes} bytes (--max-artifact-bytes)"
+                            )
+                        chunks.append(chunk)
+                        bar.update(received)
         finally:
             ctx.cancel()
             if isinstance(stream, AsyncGenerator):  # stop the call now, not when collected
