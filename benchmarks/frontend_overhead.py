@@ -37,6 +37,8 @@ but never refused; requests carry ``Authorization: Bearer``. ``auth+tls``: the s
 planes under mutual TLS (``--plane-ca/--plane-cert/--plane-key``, a throwaway CA). The run
 ends with a ``security`` summary: each variant's CPU per request against ``off``, and plane
 TLS's CPU per streamed token (frontend and workers) as ``auth+tls`` minus ``auth``.
+``tracing``: every process exports its spans (``--otlp-endpoint``) to a receiver in the
+benchmark's process that drops them: the cost of tracing every request, against ``off``.
 
 Before and after (``--compare-src DIR``, the ``src`` of another checkout, e.g. a git worktree
 of an earlier commit): every variant gets a second stack whose processes import turnout from
@@ -68,6 +70,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import http.server
 import itertools
 import json
 import os
@@ -79,6 +82,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Coroutine, Iterator
@@ -186,8 +190,8 @@ def plane_services(planes: str, tmp: Path) -> Iterator[list[str]]:
         yield flags
 
 
-#: The security variants ``--security`` may name (see the module docstring).
-SECURITY = ("off", "auth", "auth+tls")
+#: The variants ``--security`` may name (see the module docstring).
+SECURITY = ("off", "auth", "auth+tls", "tracing")
 #: Keys in the ``auth`` variants' keys file, spread over this many tenants.
 SECURITY_KEYS = 8
 SECURITY_TENANTS = 4
@@ -208,6 +212,9 @@ def security_setup(variant: str, tmp: Path) -> Security:
     """Write what ``variant`` needs (a keys file, a CA and its leaves) under ``tmp``."""
     if variant == "off":
         return Security(variant, [], [], [])
+    if variant == "tracing":
+        sink = ["--otlp-endpoint", otlp_sink()]
+        return Security(variant, list(sink), list(sink), [])
     keys = [f"sk-turnout-bench-{secrets.token_hex(16)}" for _ in range(SECURITY_KEYS)]
     tables = [
         f'[[keys]]\nsha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
@@ -227,6 +234,30 @@ def security_setup(variant: str, tmp: Path) -> Security:
             flags += ["--plane-ca", leaf.ca, "--plane-cert", leaf.cert, "--plane-key", leaf.key]
     # The last key's tenant: the others are configured only to make the ring realistic.
     return Security(variant, frontend, workers, [("authorization", f"Bearer {keys[-1]}")])
+
+
+_SINK: list[str] = []
+
+
+def otlp_sink() -> str:
+    """The URL of an OTLP/HTTP receiver in this process that takes every export and keeps
+    nothing (started once, on a daemon thread): the ``tracing`` variant's spans go there."""
+    if not _SINK:
+
+        class Sink(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        _SINK.append(f"http://127.0.0.1:{server.server_address[1]}")
+    return _SINK[0]
 
 
 def render_request(host: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> bytes:
