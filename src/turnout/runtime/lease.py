@@ -78,6 +78,7 @@ class Lease:
                         exc,
                     )
                 continue
+            contact.last_ok = time.monotonic()  # answered, whatever it said
             if not alive:
                 logger.warning(
                     "lease %x ended before its keep-alive; its owner registers again", self.id
@@ -87,7 +88,7 @@ class Lease:
             if failing:
                 logger.warning("lease %x kept alive again; nothing was lost", self.id)
                 failing = overdue = False
-            last_ok = contact.last_ok = time.monotonic()
+            last_ok = contact.last_ok
 
     async def revoke(self) -> None:
         """End the lease now (its keys vanish) and stop the keep-alive. Idempotent."""
