@@ -366,15 +366,17 @@ class Worker:
                 )
             )
             return
-        span = tracing.start_worker_span(
-            ctx,
-            "generate",
-            {
-                "turnout.request_id": ctx.request_id,
-                "turnout.instance": f"{card.instance_id:x}" if card is not None else "",
-                "turnout.prompt_tokens": len(request.token_ids),
-            },
-        )
+        span = None
+        if ctx.traceparent and tracing.enabled():
+            span = tracing.start_worker_span(
+                ctx,
+                "generate",
+                {
+                    "turnout.request_id": ctx.request_id,
+                    "turnout.instance": f"{card.instance_id:x}" if card is not None else "",
+                    "turnout.prompt_tokens": len(request.token_ids),
+                },
+            )
         tokens_out = 0
         error: BaseException | None = None
         buffer = _OutputBuffer()

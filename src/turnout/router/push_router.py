@@ -161,8 +161,12 @@ class PushRouter(Generic[Req, Resp]):
         avoid: Collection[int] = ctx.metadata.get(AVOID_METADATA, ())
         decode = self._decode
         while True:
-            span = tracing.start_span(
-                ctx, "route", {"turnout.router.selector": type(self._selector).__name__}
+            span = (
+                None
+                if ctx.trace is None
+                else tracing.start_span(
+                    ctx, "route", {"turnout.router.selector": type(self._selector).__name__}
+                )
             )
             try:
                 instance_id = self._pick(request, excluded, avoid, ctx)

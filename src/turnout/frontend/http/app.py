@@ -392,6 +392,22 @@ class HttpService:
                 )
                 pipeline = current
 
+    @staticmethod
+    def _request_span(scope: Scope, ctx: RequestContext) -> Any:
+        """The request's server span (tracing is on); its route span then says why, so the
+        routers explain their decision."""
+        path = scope.path.rstrip("/")
+        span = tracing.start_request_span(
+            ctx,
+            f"{scope.method} {path}",
+            scope.headers,
+            {"http.request.method": scope.method, "http.route": path,
+             "turnout.request_id": ctx.request_id},
+        )  # fmt: skip
+        if span is not None:
+            ctx.metadata[EXPLAIN_ROUTING_METADATA] = True
+        return span
+
     async def _generate(
         self, scope: Scope, proto: Exchange, surface: Surface, principal: Principal
     ) -> None:
@@ -410,16 +426,7 @@ class HttpService:
         ctx = RequestContext(f"{client_id}.{new_request_id()}" if client_id else new_request_id())
         proto.add_response_header(REQUEST_ID_HEADER, client_id or ctx.request_id)
         bind_request(ctx)
-        surface_path = scope.path.rstrip("/")
-        span = tracing.start_request_span(
-            ctx,
-            f"{scope.method} {surface_path}",
-            scope.headers,
-            {"http.request.method": scope.method, "http.route": surface_path,
-             "turnout.request_id": ctx.request_id},
-        )  # fmt: skip
-        if span is not None:  # a traced request's route span says why, so routers explain
-            ctx.metadata[EXPLAIN_ROUTING_METADATA] = True
+        span = self._request_span(scope, ctx) if tracing.enabled() else None
         started = time.perf_counter()
         task = asyncio.current_task()
         assert task is not None
@@ -463,7 +470,7 @@ class HttpService:
                 priority = request_priority(
                     request.priority, principal.policy, authenticated=self.access.auth is not None
                 )
-                with tracing.traced(ctx, "admission", **{"turnout.priority": priority}):
+                with tracing.traced(ctx, "admission"):
                     ticket = await self.admission.acquire(model, priority)
                 metrics.queue_wait.observe(ticket.waited)
             inflight = metrics.inflight
@@ -510,14 +517,15 @@ class HttpService:
                 tracing.end_span(
                     span, RuntimeError(f"answered {status}") if status >= 500 else None
                 )
-            log.debug(
-                "request %s: %s%s answered %d in %.3f s",
-                ctx.request_id,
-                scope.path,
-                " (stream)" if stream else "",
-                status,
-                time.perf_counter() - started,
-            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "request %s: %s%s answered %d in %.3f s",
+                    ctx.request_id,
+                    scope.path,
+                    " (stream)" if stream else "",
+                    status,
+                    time.perf_counter() - started,
+                )
 
     # ------------------------------------------------------------------ response store
 

@@ -161,7 +161,7 @@ class KvPushRouter:
                 raise NoInstanceAvailable(
                     f"no live instance holds or can load LoRA adapter {request.lora_name!r}"
                 )
-        span = tracing.start_span(ctx, "route", {"turnout.router.mode": "kv"})
+        span = None if ctx.trace is None else tracing.start_span(ctx, "route")
         asked = bool(ctx.metadata.get(EXPLAIN_ROUTING_METADATA))
         sampled = router.decisions.wants_sample()
         selection = router.route(
@@ -185,6 +185,7 @@ class KvPushRouter:
                 }
             )
         if span is not None:
+            span.set_attribute("turnout.router.mode", "kv")
             span.set_attributes(route_attributes(selection))
         if not selection.ok or selection.worker_id is None:
             error = NoInstanceAvailable(_why(selection, router.endpoint.path()))
