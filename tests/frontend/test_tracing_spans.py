@@ -84,6 +84,7 @@ async def test_a_kv_routed_request_explains_its_route_in_its_span(
     assert attempt.parent is not None and attempt.parent.span_id == request.context.span_id
     assert generate.parent is not None and generate.parent.span_id == attempt.context.span_id
     assert attrs(generate)["turnout.output_tokens"] == 4
+    assert [e.name for e in generate.events] == ["mocker.scheduled", "first_token"]
     assert attrs(attempt)["turnout.instance"] == decision["turnout.instance"]
 
 

@@ -19,7 +19,8 @@ Spans (attributes under ``turnout.*``):
 
 ============================  =========================================================
 ``POST /v1/chat/completions``  the HTTP request (server span): status, model, request id;
-                               events ``migration`` (each move to another worker, with why)
+                               events ``first_token``, ``migration`` (each move to another
+                               worker, with why), ``retry`` (before the first token)
 ``admission``                  the wait for an admission slot (with ``--max-inflight``)
 ``preprocess``                 chat template and tokenization
 ``route``                      the routing decision: mode, chosen instance; under the KV
@@ -29,7 +30,8 @@ Spans (attributes under ``turnout.*``):
                                broke (a later ``attempt`` is the migration)
 ``prefill``                    the prefill stage of a disaggregated request
 ``generate``                   on the worker (server span): the engine's run of the request;
-                               events ``first_token``; finish reason, tokens out
+                               events ``first_token`` (and the engine's: the mocker's
+                               ``mocker.scheduled``); finish reason, tokens out
 ``kv_transfer``                on a decode worker: pulling the prompt's KV from the prefill one
 ============================  =========================================================
 """

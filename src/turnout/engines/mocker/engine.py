@@ -66,6 +66,7 @@ from turnout.protocols.model import (
     RuntimeConfig,
     WorkerRole,
 )
+from turnout.runtime import tracing
 from turnout.runtime.context import RequestContext
 
 log = logging.getLogger(__name__)
@@ -334,6 +335,7 @@ class MockerEngine(Engine):
         stream = Stream(ctx, prefill, len(request.token_ids))
         rank.streams[rid] = stream
         rank.wake.set()
+        tracing.add_event(ctx, "mocker.scheduled")  # in its rank's queue from here
         loop = asyncio.get_running_loop()
         finished = False
         try:
