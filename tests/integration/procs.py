@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +84,20 @@ def start_serve(tmp: Path, port: int, *args: str) -> subprocess.Popen[bytes]:
              "--store-path", str(tmp / "store.sqlite")],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+
+
+@contextlib.contextmanager
+def running_serve(tmp: Path, *args: str, timeout: float = 90) -> Iterator[str]:
+    """``turnout serve *args`` (``start_serve``) once its workers serve, as its URL; stopped
+    on exit (``stop_serve``)."""
+    port = free_port()
+    proc = start_serve(tmp, port, *args)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: any(health(url).values()), timeout, "serve's workers")
+        yield url
+    finally:
+        stop_serve(proc)
 
 
 def stop_serve(proc: subprocess.Popen[bytes]) -> None:

@@ -15,9 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.integration.procs import health, start_serve, stop_serve, wait_until
-
-from turnout.frontend.service import free_port
+from tests.integration.procs import health, running_serve, wait_until
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -47,14 +45,8 @@ def browser(tmp: Path, *, javascript: bool = True):  # type: ignore[no-untyped-d
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    proc = start_serve(tmp_path, port, "--engine", "mocker", "--router-mode", "kv")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: any(health(url).values()), 90, "serve's workers")
+    with running_serve(tmp_path, "--engine", "mocker", "--router-mode", "kv") as url:
         yield url
-    finally:
-        stop_serve(proc)
 
 
 def load(url: str, stop: threading.Event) -> None:

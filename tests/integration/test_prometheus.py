@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from tests.integration.procs import health, start_serve, stop_serve, wait_until
+from tests.integration.procs import health, running_serve, wait_until
 
 from turnout.frontend.service import free_port
 
@@ -27,14 +27,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    proc = start_serve(tmp_path, port, "--engine", "echo", "--router-mode", "kv")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: any(health(url).values()), 90, "serve's workers")
+    with running_serve(tmp_path, "--engine", "echo", "--router-mode", "kv") as url:
         yield url
-    finally:
-        stop_serve(proc)
 
 
 def prometheus_config(tmp: Path, frontend: str) -> Path:

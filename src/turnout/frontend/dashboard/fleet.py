@@ -76,15 +76,11 @@ class FleetView:
         instances += [self._instance(i, "prefill", None, None) for i in sorted(prefill or [])]
         out: dict[str, Any] = {"name": name, "instances": instances, "kv_router": kv is not None}
         if kv is not None:
-            stats = kv.core.get_stats()
-            reported = (
-                kv.reported_cached_tokens / kv.reported_prompt_tokens
-                if kv.reported_prompt_tokens
-                else None
-            )
-            out["predicted_hit_rate"] = stats.predicted_hit_rate
-            out["reported_hit_rate"] = reported
-            out["hit_rate_gap"] = None if reported is None else stats.predicted_hit_rate - reported
+            hits = kv.hits
+            if hits.prompt:
+                out["predicted_hit_rate"] = hits.predicted / hits.prompt
+                out["reported_hit_rate"] = hits.reported / hits.prompt
+                out["hit_rate_gap"] = hits.gap
             out["decisions"] = [_decision(d) for d in kv.decisions.entries()[:DECISIONS_SHOWN]]
         return out
 

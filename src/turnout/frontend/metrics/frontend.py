@@ -355,8 +355,11 @@ class _ModelInstancesCollector(Collector):
 class _KvRouterCollector(Collector):
     """``turnout_kv_*``: what each model's KV router predicted, and what workers reported.
 
-    ``turnout_kv_hit_rate_gap`` is predicted minus reported hit rate: a router whose index
-    drifts from the workers' real caches shows it here. Likewise, per worker,
+    ``turnout_kv_hit_rate_gap`` is predicted minus reported hit rate, both as shares of prompt
+    tokens over the requests whose worker reported its cached tokens (the block-based
+    ``turnout_kv_predicted_hit_rate`` counts whole blocks only, and would show a gap of a
+    partial last block on every short prompt): a router whose index drifts from the workers'
+    real caches shows it here. Likewise, per worker,
     ``turnout_kv_ttft_gap_seconds`` is the mean realised minus predicted time to first token
     (TTFT cost): a step-time model that drifts from the hardware shows there, and
     ``turnout_kv_worker_step_model`` shows the fitted coefficients themselves.
@@ -376,7 +379,10 @@ class _KvRouterCollector(Collector):
             labels=["model"],
         )
         gap = GaugeMetricFamily(
-            "turnout_kv_hit_rate_gap", "Predicted minus reported KV hit rate", labels=["model"]
+            "turnout_kv_hit_rate_gap",
+            "Predicted minus reported share of prompt tokens served from cache, over the "
+            "requests whose worker reported it",
+            labels=["model"],
         )
         predicted_tokens = CounterMetricFamily(
             "turnout_kv_predicted_cached_tokens", "Prompt tokens predicted cached",
@@ -468,7 +474,7 @@ class _KvRouterCollector(Collector):
             )
             predicted.add_metric([model], p)
             reported.add_metric([model], r)
-            gap.add_metric([model], p - r)
+            gap.add_metric([model], router.hits.gap)
             predicted_tokens.add_metric([model], router.predicted_cached_tokens)
             reported_tokens.add_metric([model], router.reported_cached_tokens)
             silent.add_metric([model], router.num_silent_warnings)

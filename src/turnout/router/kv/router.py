@@ -164,8 +164,10 @@ class KvRouter:
         self.decision_seconds = DurationHistogram()
         #: A sample of recent decisions, explained (``/dashboard``).
         self.decisions = DecisionLog()
-        #: Per live worker: prompt tokens predicted cached against those it reported cached.
+        #: Prompt tokens predicted cached against those reported cached: per live worker, and
+        #: in all (requests whose worker reported its cached tokens).
         self.worker_hits: dict[int, WorkerHits] = {}
+        self.hits = WorkerHits()
         self.core = KvRouterCore(
             config,
             clock=clock,
@@ -321,6 +323,7 @@ class KvRouter:
                 if hits is None:
                     hits = self.worker_hits[key.worker_id] = WorkerHits()
                 hits.add(prompt_tokens, prompt_tokens - computed, cached_tokens)
+                self.hits.add(prompt_tokens, prompt_tokens - computed, cached_tokens)
         self.core.on_finished(request_id)
         if cached_tokens is not None:
             self.reported_cached_tokens += cached_tokens
