@@ -268,7 +268,8 @@ def _cell(value: Any, kind: str | None) -> str:
     if value is None:
         return "<span class=muted>-</span>"
     if kind == "pct" and isinstance(value, int | float):
-        return f"{100 * value:.1f}%"
+        pct = 100 * value
+        return f"{0.0 if abs(pct) < 0.05 else pct:.1f}%"  # never "-0.0%"
     if kind == "s" and isinstance(value, int | float):
         return _fmt(value, "s")
     return _e(value)
