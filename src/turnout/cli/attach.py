@@ -25,6 +25,7 @@ from .system_port import (
     AttachHealth,
     EngineCollector,
     add_system_flags,
+    advertise_system_metrics,
     attach_engines,
     system_server,
 )
@@ -218,6 +219,7 @@ async def run_attach(args: argparse.Namespace) -> None:
         await system.start()
     try:
         runtime = await open_runtime(planes_config(args))
+        advertise_system_metrics(system, runtime)
         servers += [
             AttachedServer(runtime, url, settings, tokenizers, kv_endpoints=e, kv_replays=r)
             for url, (e, r) in zip(urls, kv, strict=True)

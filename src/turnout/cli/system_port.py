@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from turnout.errors import ConfigError
-from turnout.runtime.addresses import DEFAULT_HOST
+from turnout.runtime.addresses import DEFAULT_HOST, is_wildcard
+from turnout.runtime.identity import advertise_metrics, process_identity
 from turnout.runtime.redact import redact_url
 from turnout.runtime.serving import ServingInstance
 from turnout.runtime.system_server import SystemServer
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from turnout.engines.attach.server import AttachedServer
     from turnout.engines.base import EngineBase
     from turnout.engines.worker import Worker
+    from turnout.runtime.component import DistributedRuntime
 
 
 def add_system_flags(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +69,19 @@ def system_server(
         raise ConfigError(f"--system-port must be a port number (0-65535), got {port}")
     return SystemServer(args.system_host, port, component=component, checks=checks,
                         collectors=collectors, details=details)  # fmt: skip
+
+
+def advertise_system_metrics(system: SystemServer | None, runtime: DistributedRuntime) -> None:
+    """Name ``system``'s ``/metrics`` in the records this process writes (nothing without a
+    system endpoint). A wildcard bind is named by the host the records give the process."""
+    if system is None:
+        return
+    bound = urlsplit(system.address)
+    host = bound.hostname or ""
+    if is_wildcard(host):
+        host = process_identity(runtime).host
+    shown = f"[{host}]" if ":" in host else host
+    advertise_metrics(f"http://{shown}:{bound.port}/metrics")
 
 
 def registration_problem(serving: ServingInstance | None) -> str | None:

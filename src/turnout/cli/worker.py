@@ -26,6 +26,7 @@ from .system_port import (
     EngineCollector,
     WorkerHealth,
     add_system_flags,
+    advertise_system_metrics,
     system_server,
     worker_engines,
 )
@@ -311,6 +312,7 @@ async def _serve_workers(
     """Start ``args.num_workers`` workers (appended to ``workers``) and serve until a signal
     or an engine failure."""
     runtime = await open_runtime(planes_config(args))
+    advertise_system_metrics(system, runtime)
 
     async def start() -> None:
         engines = make_engines(args, args.num_workers, threads=max(1, os.cpu_count() or 2))

@@ -101,6 +101,9 @@ class ProcessIdentity(msgspec.Struct, frozen=True, kw_only=True):
     #: ``local``).
     request_plane: str = ""
     event_plane: str = ""
+    #: Where its Prometheus metrics are served (``http://host:port/metrics``; empty: none,
+    #: e.g. a worker without ``--system-port``). A frontend's are on its HTTP address.
+    metrics_url: str = ""
 
     def where(self) -> str:
         """``host:pid`` for log lines (``?`` for what the record does not say)."""

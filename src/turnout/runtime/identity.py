@@ -15,6 +15,17 @@ from turnout.runtime.addresses import is_loopback, is_wildcard
 if TYPE_CHECKING:
     from turnout.runtime.component import DistributedRuntime
 
+#: This process's metrics endpoint (see ``advertise_metrics``); one per process, as the
+#: system endpoint is.
+_metrics_url = ""
+
+
+def advertise_metrics(url: str) -> None:
+    """Name ``url`` as this process's metrics endpoint in the records it writes from here on
+    (``ProcessIdentity.metrics_url``), so Prometheus finds it through discovery."""
+    global _metrics_url
+    _metrics_url = url
+
 
 def process_identity(runtime: DistributedRuntime) -> ProcessIdentity:
     """Host, pid, version and the planes of ``runtime``: the same on every plane set, NATS
@@ -31,6 +42,7 @@ def process_identity(runtime: DistributedRuntime) -> ProcessIdentity:
         version=turnout.__version__,
         request_plane=runtime.request_plane,
         event_plane=runtime.event_plane.kind,
+        metrics_url=_metrics_url,
     )
 
 
