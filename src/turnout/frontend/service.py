@@ -37,6 +37,7 @@ from turnout.frontend.dashboard.routes import DashboardRoutes
 from turnout.frontend.http.access_gate import PUBLIC_ROUTE_CHOICES
 from turnout.frontend.http.app import DEFAULT_MAX_BODY_BYTES, HttpService
 from turnout.frontend.http.errors import REJECT_STATUSES
+from turnout.frontend.http.scrape_targets import ScrapeTargetRoutes
 from turnout.frontend.metrics.affinity import SessionAffinityCollector
 from turnout.frontend.metrics.disagg import DisaggMetrics
 from turnout.frontend.metrics.frontend import FrontendMetrics
@@ -357,6 +358,7 @@ class Frontend:
         )
         self.http = service
         self._mount_dashboard(factory)
+        service.add_routes(ScrapeTargetRoutes(runtime.store).routes())  # Prometheus' discovery
         limits = dataclasses.replace(cfg.http, reject_status=cfg.reject_status)
         self._server = HttpServer(service, cfg.host, cfg.port, limits=limits, ssl=self._ssl)
         await self._server.start()
