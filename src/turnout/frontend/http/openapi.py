@@ -172,6 +172,16 @@ def build_openapi(
                 },
             }
         },
+        "/metrics/targets": {
+            "get": {
+                "summary": "Prometheus HTTP service discovery: every frontend's and worker's "
+                "metrics endpoint",
+                "responses": {
+                    "200": _json_response("[{targets, labels}]", {"type": "array"}),
+                    "503": _error("the discovery store did not answer"),
+                },
+            }
+        },
         "/openapi.json": {
             "get": {
                 "summary": "This document",
