@@ -1,13 +1,14 @@
-"""A real Prometheus (Debian's) scraping a running ``turnout serve``: it finds the frontend
-through a target file as ``deploy/prometheus/prometheus.yml`` says, loads the alert rules of
+"""A real Prometheus (Debian's) scraping a running ``turnout serve`` and a worker with a
+system port: it finds both through the frontend's ``GET /metrics/targets`` as
+``deploy/prometheus/prometheus.yml`` says, loads the alert rules of
 ``deploy/prometheus/turnout-rules.yml``, and the rule for a KV router that gets no KV events
 fires when ``serve`` runs echo workers (which publish none) under ``--router-mode kv``."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,20 +32,41 @@ def serve(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture
+def system_worker(serve: str, tmp_path: Path) -> Iterator[int]:
+    """One more echo worker, in serve's store and planes, with a system port (serve's own
+    workers run without one); its system port."""
+    port = free_port()
+    with open(tmp_path / "worker.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnout", "worker", "--engine", "echo",
+             "--store", "file", "--store-path", str(tmp_path / "store.sqlite"),
+             "--request-plane", "tcp", "--event-plane", "zmq", "--system-port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def prometheus_config(tmp: Path, frontend: str) -> Path:
-    """deploy/prometheus's config, every 1 s, with the frontend in its target file and the
-    rules' ``for:`` at 0 s (the shipped durations are minutes: the rule's condition is what
-    is under test, not the wait)."""
-    targets = tmp / "targets"
-    targets.mkdir()
-    (targets / "frontends.json").write_text(json.dumps([{"targets": [frontend]}]))
-    (targets / "workers.json").write_text("[]")
+    """deploy/prometheus's config, every 1 s, with the frontend's discovery route as its
+    service discovery and the rules' ``for:`` at 0 s (the shipped durations are minutes: the
+    rule's condition is what is under test, not the wait)."""
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     for job in config["scrape_configs"]:
         job.pop("authorization", None)  # this serve has no API keys
-        for sd in job["file_sd_configs"]:
-            sd["files"] = [str(targets / Path(f).name) for f in sd["files"]]
+        for sd in job["http_sd_configs"]:
+            sd.pop("authorization", None)
+            sd["url"] = f"http://{frontend}/metrics/targets"
+            sd["refresh_interval"] = "1s"
     rules = yaml.safe_load((ROOT / "deploy/prometheus/turnout-rules.yml").read_text())
     for group in rules["groups"]:
         for rule in group["rules"]:
@@ -55,7 +77,9 @@ def prometheus_config(tmp: Path, frontend: str) -> Path:
     return path
 
 
-def test_prometheus_scrapes_serve_and_the_kv_events_rule_fires(serve: str, tmp_path: Path) -> None:
+def test_prometheus_scrapes_serve_and_the_kv_events_rule_fires(
+    serve: str, system_worker: int, tmp_path: Path
+) -> None:
     assert PROMETHEUS is not None
     frontend = serve.removeprefix("http://")
     config = prometheus_config(tmp_path, frontend)
@@ -76,14 +100,25 @@ def test_prometheus_scrapes_serve_and_the_kv_events_rule_fires(serve: str, tmp_p
         assert body["status"] == "success", body
         return body["data"]["result"]
 
+    def up() -> dict[str, set[str]]:
+        """Each job's targets (host:port) that Prometheus scraped successfully."""
+        found: dict[str, set[str]] = {}
+        for t in httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]:
+            if t["health"] == "up":
+                found.setdefault(t["labels"]["job"], set()).add(t["labels"]["instance"])
+        return found
+
     try:
         wait_until(
-            lambda: any(
-                t["health"] == "up" and t["labels"]["job"] == "turnout-frontends"
-                for t in httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]
+            lambda: (
+                up()
+                == {
+                    "turnout-frontends": {frontend},
+                    "turnout-workers": {f"127.0.0.1:{system_worker}"},
+                }
             ),
             60,
-            "the frontend target up",
+            "the frontend and the worker found through /metrics/targets, and up",
             logs,
         )
         groups = httpx.get(f"{api}/rules", timeout=5).json()["data"]["groups"]
