@@ -29,6 +29,7 @@ OPEN_ROUTES = frozenset({"/health", "/live", "/ready"})
 #: Routes ``public_routes`` (``--public-route``) may open to callers without a key.
 PUBLIC_ROUTE_CHOICES = (
     "/metrics",
+    "/metrics/targets",
     "/v1/models",
     "/openapi.json",
     "/dashboard",
