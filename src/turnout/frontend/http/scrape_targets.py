@@ -22,6 +22,7 @@ import msgspec
 from turnout.errors import DiscoveryError
 from turnout.frontend.access.principal import Principal
 from turnout.frontend.http.admin import Handler
+from turnout.frontend.http.errors import SERVER_ERROR
 from turnout.frontend.openai.chunk_writer import JSON_HEADERS
 from turnout.protocols.frontend import FRONTENDS_ROOT, FrontendRecord
 from turnout.protocols.model import INSTANCES_ROOT, Instance
@@ -109,7 +110,9 @@ class ScrapeTargetRoutes:
             records = await asyncio.wait_for(read_records(self._store), STORE_TIMEOUT_S)
         except (TimeoutError, OSError, DiscoveryError) as exc:
             log.warning("%s: the store did not answer: %r", SCRAPE_TARGETS, exc)
-            body = error_body("the discovery store did not answer", "store_unavailable")
+            body = error_body(
+                "the discovery store did not answer", "store_unavailable", SERVER_ERROR
+            )
             proto.response_bytes(503, JSON_HEADERS, body)
             return
         proto.response_bytes(200, JSON_HEADERS, _json.encode(scrape_targets(*records)))
