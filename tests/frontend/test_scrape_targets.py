@@ -27,9 +27,14 @@ def instance(instance_id: int, metrics_url: str) -> Instance:
     )
 
 
+def labels(scheme: str, **turnout: str) -> dict[str, str]:
+    """A target's labels: how Prometheus scrapes it, then turnout's own."""
+    return {"__scheme__": scheme, "__metrics_path__": "/metrics", **turnout}
+
+
 def test_frontends_and_workers_with_metrics_are_listed_once_each() -> None:
     frontends = [
-        FrontendRecord(frontend_id=2, http_address="http://10.0.0.9:8000"),
+        FrontendRecord(frontend_id=2, http_address="https://10.0.0.9:8000"),
         FrontendRecord(frontend_id=1, http_address="http://10.0.0.1:8000/"),
         FrontendRecord(frontend_id=3),  # no address yet: nothing to scrape
     ]
@@ -39,15 +44,13 @@ def test_frontends_and_workers_with_metrics_are_listed_once_each() -> None:
         instance(3, ""),  # no --system-port
         instance(4, "not a url"),
     ]
+    worker = {"turnout_role": "worker", "turnout_namespace": "prod", "turnout_component": "backend"}
     assert st.scrape_targets(frontends, instances) == [
-        {"targets": ["10.0.0.1:8000"],
-         "labels": {"__metrics_path__": "/metrics", "turnout_role": "frontend"}},
-        {"targets": ["10.0.0.9:8000"],
-         "labels": {"__metrics_path__": "/metrics", "turnout_role": "frontend"}},
-        {"targets": ["10.0.0.2:8081"],
-         "labels": {"__metrics_path__": "/metrics", "turnout_role": "worker",
-                    "turnout_namespace": "prod", "turnout_component": "backend"}},
-    ]  # fmt: skip
+        {"targets": ["10.0.0.1:8000"], "labels": labels("http", turnout_role="frontend")},
+        # TLS: Prometheus must scrape it over https
+        {"targets": ["10.0.0.9:8000"], "labels": labels("https", turnout_role="frontend")},
+        {"targets": ["10.0.0.2:8081"], "labels": labels("http", **worker)},
+    ]
 
 
 def test_the_list_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,10 +75,10 @@ async def test_the_route_lists_a_worker_with_metrics_and_fails_when_the_store_st
             assert answer.status_code == 200
             # The frontend's own record is written by ``turnout frontend`` (the CLI), which
             # an in-process stack is not: tests/integration/test_prometheus.py finds it.
+            worker = {"turnout_namespace": "test", "turnout_component": "backend"}
             assert answer.json() == [
                 {"targets": ["10.0.0.7:8081"],
-                 "labels": {"__metrics_path__": "/metrics", "turnout_role": "worker",
-                            "turnout_namespace": "test", "turnout_component": "backend"}},
+                 "labels": labels("http", turnout_role="worker", **worker)},
             ]  # fmt: skip
 
             stalled = asyncio.Event()

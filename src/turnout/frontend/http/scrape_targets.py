@@ -2,7 +2,8 @@
 fleet this frontend sees, so one scrape job finds every frontend and worker.
 
 The body is the JSON list Prometheus reads: ``[{"targets": ["host:port"], "labels": {...}}]``,
-one entry per metrics endpoint, with ``__metrics_path__``, ``turnout_role`` (``frontend`` or
+one entry per metrics endpoint, with ``__scheme__`` (``https`` for a frontend serving TLS),
+``__metrics_path__``, ``turnout_role`` (``frontend`` or
 ``worker``) and, for workers, ``turnout_namespace`` and ``turnout_component``. Frontends are
 their records' HTTP addresses plus ``/metrics``; workers are the ``metrics_url`` their
 instance records name (a worker or attach with ``--system-port``: several instances of one
@@ -42,18 +43,18 @@ STORE_TIMEOUT_S = 5.0
 _json = msgspec.json.Encoder()
 
 
-def _target(url: str) -> tuple[str, str] | None:
-    """``(host:port, path)`` of an ``http://host:port/path`` URL (None: not one)."""
+def _target(url: str) -> tuple[str, str, str] | None:
+    """``(host:port, scheme, path)`` of an ``http(s)://host:port/path`` URL (None: not one)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         return None
-    return parts.netloc, parts.path or "/metrics"
+    return parts.netloc, parts.scheme, parts.path or "/metrics"
 
 
 def scrape_targets(frontends: list[FrontendRecord], instances: list[Instance]) -> list[Any]:
     """The service discovery body for these records: one entry per metrics endpoint, in a
     stable order (frontends, then workers, each sorted by target), at most ``MAX_TARGETS``."""
-    found: dict[tuple[str, str], dict[str, str]] = {}
+    found: dict[tuple[str, str, str], dict[str, str]] = {}
     for record in frontends:
         if record.http_address:
             url = record.http_address.rstrip("/") + "/metrics"
@@ -73,8 +74,8 @@ def scrape_targets(frontends: list[FrontendRecord], instances: list[Instance]) -
         log.warning("%s lists %d of %d targets", SCRAPE_TARGETS, MAX_TARGETS, len(found))
     order = sorted(found.items(), key=lambda item: (item[1]["turnout_role"] != "frontend", item[0]))
     return [
-        {"targets": [address], "labels": {"__metrics_path__": path, **labels}}
-        for (address, path), labels in order[:MAX_TARGETS]
+        {"targets": [address], "labels": {"__scheme__": scheme, "__metrics_path__": path, **labels}}
+        for (address, scheme, path), labels in order[:MAX_TARGETS]
     ]
 
 
