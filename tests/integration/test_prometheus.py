@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -95,15 +96,22 @@ def test_prometheus_scrapes_serve_and_the_kv_events_rule_fires(
     def logs() -> str:
         return (tmp_path / "prometheus.log").read_text()[-3000:]
 
-    def query(expr: str) -> list[dict[str, object]]:
-        body = httpx.get(f"{api}/query", params={"query": expr}, timeout=5).json()
+    def get(path: str, **params: str) -> Any:
+        """The API's ``data`` (an HTTP error raises, which ``wait_until`` polls past: a
+        Prometheus still starting answers 503 in plain text)."""
+        answer = httpx.get(f"{api}/{path}", params=params, timeout=5)
+        answer.raise_for_status()
+        body = answer.json()
         assert body["status"] == "success", body
-        return body["data"]["result"]
+        return body["data"]
+
+    def query(expr: str) -> Any:
+        return get("query", query=expr)["result"]
 
     def up() -> dict[str, set[str]]:
         """Each job's targets (host:port) that Prometheus scraped successfully."""
         found: dict[str, set[str]] = {}
-        for t in httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]:
+        for t in get("targets")["activeTargets"]:
             if t["health"] == "up":
                 found.setdefault(t["labels"]["job"], set()).add(t["labels"]["instance"])
         return found
@@ -121,7 +129,7 @@ def test_prometheus_scrapes_serve_and_the_kv_events_rule_fires(
             "the frontend and the worker found through /metrics/targets, and up",
             logs,
         )
-        groups = httpx.get(f"{api}/rules", timeout=5).json()["data"]["groups"]
+        groups = get("rules")["groups"]
         assert sum(len(g["rules"]) for g in groups) == 8  # every rule loaded
         model = next(iter(health(serve)))
         for _ in range(5):  # routed by the KV router, which hears no KV event
@@ -134,7 +142,7 @@ def test_prometheus_scrapes_serve_and_the_kv_events_rule_fires(
         wait_until(lambda: bool(query("turnout_model_instances")), 30, "scraped samples", logs)
 
         def firing() -> set[str]:
-            alerts = httpx.get(f"{api}/alerts", timeout=5).json()["data"]["alerts"]
+            alerts = get("alerts")["alerts"]
             return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
 
         wait_until(lambda: "TurnoutKvEventsMissing" in firing(), 60, "the rule firing", logs)
