@@ -37,7 +37,8 @@ def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any,
     )
     quiet_asyncio()
     try:
-        configure_tracing(getattr(args, "otlp_endpoint", None), f"turnout-{args.command}")
+        service = f"turnout-{getattr(args, 'command', None) or 'process'}"
+        configure_tracing(getattr(args, "otlp_endpoint", None), service)
         uvloop.run(main())
     except TurnoutError as exc:
         log.error("%s", exc)
