@@ -27,6 +27,7 @@ from turnout.llm.parsers import check_parser_names
 from turnout.protocols.model import EndpointId
 from turnout.runtime.component import DistributedRuntime
 from turnout.runtime.planes import PlanesConfig, open_runtime
+from turnout.runtime.progress import progress_bar
 
 from .frontend import frontend_config
 from .serve import worker_count
@@ -76,18 +77,20 @@ class InProcessServe:
         self.frontend = Frontend(self.config, runtime=self.runtime)
         await self.frontend.start()
         threads = max(1, os.cpu_count() or 2)
-        for engine in make_engines(args, self.count, threads=threads):
-            worker = Worker(
-                self.runtime,
-                engine,
-                self.endpoint,
-                model_name=args.model_name,
-                device_type=getattr(args, "device_type", None),
-                tool_call_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser,
-            )
-            self.workers.append(worker)
-            await worker.start()
+        with progress_bar("workers ready", self.count) as bar:
+            for engine in make_engines(args, self.count, threads=threads):
+                worker = Worker(
+                    self.runtime,
+                    engine,
+                    self.endpoint,
+                    model_name=args.model_name,
+                    device_type=getattr(args, "device_type", None),
+                    tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser,
+                )
+                self.workers.append(worker)
+                await worker.start()
+                bar.update(len(self.workers))
         log.info(
             "serving on %s with %d in-process %s engine(s); Ctrl-C stops everything",
             self.frontend.url,
