@@ -65,6 +65,7 @@ from benchmarks.traces import (  # noqa: E402
 )
 
 from benchmarks import routing_quality as rq  # noqa: E402
+from turnout.runtime.progress import track  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_SETUPS = ["agg", "1:1", "1:3"]
@@ -202,7 +203,7 @@ def run_setup(
 def make_traces(args: argparse.Namespace) -> list[Trace | str]:
     """The traces to replay, or for one that cannot be had, why not."""
     out: list[Trace | str] = []
-    for kind in args.traces:
+    for kind in track(args.traces, "traces", label=str):
         if kind == "long":
             out.append(long_prompt_trace(args.requests, args.isl, args.osl, args.seed))
             continue

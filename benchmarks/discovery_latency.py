@@ -52,6 +52,7 @@ from turnout.engines.worker import Worker  # noqa: E402
 from turnout.frontend.service import free_port  # noqa: E402
 from turnout.protocols.model import EndpointId  # noqa: E402
 from turnout.runtime.planes import PlanesConfig, open_runtime  # noqa: E402
+from turnout.runtime.progress import track  # noqa: E402
 
 POLL_S = 0.002
 ENDPOINT = EndpointId(namespace="bench", component="backend", name="generate")
@@ -157,7 +158,7 @@ def main() -> None:
     args = ap.parse_args()
     results: dict[str, Any] = {"lease_ttl_s": args.lease_ttl, "poll_ms": POLL_S * 1000,
                                "stores": {}}  # fmt: skip
-    for store in args.stores:
+    for store in track(args.stores, "stores", label=str):
         tmp = Path(tempfile.mkdtemp(prefix="turnout-disc-"))
         etcd = EtcdServer(tmp / "etcd") if store == "etcd" else None
         if etcd is not None:

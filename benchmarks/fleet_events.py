@@ -43,6 +43,7 @@ from turnout.engines.mocker import MockerConfig, MockerEngine  # noqa: E402
 from turnout.protocols.kv import BlockRemoved, BlockStored, KvEventBatch, LoadReport  # noqa: E402
 from turnout.protocols.llm import PreprocessedRequest, StopConditions  # noqa: E402
 from turnout.runtime.context import RequestContext  # noqa: E402
+from turnout.runtime.progress import track  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fleet_events.json"
 _encode = msgspec.msgpack.Encoder().encode
@@ -160,7 +161,7 @@ def extrapolate(per_worker: dict[str, Any], args: argparse.Namespace) -> list[di
     blocks = per_worker["blocks_stored"] + per_worker["blocks_removed"]
     # CPU a router spends per worker-second: its load reports and its blocks indexed.
     us = per_worker["load_reports"] * args.us_per_report + blocks * args.us_per_block
-    for n in args.fleet:
+    for n in track(args.fleet, "fleet sizes", label=str):
         shard = math.ceil(n / args.shards)
         rows.append({
             "workers": n,

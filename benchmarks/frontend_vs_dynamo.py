@@ -96,6 +96,7 @@ from benchmarks.process_groups import stop_process_groups  # noqa: E402
 
 from bench_http import percentile, render_post, run_load  # noqa: E402
 from frontend_overhead import summarize_pyspy  # noqa: E402
+from turnout.runtime.progress import track  # noqa: E402
 
 MODEL = "tiny"
 MODES = ("round-robin", "kv")
@@ -375,7 +376,7 @@ def run_mode(
             time.sleep(1.0)
         bodies = scenario_bodies()
         rows = []
-        for name in args.scenarios:
+        for name in track(args.scenarios, "scenarios", label=str):
             body, streamed = bodies[name]
             total = args.stream_requests if streamed else args.short_requests
             max_tokens = int(body["max_tokens"])

@@ -88,6 +88,7 @@ from benchmarks.traces import (  # noqa: E402
 )
 
 from benchmarks import gateway_peers as peers  # noqa: E402
+from turnout.runtime.progress import track  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_GATEWAYS = [
@@ -166,7 +167,7 @@ def run_mocker_part(args: argparse.Namespace, report: dict[str, Any]) -> None:
     part: dict[str, Any] = {"num_engines": args.engines, "traces": []}
     report["mocker"] = part
     peer_info = report["peers"]
-    for kind in args.traces:
+    for kind in track(args.traces, "traces", label=str):
         trace = make_trace(kind, args)
         flags = MockerFlags(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks)
         oracle = oracle_hit_rate(trace, flags.block_size)

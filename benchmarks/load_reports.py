@@ -44,6 +44,7 @@ from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.router import KvRouter
 from turnout.router.load_reports import BusyReports
 from turnout.runtime.event_plane.local import LocalEventPlane
+from turnout.runtime.progress import track
 
 RESULTS = Path(__file__).parent / "results" / "load_reports.json"
 ENDPOINT = EndpointId(namespace="bench", component="backend", name="generate")
@@ -147,7 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     payloads = make_payloads(args.workers, args.reports, args.steps, seed=1)
     rows: list[dict[str, Any]] = []
-    for burst in args.burst:
+    for burst in track(args.burst, "bursts", label=str):
         samples = [
             asyncio.run(run_once(payloads, args.workers, burst)) * 1e6 for _ in range(args.repeat)
         ]

@@ -35,6 +35,7 @@ from typing import Any
 from turnout.engines.mocker import MockerConfig, MockerEngine, MockerStats, make_mocker_engines
 from turnout.protocols.llm import PreprocessedRequest, StopConditions
 from turnout.runtime.context import RequestContext
+from turnout.runtime.progress import track
 
 RESULTS = Path(__file__).parent / "results" / "mocker_scale.json"
 
@@ -167,7 +168,7 @@ def main() -> None:
         f"{'hit':>5} {'behind %':>8} {'sim util':>8}"
     )
     print(header)
-    for speedup in args.speedups:
+    for speedup in track(args.speedups, "speedups", label=str):
         for n in args.workers:
             r = asyncio.run(drive(n, speedup, args.seconds, args))
             runs.append(r)

@@ -21,6 +21,7 @@ from turnout.llm.detokenizer import Detokenizer
 from turnout.llm.model_card import default_gguf_path
 from turnout.llm.parsers import make_output_parser
 from turnout.llm.tokenizer import Tokenizer
+from turnout.runtime.progress import track
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWER = "The weather in Paris is mild today, with a light breeze and some sun. " * 3
@@ -74,7 +75,7 @@ def main() -> None:
     tok = Tokenizer.from_gguf(default_gguf_path())
     rows = []
     print(f"{'case':42} {'tokens':>6} {'us/response':>12} {'us/token':>9}")
-    for label, tool, reasoning, text in cases():
+    for label, tool, reasoning, text in track(list(cases()), "cases", label=lambda c: c[0]):
         # As the frontend decodes them: a character split across tokens comes whole.
         detok = Detokenizer(tok, skip_special_tokens=False)
         pieces = [p for p in (detok.step(i) for i in tok.encode(text, False)) if p]

@@ -48,6 +48,7 @@ from turnout.router.kv.base import WorkerKey
 from turnout.router.kv.config import KvRouterConfig, RouterCost
 from turnout.router.kv.core import KvRouterCore
 from turnout.router.kv.selector import select_worker
+from turnout.runtime.progress import track
 
 RESULTS = Path(__file__).parent / "results" / "router_decision.json"
 VOCAB = 32000
@@ -326,7 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": [],
     }
     conv_tokens = max(args.prompt_tokens)
-    for num_workers in args.workers:
+    for num_workers in track(args.workers, "fleet sizes", label=str):
         rng = random.Random(args.seed)
         nprng = np.random.default_rng(args.seed)
         corpus = Corpus(rng=nprng, block_size=args.block_size, conv_tokens=conv_tokens)

@@ -69,6 +69,7 @@ from scale_stack import (
     histogram_buckets,
     minus,
 )
+from turnout.runtime.progress import track
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
@@ -383,7 +384,7 @@ def main() -> None:
                             text=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
     print(f"commit {commit}\n{HEADER}", flush=True)
     runs = []
-    for planes in args.planes:
+    for planes in track(args.planes, "planes", label=str):
         for n in args.workers:
             row = run_one(planes, n, args, raws)
             runs.append(row)

@@ -28,6 +28,7 @@ from turnout.protocols.llm import (
     PreprocessedRequest,
     StopConditions,
 )
+from turnout.runtime.progress import track
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "The weather in Paris is mild today, with a light breeze and some sun. 😀 " * 40
@@ -87,7 +88,7 @@ def main() -> None:
     tok = Tokenizer.from_gguf(default_gguf_path())
     result: dict[str, dict[str, float]] = {"per_token_us": {}, "setup_ms": {}}
     print(f"{'case':40} {'µs/token':>10}")
-    for label, stop in CASES.items():
+    for label, stop in track(list(CASES.items()), "cases", label=lambda c: c[0]):
         us = per_token(tok, stop, args.rounds) * 1e6
         result["per_token_us"][label] = round(us, 3)
         print(f"{label:40} {us:10.2f}")
