@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from turnout.errors import ConfigError, TurnoutError
 from turnout.llm.parsers import check_parser_names
 from turnout.runtime.discovery import default_file_store_path
-from turnout.runtime.progress import progress_bar, progress_shown
+from turnout.runtime.progress import progress_bar, progress_shown, relay_lines
 
 from .engine_flags import check_engine_flags, engine_flags
 from .flags import add_flag, add_runtime_flags
@@ -172,13 +172,30 @@ Spawn = Callable[[list[str]], Awaitable[ChildProcess]]
 PER_PROCESS_ENV = ("TURNOUT_SYSTEM_PORT", "TURNOUT_SYSTEM_HOST")
 
 
-async def spawn_child(argv: list[str], *, pass_fds: Sequence[int] = ()) -> ChildProcess:
+#: The tasks copying children's stderr through this process (``relay_lines``), each until its
+#: child's stderr closes.
+_RELAYS: set[asyncio.Task[None]] = set()
+
+
+async def spawn_child(
+    argv: list[str], *, pass_fds: Sequence[int] = (), relay_stderr: bool = False
+) -> ChildProcess:
     """Start ``argv`` in a session of its own, with ``pass_fds`` open in it, in this process's
-    environment less ``PER_PROCESS_ENV``."""
+    environment less ``PER_PROCESS_ENV``. ``relay_stderr``: the child's stderr comes through
+    this process, so that its log lines pass above a progress bar shown here."""
     env = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_ENV}
-    return await asyncio.create_subprocess_exec(
-        *argv, start_new_session=True, pass_fds=tuple(pass_fds), env=env
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        start_new_session=True,
+        pass_fds=tuple(pass_fds),
+        env=env,
+        stderr=asyncio.subprocess.PIPE if relay_stderr else None,
     )
+    if proc.stderr is not None:
+        relay = asyncio.create_task(relay_lines(proc.stderr))
+        _RELAYS.add(relay)
+        relay.add_done_callback(_RELAYS.discard)
+    return proc
 
 
 def describe_exit(code: int) -> str:
@@ -382,7 +399,8 @@ class ServeTree:
         if self._parent_pipe is None:
             self._parent_pipe = ParentPipe()
         fd = self._parent_pipe.read_fd
-        spawn = functools.partial(spawn_child, pass_fds=(fd,))
+        # On a terminal, the workers' lines pass through here, above the bar of them coming up.
+        spawn = functools.partial(spawn_child, pass_fds=(fd,), relay_stderr=progress_shown())
         supervisor = WorkerSupervisor([*argv, "--parent-fd", str(fd)], name, spawn=spawn)
         await supervisor.start()
         self.supervisors.append(supervisor)
