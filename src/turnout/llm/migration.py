@@ -420,9 +420,7 @@ class Migration:
             return False
         self._avoid(ctx, progress)
         progress.failure = exc
-        tracing.add_event(
-            ctx, "retry", {"turnout.reason": str(exc), "turnout.avoided": len(progress.avoid)}
-        )
+        tracing.moved(ctx, "retry", str(exc), {"turnout.avoided": len(progress.avoid)})
         log.warning(
             "request %s: instance %s failed before the first token (%s); trying another "
             "(%d avoided)",
@@ -471,14 +469,11 @@ class Migration:
         ctx.metadata["migrations"] = migrations
         if self._on_migration is not None:
             self._on_migration()
-        tracing.add_event(
+        tracing.moved(
             ctx,
             "migration",
-            {
-                "turnout.reason": str(exc),
-                "turnout.tokens_generated": len(generated),
-                "turnout.migration": migrations,
-            },
+            str(exc),
+            {"turnout.tokens_generated": len(generated), "turnout.migration": migrations},
         )
         log.warning(
             "request %s: stream broke after %d tokens (%s); migrating (%d/%d)",

@@ -494,15 +494,7 @@ class _InstanceStream:
         client = self._client
         ctx = self._ctx
         if ctx.trace is not None:
-            self._span = tracing.start_span(
-                ctx,
-                "attempt",
-                {
-                    "turnout.instance": f"{self._instance_id:x}",
-                    "turnout.endpoint": client.endpoint.path(),
-                },
-                client=True,
-            )
+            self._span = tracing.start_attempt(ctx, self._instance_id, client.endpoint.path())
             self._untold = True
         instance = client.get_instance(self._instance_id)
         if instance is None:

@@ -25,9 +25,11 @@ Spans (attributes under ``turnout.*``):
 ``preprocess``                 chat template and tokenization
 ``route``                      the routing decision: mode, chosen instance; under the KV
                                router each candidate's overlap, load and predicted TTFT
-``attempt``                    one send to one instance (client span): instance, endpoint;
-                               events ``first_token``, ``stream_end``; an error status when it
-                               broke (a later ``attempt`` is the migration)
+``attempt``                    one send to one instance (client span): instance, endpoint,
+                               its number under its parent (``turnout.attempt``, from 1); a
+                               later one the cause (``migration``, ``retry``) and reason of
+                               the move; events ``first_token``, ``stream_end``; an error
+                               status when it broke
 ``prefill``                    the prefill stage of a disaggregated request
 ``generate``                   on the worker (server span): the engine's run of the request;
                                events ``first_token`` (and the engine's: the mocker's
@@ -216,6 +218,37 @@ def add_event(ctx: RequestContext, name: str, attributes: dict[str, Any] | None 
         span.add_event(name, attributes=attributes)
 
 
+def start_attempt(ctx: RequestContext, instance_id: int, endpoint: str) -> Span | None:
+    """The ``attempt`` span of one send of a traced request to one instance (a client span:
+    ``ctx.traceparent`` then names it for the plane). Attempts under one parent are numbered
+    from 1; a later one says why the request moved (``moved``), when it did."""
+    span = ctx.trace
+    if span is None:
+        return None
+    counts: dict[int, int] = ctx.metadata.setdefault(_ATTEMPTS_METADATA, {})
+    parent_id = span.get_span_context().span_id
+    number = counts[parent_id] = counts.get(parent_id, 0) + 1
+    attributes: dict[str, Any] = {
+        "turnout.instance": f"{instance_id:x}",
+        "turnout.endpoint": endpoint,
+        "turnout.attempt": number,
+    }
+    if number > 1:
+        moved = ctx.metadata.pop(_MOVED_METADATA, None)
+        if moved is not None:
+            attributes["turnout.attempt.cause"], attributes["turnout.attempt.reason"] = moved
+    return start_span(ctx, "attempt", attributes, client=True)
+
+
+def moved(ctx: RequestContext, cause: str, reason: str, attributes: dict[str, Any]) -> None:
+    """A traced request goes to another instance: a ``cause`` event (``migration``,
+    ``retry``) on its parent span, and the cause and reason for its next attempt's span."""
+    span = ctx.trace
+    if span is not None:
+        span.add_event(cause, attributes={"turnout.reason": reason, **attributes})
+        ctx.metadata[_MOVED_METADATA] = (cause, reason)
+
+
 def traced(
     ctx: RequestContext | None, name: str, **attributes: Any
 ) -> contextlib.AbstractContextManager[Any]:
@@ -247,6 +280,11 @@ _UNTRACED = contextlib.nullcontext()
 
 
 _W3C_HEADERS = ("traceparent", "tracestate")
+#: ``RequestContext.metadata`` keys of a traced request: the attempts started under each
+#: parent span (span id -> count), and why it last moved (cause, reason) until an attempt
+#: takes it.
+_ATTEMPTS_METADATA = "trace_attempts"
+_MOVED_METADATA = "trace_moved"
 
 
 def _extract(carrier: dict[str, str]) -> Any:
