@@ -86,6 +86,19 @@ async def test_a_kv_routed_request_explains_its_route_in_its_span(
     assert attrs(generate)["turnout.output_tokens"] == 4
     assert [e.name for e in generate.events] == ["mocker.scheduled", "first_token"]
     assert attrs(attempt)["turnout.instance"] == decision["turnout.instance"]
+    assert attrs(attempt)["turnout.attempt"] == 1 and "turnout.attempt.cause" not in attrs(attempt)
+    # The engine's stages, under the worker's span: the prompt until the first token, then
+    # one step a token.
+    (prefill,) = by_name["mocker.prefill"]
+    (decode,) = by_name["mocker.decode"]
+    for stage in (prefill, decode):
+        assert stage.parent is not None and stage.parent.span_id == generate.context.span_id
+    assert attrs(prefill)["turnout.prompt_tokens"] == attrs(generate)["turnout.prompt_tokens"]
+    assert attrs(prefill)["turnout.preemptions"] == 0
+    assert attrs(decode)["turnout.output_tokens"] == 4 and attrs(decode)["mocker.steps"] == 4
+    assert attrs(decode)["turnout.finish_reason"] == "length"
+    assert prefill.end_time is not None and decode.start_time is not None
+    assert prefill.end_time <= decode.start_time
 
 
 async def test_a_disaggregated_request_has_a_prefill_stage_and_a_kv_transfer(

@@ -60,10 +60,12 @@ class Receiver:
         for resource_spans in request.resource_spans:
             attributes = {a.key: a.value for a in resource_spans.resource.attributes}
             service = attributes["service.name"].string_value
+            pid = attributes["process.pid"].int_value
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     entry = {
                         "service": service,
+                        "pid": pid,
                         "name": span.name,
                         "trace_id": span.trace_id.hex(),
                         "span_id": span.span_id.hex(),
@@ -150,8 +152,14 @@ def test_a_migrated_stream_is_one_trace_across_the_frontend_and_workers(
     got = spans()
     assert all(s["trace_id"] == TRACE_ID for s in got)
     by_id = {s["span_id"]: s for s in got}
-    # One tree: every span's parent is a collected span, but the root's, which is the client's.
-    (root,) = [s for s in got if s["parent"] not in by_id]
+    # One tree under the client's span.
+    # The killed worker exported the spans it had ended (its engine's prefill stage), never
+    # their parent (its generate span, still open when it died): the only spans besides the
+    # root whose parent the collector never got.
+    orphans = [s for s in got if s["parent"] not in by_id and s["parent"] != CLIENT_SPAN]
+    assert all(s["pid"] == first.pid for s in orphans), orphans
+    (root,) = [s for s in got if s["parent"] == CLIENT_SPAN]
+    assert all(s["parent"] in by_id for s in got if s not in orphans and s is not root)
     assert root["parent"] == CLIENT_SPAN and root["name"] == "POST /v1/chat/completions"
     assert root["attributes"]["http.response.status_code"] == 200
     assert str(root["attributes"]["turnout.request_id"]).startswith("traced-1.")
@@ -165,11 +173,18 @@ def test_a_migrated_stream_is_one_trace_across_the_frontend_and_workers(
     assert tried[0] == first_instance and tried[-1] == second_instance, tried
     *broken, finished = attempts
     assert all(a["error"] for a in broken) and not finished["error"]
+    # Numbered in order; the one after the killed worker's says it is the migration, and why.
+    numbers = [a["attributes"]["turnout.attempt"] for a in attempts]
+    assert numbers == list(range(1, len(attempts) + 1)), numbers
+    moved = attempts[1]["attributes"]
+    assert moved["turnout.attempt.cause"] == "migration" and moved["turnout.attempt.reason"]
     assert "stream_end" in finished["events"]
     (generate,) = [s for s in got if s["name"] == "generate"]  # the killed worker exported none
     assert generate["service"] == "turnout-worker" and generate["parent"] == finished["span_id"]
     assert generate["attributes"]["turnout.instance"] == second_instance
     assert "first_token" in generate["events"]
+    stages = [s["name"] for s in got if s["parent"] == generate["span_id"]]
+    assert sorted(stages) == ["mocker.decode", "mocker.prefill"], stages
 
 
 def test_a_bad_endpoint_is_refused_at_start_and_an_absent_collector_costs_no_request(

@@ -35,6 +35,11 @@ Spans (attributes under ``turnout.*``):
                                events ``first_token`` (and the engine's: the mocker's
                                ``mocker.scheduled``); finish reason, tokens out
 ``kv_transfer``                on a decode worker: pulling the prompt's KV from the prefill one
+``mocker.prefill``,            the mocker's stages, under ``generate``: queued to first token
+``mocker.decode``              (prompt and cached tokens, preemptions), then to the end
+                               (tokens, steps); ``engines.mocker.spans``
+``llamacpp.generate``          llama.cpp's run, under ``generate``: prompt, cached and output
+                               tokens, finish reason
 ============================  =========================================================
 """
 

@@ -79,6 +79,7 @@ from turnout.protocols.model import (
     ModelDeploymentCard,
     RuntimeConfig,
 )
+from turnout.runtime import tracing
 from turnout.runtime.context import RequestContext
 
 from .completion import MAX_TOP_LOGPROBS, STRUCTURED_OUTPUTS, make_body, request_grammar_problem
@@ -404,6 +405,12 @@ class LlamaCppEngine(Engine):
         self._ensure_beat(loop)
         watcher = loop.create_task(ctx.wait_cancelled())
         watcher.add_done_callback(on_cancel)
+        span = (
+            None
+            if ctx.trace is None
+            else tracing.start_span(ctx, "llamacpp.generate", {"turnout.prompt_tokens": n_prompt})
+        )
+        finish: FinishReason | None = None
         try:
             # Inside the try: an executor already shut down raises here, and the cleanup
             # below still releases the watcher, the live entry and the load admission.
@@ -414,22 +421,43 @@ class LlamaCppEngine(Engine):
                 item = await queue.get()
                 if isinstance(item, End):
                     if not stream.finished:
+                        finish = FinishReason.ERROR
                         yield LLMEngineOutput(
                             finish_reason=FinishReason.ERROR,
                             error="llama.cpp ended the stream without a final chunk",
                             usage=stream.usage(),
                         )
                     return
+                finish = item.finish_reason
                 yield item
-                if item.finish_reason is not None:
+                if finish is not None:
                     return
         finally:
             # Consumer gone, cancelled or done: the next chunk tells llama.cpp to stop.
             stream.aborted = True
             watcher.cancel()
+            if span is not None:
+                _end_span(span, stream, finish)
             if stream in self._live:
                 del self._live[stream]
                 self._load.left(stream)
+
+
+def _end_span(span: Any, stream: RequestStream, finish: FinishReason | None) -> None:
+    """End a traced request's ``llamacpp.generate`` span (from its submission to its end):
+    the prompt tokens the slot's cache served, tokens out, and how the stream ended (no
+    finish reason: the consumer left first)."""
+    span.set_attributes(
+        {
+            "turnout.cached_tokens": stream.cached_tokens or 0,
+            "turnout.output_tokens": stream.num_tokens,
+        }
+    )
+    if finish is None:
+        span.set_attribute("turnout.cancelled", True)
+    else:
+        span.set_attribute("turnout.finish_reason", str(finish))
+    tracing.end_span(span)
 
 
 def _release(holder: list[Any]) -> None:

@@ -53,6 +53,7 @@ from turnout.engines.mocker.rank import (
     Stream,
 )
 from turnout.engines.mocker.scheduler import Scheduler, StepResult
+from turnout.engines.mocker.spans import MockerSpans
 from turnout.engines.mocker.timing import Clock, Sleep, TimingModel
 from turnout.engines.mocker.tokens import TokenSampler
 from turnout.protocols.disagg import KvTransferOp, KvTransferReply, KvTransferRequest
@@ -335,7 +336,12 @@ class MockerEngine(Engine):
         stream = Stream(ctx, prefill, len(request.token_ids))
         rank.streams[rid] = stream
         rank.wake.set()
-        tracing.add_event(ctx, "mocker.scheduled")  # in its rank's queue from here
+        spans: MockerSpans | None = None
+        if ctx.trace is not None:
+            tracing.add_event(ctx, "mocker.scheduled")  # in its rank's queue from here
+            mock_request = rank.scheduler.get_request(rid)
+            if mock_request is not None:
+                spans = MockerSpans(ctx, mock_request)
         loop = asyncio.get_running_loop()
         finished = False
         try:
@@ -354,10 +360,14 @@ class MockerEngine(Engine):
                     extra["kv_transfer_s"] = transfer_s
                     out = msgspec.structs.replace(out, extra=extra)
                     transfer_s = None
+                if spans is not None:
+                    spans.output(out)
                 yield out
                 if finished:
                     return
         finally:
+            if spans is not None:
+                spans.end(finished)
             stream.stop_watching()
             if not finished:
                 # A handle its consumer never saw: nobody will claim its blocks.
