@@ -40,6 +40,10 @@ Spans (attributes under ``turnout.*``):
                                (tokens, steps); ``engines.mocker.spans``
 ``llamacpp.generate``          llama.cpp's run, under ``generate``: prompt, cached and output
                                tokens, finish reason
+``upstream``                   attach's call to the server it fronts (client span, under
+                               ``generate``); the server is sent its ``traceparent`` (in text
+                               mode, or when attach does not trace, the frontend's attempt's),
+                               so a vLLM or SGLang exporting OTLP continues the trace
 ============================  =========================================================
 """
 

@@ -36,6 +36,8 @@ Handler = Callable[[Any], Reply]
 class FakeServer:
     routes: dict[tuple[str, str], Handler] = field(default_factory=dict)
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
+    #: Each request's headers (names lower-cased), in the order of ``requests``.
+    headers: list[dict[str, str]] = field(default_factory=list)
     #: Connections closed by the client while their stream was being written.
     client_gone: int = 0
     port: int = 0
@@ -78,6 +80,7 @@ class FakeServer:
             body_bytes = await reader.readexactly(int(headers.get("content-length", "0")))
             body = json.loads(body_bytes) if body_bytes else None
             self.requests.append((method, path, body))
+            self.headers.append(headers)
             handler = self.routes.get((method, path))
             reply = (
                 handler(body) if handler else Reply(404, json={"error": {"message": "no route"}})

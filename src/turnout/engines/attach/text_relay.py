@@ -141,7 +141,8 @@ def relay_handler(upstream: Upstream, served_name: str, on_broken: Any = None) -
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        lines = upstream.stream_lines(path, body)
+        # The frontend's attempt span: a server that traces continues the request's trace.
+        lines = upstream.stream_lines(path, body, ctx.traceparent)
         try:
             async for line in lines:
                 event = sse_payload(line)

@@ -48,6 +48,7 @@ from turnout.protocols.llm import (
     PreprocessedRequest,
 )
 from turnout.protocols.model import ModelDeploymentCard
+from turnout.runtime import tracing
 from turnout.runtime.context import RequestContext
 
 from ..base import Engine
@@ -245,7 +246,20 @@ class AttachedEngine(Engine):
         decoder = self.api.decoder(request)
         stream = TokenStream(request)
         self.in_flight += 1
-        lines = self.upstream.stream_lines(self.api.generate_path, body)
+        path = self.api.generate_path
+        span = (
+            None
+            if ctx.trace is None
+            else tracing.start_span(
+                ctx,
+                "upstream",
+                {"http.request.method": "POST", "url.full": self.url + path},
+                client=True,
+            )
+        )
+        # The frontend's attempt, or this worker's upstream span: the server's spans join.
+        lines = self.upstream.stream_lines(path, body, ctx.traceparent)
+        failure: UpstreamError | None = None
         try:
             async for line in lines:
                 event = sse_payload(line)
@@ -261,6 +275,7 @@ class AttachedEngine(Engine):
             yield _error(f"{self.url} ended the stream without a final event",
                          ErrorKind.ENGINE_FAILED, n_prompt, stream)  # fmt: skip
         except UpstreamStatus as exc:
+            failure = exc
             if 400 <= exc.status < 500:
                 yield _error(f"{self.api.label} at {self.url} refused the request: "
                              f"HTTP {exc.status}: {exc.message}",
@@ -271,12 +286,14 @@ class AttachedEngine(Engine):
         except UpstreamError as exc:
             # Unreachable, cut, past a deadline, garbage: the frontend moves the request
             # on; a health check now decides whether the server is set aside.
+            failure = exc
             log.warning("request %s: %s", ctx.request_id, exc)
             self.check_soon()
             yield _error(str(exc), ErrorKind.ENGINE_FAILED, n_prompt, stream)
         finally:
             self.in_flight -= 1
             await lines.aclose()
+            tracing.end_span(span, failure)
 
 
 def _error(

@@ -242,11 +242,15 @@ class Upstream:
 
     # ------------------------------------------------------------ streams
 
-    async def stream_lines(self, path: str, body: Any) -> AsyncGenerator[bytes, None]:
+    async def stream_lines(
+        self, path: str, body: Any, traceparent: str = ""
+    ) -> AsyncGenerator[bytes, None]:
         """POST ``body`` and yield the stream's non-empty lines (SSE ``data: ...`` and
         ``error: ...`` lines, without the line end). Raises ``UpstreamStatus`` for an HTTP
         error answer, ``UpstreamTimeout`` past the first-byte or idle deadline, ``Unreachable``
-        before the answer began and ``StreamCut`` after."""
+        before the answer began and ``StreamCut`` after. ``traceparent`` (W3C; "": none) goes
+        with the request, so a server that traces (vLLM's or SGLang's OTLP flags) continues
+        the request's trace."""
         session = self._require()
         url = self.base_url + path
         deadlines = self.deadlines
@@ -254,8 +258,9 @@ class Upstream:
         started = False
         complete = False
         resp: aiohttp.ClientResponse | None = None
+        headers = {**_JSON, "traceparent": traceparent} if traceparent else _JSON
         try:
-            resp = await session.post(url, data=_encode(body), headers=_JSON)
+            resp = await session.post(url, data=_encode(body), headers=headers)
             if resp.status >= 400:
                 data = await _read_bounded(resp, url)
                 raise UpstreamStatus(url, resp.status, error_message(data))
