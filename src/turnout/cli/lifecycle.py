@@ -44,7 +44,7 @@ def run_command(args: argparse.Namespace, main: Callable[[], Coroutine[Any, Any,
         log.error("%s", exc)
         return 2
     finally:
-        shutdown_tracing()  # exports what is queued, within the exporter's timeout
+        shutdown_tracing()  # exports what is queued, within tracing.EXIT_FLUSH_S
     return 0
 
 

@@ -53,6 +53,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -72,6 +73,10 @@ TRACES_PATH = "/v1/traces"
 EXPORT_TIMEOUT_S = 10.0
 #: Spans waiting for export at most; past it new spans are dropped, never the process slowed.
 MAX_QUEUED_SPANS = 4096
+#: Seconds a stopping process gives its queued spans to reach the collector; what is left then
+#: is dropped (a collector that is down must not hold up a stop: the SDK's own shutdown would
+#: retry each queued batch for up to ``EXPORT_TIMEOUT_S``).
+EXIT_FLUSH_S = 5.0
 
 _tracer: Tracer | None = None
 _provider: TracerProvider | None = None
@@ -125,7 +130,7 @@ def install_exporter(exporter: SpanExporter, service_name: str, *, batch: bool =
             "process.pid": os.getpid(),
         }
     )
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # shutdown_tracing
     processor = (
         BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUED_SPANS)
         if batch
@@ -136,12 +141,18 @@ def install_exporter(exporter: SpanExporter, service_name: str, *, batch: bool =
     _tracer = provider.get_tracer("turnout")
 
 
-def shutdown_tracing() -> None:
-    """Export what is queued (bounded by the exporter's timeout) and turn tracing off."""
+def shutdown_tracing(timeout: float = EXIT_FLUSH_S) -> None:
+    """Turn tracing off, exporting what is queued within ``timeout`` seconds; past them the
+    export goes on, on a daemon thread, only until the process exits."""
     global _tracer, _provider
     provider, _provider, _tracer = _provider, None, None
-    if provider is not None:
-        provider.shutdown()
+    if provider is None:
+        return
+    stopping = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+    stopping.start()
+    stopping.join(timeout)
+    if stopping.is_alive():
+        log.warning("tracing: spans not exported within %g s of stopping are dropped", timeout)
 
 
 # -------------------------------------------------------------------------------- spans
