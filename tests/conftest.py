@@ -9,9 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tests.conformance import Conformance
 from tests.helpers import smollm2_path
 from tests.log_check import LogCheck
+
+from turnout.runtime import tracing
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -69,6 +72,16 @@ def _check_sends(http: ModuleType, conformance: Conformance, mp: pytest.MonkeyPa
 
     mp.setattr(http.AsyncClient, "send", checked_send_async)
     mp.setattr(http.Client, "send", checked_send_sync)
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """This process traces every request into an in-memory exporter (each span handed over
+    as it ends) for the test's length."""
+    exporter = InMemorySpanExporter()
+    tracing.install_exporter(exporter, "turnout-test", batch=False)
+    yield exporter
+    tracing.shutdown_tracing()
 
 
 @pytest.fixture(autouse=True)

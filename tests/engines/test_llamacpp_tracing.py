@@ -3,7 +3,6 @@ the SDK's in-memory exporter: under the request's span, with its tokens and how 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,14 +18,6 @@ from turnout.runtime import tracing
 from turnout.runtime.context import RequestContext
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    tracing.install_exporter(exporter, "turnout-test", batch=False)
-    yield exporter
-    tracing.shutdown_tracing()
 
 
 def attrs(span: Any) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,14 +21,6 @@ from turnout.errors import ConfigError
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.mode import RouterMode
 from turnout.runtime import tracing
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    tracing.install_exporter(exporter, "turnout-test", batch=False)
-    yield exporter
-    tracing.shutdown_tracing()
 
 
 def tree_of(exporter: InMemorySpanExporter) -> dict[str, list[ReadableSpan]]:

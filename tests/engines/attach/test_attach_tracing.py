@@ -5,7 +5,7 @@ on, in token and text mode alike; an untraced request sends none."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -23,14 +23,6 @@ from turnout.runtime import tracing
 from turnout.runtime.context import RequestContext
 
 FRONTEND = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    tracing.install_exporter(exporter, "turnout-test", batch=False)
-    yield exporter
-    tracing.shutdown_tracing()
 
 
 async def generate(server: FakeServer, ctx: RequestContext) -> None:
