@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -84,7 +85,9 @@ CallLater = Callable[[float, Callable[[], None]], Cancellable]
 
 
 def _loop_call_later(delay: float, callback: Callable[[], None]) -> Cancellable:
-    return asyncio.get_running_loop().call_later(delay, callback)
+    # In a context of its own: a set-aside's retries and probes belong to no request, though
+    # a request's failure may have started them (its log binding would name it on their lines).
+    return asyncio.get_running_loop().call_later(delay, callback, context=contextvars.Context())
 
 
 class EndpointClient:

@@ -59,6 +59,7 @@ from urllib.parse import urlsplit
 
 from turnout.errors import ConfigError
 from turnout.runtime.context import RequestContext
+from turnout.runtime.redact import redact_url
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -108,7 +109,7 @@ def configure_tracing(endpoint: str | None, service_name: str) -> None:
 
     url = traces_url(endpoint)
     install_exporter(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), service_name)
-    log.info("tracing on: spans go to %s", url)
+    log.info("tracing on: spans go to %s", redact_url(url))
 
 
 def install_exporter(exporter: SpanExporter, service_name: str, *, batch: bool = True) -> None:
