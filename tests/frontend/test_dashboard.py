@@ -14,12 +14,13 @@ from tests.frontend.stack import Stack, make_stack
 from tests.helpers import assert_no_leaked_tasks
 
 from turnout.engines.mocker import MockerConfig, make_mocker_engines
-from turnout.frontend.dashboard.history import LatencyHistory, quantile
+from turnout.frontend.dashboard.history import LatencyHistory
 from turnout.frontend.dashboard.page import render_page
 from turnout.frontend.metrics.frontend import FrontendMetrics
 from turnout.router.kv.config import KvRouterConfig
 from turnout.router.kv.decisions import DecisionLog
 from turnout.router.mode import RouterMode
+from turnout.runtime.histograms import quantile
 
 LONG = [1000 + (i * 37) % 20000 for i in range(200)]
 

@@ -7,7 +7,7 @@ import sys
 
 from turnout import __version__
 
-from . import attach, frontend, mocker_server, router, serve, status, worker
+from . import attach, frontend, mocker_server, planner, router, serve, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.register(sub)
     attach.register(sub)
     router.register(sub)
+    planner.register(sub)
     mocker_server.register(sub)
     status.register(sub)
     return parser

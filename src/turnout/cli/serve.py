@@ -95,18 +95,20 @@ def worker_argv(
     *,
     role: str = "aggregated",
     count: int | None = None,
+    planes: list[str] | None = None,
 ) -> list[str]:
     """The ``turnout worker`` command line of one child, from serve's own flags (``count``
-    mocker workers in it, default ``--num-workers``)."""
+    mocker workers in it, default ``--num-workers``). ``planes``: the store and plane flags
+    (default: serve's, the file store at ``store_path``, tcp and zmq)."""
     endpoint = prefill_endpoint(args.endpoint) if role == "prefill" else args.endpoint
+    if planes is None:
+        planes = ["--store", "file", "--store-path", store_path,
+                  "--request-plane", "tcp", "--event-plane", "zmq"]  # fmt: skip
     argv = [
         sys.executable, "-m", "turnout", "worker",
         "--engine", args.engine,
         "--endpoint", endpoint,
-        "--store", "file",
-        "--store-path", store_path,
-        "--request-plane", "tcp",
-        "--event-plane", "zmq",
+        *planes,
         "--lease-ttl", str(args.lease_ttl),
         "--max-frame-bytes", str(args.max_frame_bytes),
         "--drain-timeout", str(args.drain_timeout),

@@ -70,9 +70,12 @@ class SystemServer:
         checks: Checks,
         collectors: Iterable[Collector] = (),
         details: Callable[[], dict[str, Any]] | None = None,
+        routes: dict[str, Callable[[], Any]] | None = None,
     ) -> None:
-        """``details``: more of ``/health``'s body (e.g. the instance ids), ready or not."""
+        """``details``: more of ``/health``'s body (e.g. the instance ids), ready or not.
+        ``routes``: more GET routes, each answering the JSON of what its function returns."""
         self._checks = checks
+        self._routes = dict(routes or {})
         self._details = details
         self.registry = CollectorRegistry()
         register_process_metrics(self.registry, component)
@@ -127,7 +130,7 @@ class SystemServer:
 
     async def _serve(self, scope: Scope, exchange: Exchange) -> None:
         path = scope.path
-        if path not in _ROUTES:
+        if path not in _ROUTES and path not in self._routes:
             exchange.response_bytes(404, _JSON, error_body(f"no route {path}", "not_found"))
             return
         if scope.method != "GET":
@@ -139,6 +142,8 @@ class SystemServer:
             return
         if path == "/live":
             exchange.response_bytes(200, _JSON, b'{"status":"live"}')
+        elif path in self._routes:
+            exchange.response_bytes(200, _JSON, _json.encode(self._routes[path]()))
         elif path == "/health":
             status, body = self.health()
             exchange.response_bytes(status, _JSON, _json.encode(body))

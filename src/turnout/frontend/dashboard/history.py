@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from turnout.frontend.metrics.frontend import LATENCY_BUCKETS, FrontendMetrics
+from turnout.runtime.histograms import quantile
 
 #: Seconds between two points.
 DEFAULT_INTERVAL_S = 5.0
@@ -35,24 +36,6 @@ class Point:
     itl: tuple[float | None, ...]
     ttft_count: int
     itl_count: int
-
-
-def quantile(q: float, bounds: Sequence[float], counts: Sequence[int]) -> float | None:
-    """The ``q`` quantile of observations counted per bucket (``counts[i]`` in the bucket
-    ending at ``bounds[i]``; the last count is above every bound). None: no observation."""
-    total = sum(counts)
-    if total == 0:
-        return None
-    rank = q * total
-    seen = 0
-    for i, n in enumerate(counts):
-        if n and seen + n >= rank:
-            if i >= len(bounds):  # above the last bound: all that can be said
-                return bounds[-1]
-            lower = bounds[i - 1] if i else 0.0
-            return lower + (bounds[i] - lower) * ((rank - seen) / n)
-        seen += n
-    return bounds[-1]
 
 
 class LatencyHistory:
