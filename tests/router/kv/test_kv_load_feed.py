@@ -140,3 +140,32 @@ async def test_the_router_feeds_busy_views_and_step_fits_from_the_plane() -> Non
         await pub.close()
         await router.close()
         await plane.close()
+
+
+async def test_the_router_keeps_nothing_for_workers_outside_discovery() -> None:
+    """A report from a worker that left (or never registered) is dropped: kept, it would stay
+    in the step fits and the metrics for good."""
+    plane = LocalEventPlane()
+    router = KvRouter(
+        KvRouterConfig(block_size=4, use_kv_events=False),
+        Members([1]),  # type: ignore[arg-type]
+        plane,
+        ENDPOINT,
+        share_active=False,
+    )
+    await router.start()
+    pub = await plane.publisher("ns", "backend")
+    try:
+        for r in (report(0, 0.1), report(7, 0.2), report(1, 0.3)):
+            pub.publish_nowait(LOAD_TOPIC, _encode(r))
+        await eventually(
+            lambda: router.core.loads.get_report(WorkerKey(1, 0)) is not None,
+            what="the member's report applied",
+        )
+        assert router.core.loads.get_report(WorkerKey(0, 0)) is None
+        assert router.core.loads.get_report(WorkerKey(7, 0)) is None
+        assert {k.worker_id for k, _ in router.core.step_models.items()} <= {1}
+    finally:
+        await pub.close()
+        await router.close()
+        await plane.close()

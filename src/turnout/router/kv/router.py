@@ -349,11 +349,14 @@ class KvRouter:
 
     async def _consume_load(self, sub: EventSubscription) -> None:
         """Apply load reports a batch at a time (see ``load_feed``): the busy view from each
-        worker's latest, the step-time fits from the backlog's due workers."""
+        worker's latest, the step-time fits from the backlog's due workers. Only reports of
+        workers in discovery count: one that left (or has not registered yet, or another
+        endpoint's sharing the topic) would otherwise be kept for good."""
         loads, step_models = self.core.loads, self.core.step_models
         backlog, decoder, clock = self._step_backlog, self._load_decoder, self._clock
         while (batch := await take_ready(sub)) is not None:
-            reports = decoder.decode(batch)
+            known = self._known_workers
+            reports = [r for r in decoder.decode(batch) if r.worker_id in known]
             now = clock()
             for report in reports:
                 backlog.add(report)
