@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     procs = ProcessSet(tmp_path, lease_ttl=2.0)
     s = Stack(procs)
     try:
-        procs.frontend()
+        procs.frontend("--router-mode", "kv")
         yield s
     finally:
         procs.close()
@@ -130,6 +131,12 @@ async def load(url: str, rate: float, seconds: float, max_tokens: int) -> list[O
     return out
 
 
+def kv_workers(url: str) -> set[str]:
+    """The workers the frontend's KV router keeps state for (its per-worker series)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return set(re.findall(r'^turnout_kv_worker_step_model\{[^}]*worker="([0-9a-f]+)"', text, re.M))
+
+
 def p90(values: list[float]) -> float:
     values = sorted(values)
     return values[int(0.9 * (len(values) - 1))]
@@ -158,6 +165,8 @@ def test_step_up_adds_workers_and_step_down_drains_them(stack: Stack) -> None:
     assert any(d["action"] == "scale_up" and d["acted"] for d in up)
     assert any(r.startswith("slo: ttft") for d in up for r in d["reasons"]), up
     peak = stack.instances()
+    known = kv_workers(url)
+    assert len(known) >= 2, known  # the KV router holds state for the workers added
 
     async def step_down() -> list[Outcome]:
         # Few, long streams while the planner sheds workers: they run on workers being drained.
@@ -173,6 +182,13 @@ def test_step_up_adds_workers_and_step_down_drains_them(stack: Stack) -> None:
     short = [o for o in [*before, *after] if o.tokens != 60] + [o for o in down if o.tokens != 400]
     assert not short, short[:3]
     assert peak >= 3
+    # The KV router forgot the removed workers.
+    wait_until(
+        lambda: kv_workers(url) <= set(health(url)[MODEL]),
+        30,
+        "the KV router to forget them",
+        lambda: f"{kv_workers(url)} {health(url)}",
+    )
     # The drained workers' processes are gone, not merely out of discovery.
     workers = [
         p for p in psutil.process_iter(["cmdline"])
