@@ -137,6 +137,17 @@ def kv_workers(url: str) -> set[str]:
     return set(re.findall(r'^turnout_kv_worker_step_model\{[^}]*worker="([0-9a-f]+)"', text, re.M))
 
 
+def status_planners(stack: Stack) -> list[dict[str, Any]]:
+    """``turnout status --json``'s planners."""
+    out = subprocess.run(
+        [sys.executable, "-m", "turnout", "status", "--json", "--load-wait", "0",
+         *stack.procs.common()],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    planners: list[dict[str, Any]] = json.loads(out.stdout)["planners"]
+    return planners
+
+
 def p90(values: list[float]) -> float:
     values = sorted(values)
     return values[int(0.9 * (len(values) - 1))]
@@ -216,6 +227,10 @@ def test_two_planners_only_the_leader_acts_and_the_other_takes_over(stack: Stack
     assert all(not d["acted"] for d in decisions(second_port)["decisions"])
     assert actions(second_port) == 0
     assert stack.instances() == 1
+    assert [(p["pid"], p["leader"]) for p in status_planners(stack)] == [
+        (first.pid, True),
+        (stack.planners[1][0].pid, False),
+    ]
 
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
@@ -232,6 +247,10 @@ def test_two_planners_only_the_leader_acts_and_the_other_takes_over(stack: Stack
     orphan.kill()
     wait_until(lambda: actions(second_port) >= 1, 60, "the new leader to act", stack.procs.logs)
     wait_until(lambda: stack.instances() == 1, 60, "a replacement worker", stack.procs.logs)
+    wait_until(lambda: len(status_planners(stack)) == 1, 30, "the dead planner's candidacy to end")
+    assert [(p["pid"], p["leader"]) for p in status_planners(stack)] == [
+        (stack.planners[1][0].pid, True)
+    ]
     last = [d for d in decisions(second_port)["decisions"] if d["acted"]][-1]
     assert last["action"] == "scale_up" and "bound: min 1" in last["reasons"], last
 

@@ -4,8 +4,8 @@ the workers are.
 Reads the frontends, instances and model cards from whichever store ``--store`` names, then
 listens to the workers' load reports on the event plane for ``--load-wait`` seconds (reports
 come at a steady rate, about once a second), and prints the frontends (host, pid, version,
-planes, HTTP address, router mode, and the instances each holds back, with the reason),
-namespaces, models with their types, and instances with their address, host, pid, version,
+planes, HTTP address, router mode, and the instances each holds back, with the reason), the
+planners standing in each namespace's election and which leads, namespaces, models with their types, and instances with their address, host, pid, version,
 planes, load and KV usage; an instance a frontend refuses for its planes says so.
 ``--json`` prints the same for scripts. A malformed record is reported under ``skipped``,
 never fatal: status is what an operator runs when something is already wrong.
@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from turnout.planner.leader import PLANNER_ROOT, Candidate
 from turnout.protocols.frontend import FRONTENDS_ROOT, FrontendRecord, HoldReason
 from turnout.protocols.kv import LOAD_TOPIC, LoadReport
 from turnout.protocols.model import (
@@ -70,6 +71,7 @@ async def gather_status(planes: PlanesConfig, load_wait: float) -> dict[str, Any
                 frontends.append(msgspec.json.decode(kv.value, type=FrontendRecord))
             except msgspec.DecodeError as exc:
                 skipped.append({"key": kv.key, "reason": str(exc)})
+        planners = await _planners(store, skipped)
         cards: list[tuple[str, ModelDeploymentCard]] = []
         for kv in await store.get_prefix(f"{MDC_ROOT}/"):
             try:
@@ -82,7 +84,28 @@ async def gather_status(planes: PlanesConfig, load_wait: float) -> dict[str, Any
             loads = await _listen_for_load(runtime.event_plane, components, load_wait)
     finally:
         await runtime.shutdown()
-    return _document(planes.store, frontends, instances, cards, loads, skipped)
+    doc = _document(planes.store, frontends, instances, cards, loads, skipped)
+    doc["planners"] = planners
+    return doc
+
+
+async def _planners(store: Any, skipped: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """The planners standing in each namespace's election; the first written leads."""
+    by_namespace: dict[str, list[Any]] = {}
+    for kv in await store.get_prefix(f"{PLANNER_ROOT}/"):
+        namespace = kv.key[len(PLANNER_ROOT) + 1 :].split("/", 1)[0]
+        by_namespace.setdefault(namespace, []).append(kv)
+    rows: list[dict[str, Any]] = []
+    for namespace, kvs in sorted(by_namespace.items()):
+        for rank, kv in enumerate(sorted(kvs, key=lambda kv: (kv.revision, kv.key))):
+            try:
+                candidate = msgspec.json.decode(kv.value, type=Candidate)
+            except msgspec.DecodeError as exc:
+                skipped.append({"key": kv.key, "reason": str(exc)})
+                continue
+            rows.append({"namespace": namespace, "host": candidate.host, "pid": candidate.pid,
+                         "url": candidate.url, "leader": rank == 0})  # fmt: skip
+    return rows
 
 
 async def _listen_for_load(
@@ -215,6 +238,12 @@ def render(doc: dict[str, Any]) -> str:
             )
         if fe["held_back_total"] > len(fe["held_back"]):
             lines.append(f"  ... and {fe['held_back_total'] - len(fe['held_back'])} more")
+    for pl in doc.get("planners", []):
+        role = "leading" if pl["leader"] else "standing by"
+        lines.append(
+            f"planner {pl['namespace']}  {pl['url'] or '-'}  host {pl['host']} pid {pl['pid']}  "
+            f"{role}"
+        )
     if not doc["namespaces"] and not doc["frontends"]:
         lines.append("nothing registered")
     for ns, space in sorted(doc["namespaces"].items()):
