@@ -227,7 +227,8 @@ class FrontendScraper:
         return totals
 
     async def observe(self, seconds: float, percentile: float) -> tuple[Observed, int]:
-        """The interval since the last call, and how many frontends answered."""
+        """The interval since the last call, and how many frontends it covers (those that
+        answered now and at the last call)."""
         try:
             urls = await self.frontends()
         except (TimeoutError, Exception) as exc:  # the store is down: reuse what we knew
@@ -244,7 +245,8 @@ class FrontendScraper:
             pairs.append((self._last.get(url), totals))
             current[url] = totals
         self._last = current
-        return interval(pairs, seconds, percentile), len(pairs)
+        covered = sum(1 for earlier, _ in pairs if earlier is not None)
+        return interval(pairs, seconds, percentile), covered
 
     async def close(self) -> None:
         if self._session is not None:

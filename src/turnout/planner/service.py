@@ -96,6 +96,8 @@ class Planner:
         self._states = {pool: PoolState() for pool in pools}
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_DECISIONS)
         self._last_at: float | None = None
+        #: No frontend's interval could be read (logged once per streak).
+        self._blind = False
 
     async def step(self) -> list[Decision]:
         """One interval: observe, predict, decide, act (if leading and not a dry run)."""
@@ -104,8 +106,13 @@ class Planner:
         self._last_at = now
         observed, frontends = await self._scraper.observe(seconds, self.settings.percentile)
         if frontends == 0:
-            log.warning("no frontend answered: no decision this interval")
+            if not self._blind:
+                self._blind = True
+                log.warning("no frontend read twice in a row yet: no decision until one is")
             return []
+        if self._blind:
+            self._blind = False
+            log.info("frontends read: deciding")
         self._predictor.add(observed.load)
         predicted = self._predictor.predict()
         load = predicted or observed.load
