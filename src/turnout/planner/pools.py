@@ -39,7 +39,8 @@ class PoolView:
         self.endpoint = endpoint
         self._store = store
         self.models = StepTimeModels()
-        self._load: dict[int, int] = {}  # instance id -> running + waiting, last reported
+        #: Instance id -> (running, waiting), as last reported.
+        self._load: dict[int, tuple[int, int]] = {}
         self._limits: dict[int, WorkerLimits] = {}
         self._task: asyncio.Task[None] | None = None
         self._decoder = BatchDecoder(LoadReport, LOAD_TOPIC)
@@ -68,7 +69,7 @@ class PoolView:
     def on_load(self, report: LoadReport) -> None:
         if report.worker_id not in self._limits:
             return  # not (yet) a worker of this pool in discovery: keep nothing for it
-        self._load[report.worker_id] = report.num_running + report.num_waiting
+        self._load[report.worker_id] = (report.num_running, report.num_waiting)
         self.models.on_load(report)
 
     async def refresh(self) -> set[int]:
@@ -97,7 +98,15 @@ class PoolView:
 
     def least_loaded(self) -> list[int]:
         """Live workers, the least loaded first (those that never reported count as idle)."""
-        return sorted(self._limits, key=lambda i: self._load.get(i, 0))
+        return sorted(self._limits, key=lambda i: sum(self._load.get(i, (0, 0))))
+
+    def queues(self) -> dict[str, int]:
+        """Requests running and waiting on the pool's workers, as last reported."""
+        loads = [self._load[i] for i in self._limits if i in self._load]
+        return {
+            "workers_running": sum(r for r, _ in loads),
+            "workers_waiting": sum(w for _, w in loads),
+        }
 
     def capacity(
         self, prompt_tokens: float, output_tokens: float, ttft_slo: float, itl_slo: float

@@ -144,6 +144,7 @@ class Planner:
             )  # fmt: skip
         fit_budget(decisions, self.settings.limits, self.settings.policy)
         for decision in decisions:
+            decision.extra.update(self._pools[decision.pool].queues())
             await self._carry_out(decision, leading)
         return decisions
 
