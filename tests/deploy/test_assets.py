@@ -86,7 +86,7 @@ def test_strict_validation_refuses_an_unknown_field() -> None:
 
 def test_every_role_has_a_turnout_container() -> None:
     commands = {c.spec["args"][0] for c in TURNOUT}
-    assert {"frontend", "worker", "attach"} <= commands
+    assert {"frontend", "worker", "attach", "planner"} <= commands
 
 
 @pytest.mark.parametrize("container", **by_id(TURNOUT))
@@ -126,11 +126,13 @@ def test_turnout_probes_are_its_health_and_live(
     container: Container, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Readiness (and start-up) on the frontend's /ready (this frontend can serve; /health is
-    the whole deployment's state) and the workers' /health, /live for liveness, on the port
-    turnout serves them on, bound where the kubelet reaches it."""
+    the whole deployment's state) and the workers' and planners' /health, /live for liveness,
+    on the port turnout serves them on, bound where the kubelet reaches it."""
     args = parse_turnout(container.spec["args"], container.env(), monkeypatch, container.id)
     if container.spec["args"][0] == "frontend":
         served, host, ready = args.port, args.host, "/ready"
+    elif container.spec["args"][0] == "planner":  # its one endpoint: --port
+        served, host, ready = args.port, args.host, "/health"
     else:
         served, host, ready = args.system_port, args.system_host, "/health"
     assert host == "0.0.0.0", f"{container.id}: binds {host}, which the kubelet cannot reach"
