@@ -1,11 +1,12 @@
 """``turnout status``: who is running where, what the frontends hold back, and how loaded
 the workers are.
 
-Reads the frontends, instances and model cards from whichever store ``--store`` names, then
-listens to the workers' load reports on the event plane for ``--load-wait`` seconds (reports
-come at a steady rate, about once a second), and prints the frontends (host, pid, version,
-planes, HTTP address, router mode, and the instances each holds back, with the reason), the
-planners standing in each namespace's election and which leads, namespaces, models with their types, and instances with their address, host, pid, version,
+Reads the frontends, instances, model cards and planners from whichever store ``--store``
+names, then listens to the workers' load reports on the event plane for ``--load-wait``
+seconds (reports come at a steady rate, about once a second), and prints the frontends
+(host, pid, version, planes, HTTP address, router mode, and the instances each holds back,
+with the reason), the planners standing in each namespace's election and which leads,
+namespaces, models with their types, and instances with their address, host, pid, version,
 planes, load and KV usage; an instance a frontend refuses for its planes says so.
 ``--json`` prints the same for scripts. A malformed record is reported under ``skipped``,
 never fatal: status is what an operator runs when something is already wrong.
@@ -23,7 +24,6 @@ from typing import Any
 
 import msgspec
 
-from turnout.planner.leader import PLANNER_ROOT, Candidate
 from turnout.protocols.frontend import FRONTENDS_ROOT, FrontendRecord, HoldReason
 from turnout.protocols.kv import LOAD_TOPIC, LoadReport
 from turnout.protocols.model import (
@@ -32,6 +32,7 @@ from turnout.protocols.model import (
     Instance,
     ModelDeploymentCard,
 )
+from turnout.protocols.planner import PLANNER_ROOT, Candidate
 from turnout.runtime.event_plane import EventPlane, decode_msg
 from turnout.runtime.planes import PlanesConfig, open_runtime
 

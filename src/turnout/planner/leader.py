@@ -22,24 +22,13 @@ from collections.abc import Callable
 
 import msgspec
 
+from turnout.protocols.planner import Candidate, candidates_prefix
 from turnout.runtime.discovery.base import DiscoveryStore
 from turnout.runtime.lease import Lease
 
 log = logging.getLogger("turnout.planner")
 
-PLANNER_ROOT = "v1/planner"
-
-
-def candidates_prefix(namespace: str) -> str:
-    return f"{PLANNER_ROOT}/{namespace}/candidates/"
-
-
-class Candidate(msgspec.Struct, frozen=True, kw_only=True):
-    """A planner's candidate record: who it is and where its decisions can be read."""
-
-    host: str
-    pid: int
-    url: str = ""
+__all__ = ["Candidate", "LeaderElection", "candidates_prefix"]
 
 
 class LeaderElection:
