@@ -175,7 +175,7 @@ def test_the_kubernetes_scrape_config_keeps_turnout_pods_by_their_port_names() -
     port names against the manifests."""
     config = yaml.safe_load((PROMETHEUS / "prometheus-kubernetes.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"turnout-frontends", "turnout-workers"}
+    assert set(jobs) == {"turnout-frontends", "turnout-workers", "turnout-planners"}
     ports = {}
     for name, job in jobs.items():
         assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
@@ -189,3 +189,7 @@ def test_the_kubernetes_scrape_config_keeps_turnout_pods_by_their_port_names() -
         text = (ROOT / "deploy" / "kubernetes" / worker).read_text()
         assert "{name: system, containerPort: 8081}" in text
     assert ports["turnout-workers"] == "system"
+    for planner in ("planner.yaml", "autoscaling/planner.yaml"):
+        text = (ROOT / "deploy" / "kubernetes" / planner).read_text()
+        assert "{name: planner, containerPort: 9400}" in text
+    assert ports["turnout-planners"] == "planner"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import msgspec
 import pytest
 from tests.frontend.stack import echo_engine, make_stack
 
 from turnout.frontend.http import scrape_targets as st
 from turnout.protocols.frontend import FrontendRecord
 from turnout.protocols.model import EndpointId, Instance, TransportAddress
+from turnout.protocols.planner import Candidate, candidates_prefix
 from turnout.runtime import identity
 
 ENDPOINT = EndpointId(namespace="prod", component="backend", name="generate")
@@ -45,11 +47,17 @@ def test_frontends_and_workers_with_metrics_are_listed_once_each() -> None:
         instance(4, "not a url"),
     ]
     worker = {"turnout_role": "worker", "turnout_namespace": "prod", "turnout_component": "backend"}
-    assert st.scrape_targets(frontends, instances) == [
+    planners = [
+        ("prod", Candidate(host="10.0.0.3", pid=7, url="http://10.0.0.3:9400")),
+        ("prod", Candidate(host="10.0.0.4", pid=8)),  # no endpoint: nothing to scrape
+    ]
+    planner = {"turnout_role": "planner", "turnout_namespace": "prod"}
+    assert st.scrape_targets(frontends, instances, planners) == [
         {"targets": ["10.0.0.1:8000"], "labels": labels("http", turnout_role="frontend")},
         # TLS: Prometheus must scrape it over https
         {"targets": ["10.0.0.9:8000"], "labels": labels("https", turnout_role="frontend")},
         {"targets": ["10.0.0.2:8081"], "labels": labels("http", **worker)},
+        {"targets": ["10.0.0.3:9400"], "labels": labels("http", **planner)},
     ]
 
 
@@ -70,6 +78,9 @@ async def test_the_route_lists_a_worker_with_metrics_and_fails_when_the_store_st
         identity.advertise_metrics("http://10.0.0.7:8081/metrics")
         await stack.add_worker(echo_engine(gguf_path), model_name="echo")
         await stack.wait_for_model("echo")
+        planner = Candidate(host="10.0.0.8", pid=9, url="http://10.0.0.8:9400")
+        await stack.runtime.store.put(candidates_prefix("test") + "1", msgspec.json.encode(planner))
+        await stack.runtime.store.put(candidates_prefix("test") + "2", b"{not a record")
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
             answer = await http.get(st.SCRAPE_TARGETS)
             assert answer.status_code == 200
@@ -79,6 +90,8 @@ async def test_the_route_lists_a_worker_with_metrics_and_fails_when_the_store_st
             assert answer.json() == [
                 {"targets": ["10.0.0.7:8081"],
                  "labels": labels("http", turnout_role="worker", **worker)},
+                {"targets": ["10.0.0.8:9400"],
+                 "labels": labels("http", turnout_role="planner", turnout_namespace="test")},
             ]  # fmt: skip
 
             stalled = asyncio.Event()

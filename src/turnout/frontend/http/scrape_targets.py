@@ -1,13 +1,14 @@
 """``GET /metrics/targets``: Prometheus HTTP service discovery (``http_sd_configs``) of the
-fleet this frontend sees, so one scrape job finds every frontend and worker.
+fleet this frontend sees, so one scrape job finds every frontend, worker and planner.
 
 The body is the JSON list Prometheus reads: ``[{"targets": ["host:port"], "labels": {...}}]``,
 one entry per metrics endpoint, with ``__scheme__`` (``https`` for a frontend serving TLS),
-``__metrics_path__``, ``turnout_role`` (``frontend`` or
-``worker``) and, for workers, ``turnout_namespace`` and ``turnout_component``. Frontends are
-their records' HTTP addresses plus ``/metrics``; workers are the ``metrics_url`` their
-instance records name (a worker or attach with ``--system-port``: several instances of one
-process share one target). Each call reads the store once (a timeout bounds it: 503 when
+``__metrics_path__``, ``turnout_role`` (``frontend``, ``worker`` or ``planner``) and, for
+workers, ``turnout_namespace`` and ``turnout_component`` (planners: ``turnout_namespace``).
+Frontends are their records' HTTP addresses plus ``/metrics``; workers are the
+``metrics_url`` their instance records name (a worker or attach with ``--system-port``:
+several instances of one process share one target); planners are their candidate records'
+URLs plus ``/metrics``. Each call reads the store once (a timeout bounds it: 503 when
 the store does not answer) and the answer holds at most ``MAX_TARGETS`` targets.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,6 +29,7 @@ from turnout.frontend.http.errors import SERVER_ERROR
 from turnout.frontend.openai.chunk_writer import JSON_HEADERS
 from turnout.protocols.frontend import FRONTENDS_ROOT, FrontendRecord
 from turnout.protocols.model import INSTANCES_ROOT, Instance
+from turnout.protocols.planner import PLANNER_ROOT, Candidate
 from turnout.runtime.discovery.base import DiscoveryStore
 from turnout.runtime.http import Exchange, Scope
 from turnout.runtime.http.wire import error_body
@@ -51,9 +54,14 @@ def _target(url: str) -> tuple[str, str, str] | None:
     return parts.netloc, parts.scheme, parts.path or "/metrics"
 
 
-def scrape_targets(frontends: list[FrontendRecord], instances: list[Instance]) -> list[Any]:
-    """The service discovery body for these records: one entry per metrics endpoint, in a
-    stable order (frontends, then workers, each sorted by target), at most ``MAX_TARGETS``."""
+def scrape_targets(
+    frontends: list[FrontendRecord],
+    instances: list[Instance],
+    planners: Sequence[tuple[str, Candidate]] = (),
+) -> list[Any]:
+    """The service discovery body for these records (``planners``: (namespace, candidate)):
+    one entry per metrics endpoint, in a stable order (frontends, then the others, each
+    sorted by target), at most ``MAX_TARGETS``."""
     found: dict[tuple[str, str, str], dict[str, str]] = {}
     for record in frontends:
         if record.http_address:
@@ -70,6 +78,9 @@ def scrape_targets(frontends: list[FrontendRecord], instances: list[Instance]) -
                     "turnout_component": instance.endpoint.component,
                 },
             )
+    for namespace, candidate in planners:
+        if candidate.url and (target := _target(candidate.url.rstrip("/") + "/metrics")):
+            found.setdefault(target, {"turnout_role": "planner", "turnout_namespace": namespace})
     if len(found) > MAX_TARGETS:
         log.warning("%s lists %d of %d targets", SCRAPE_TARGETS, MAX_TARGETS, len(found))
     order = sorted(found.items(), key=lambda item: (item[1]["turnout_role"] != "frontend", item[0]))
@@ -79,11 +90,14 @@ def scrape_targets(frontends: list[FrontendRecord], instances: list[Instance]) -
     ]
 
 
-async def read_records(store: DiscoveryStore) -> tuple[list[FrontendRecord], list[Instance]]:
-    """The frontend and instance records in the store (records that do not decode are
-    skipped: a process of another version may write fields this one does not read)."""
+async def read_records(
+    store: DiscoveryStore,
+) -> tuple[list[FrontendRecord], list[Instance], list[tuple[str, Candidate]]]:
+    """The frontend, instance and planner records in the store (records that do not decode
+    are skipped: a process of another version may write fields this one does not read)."""
     frontends: list[FrontendRecord] = []
     instances: list[Instance] = []
+    planners: list[tuple[str, Candidate]] = []
     for kv in await store.get_prefix(f"{FRONTENDS_ROOT}/"):
         try:
             frontends.append(msgspec.json.decode(kv.value, type=FrontendRecord))
@@ -94,7 +108,13 @@ async def read_records(store: DiscoveryStore) -> tuple[list[FrontendRecord], lis
             instances.append(msgspec.json.decode(kv.value, type=Instance))
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
-    return frontends, instances
+    for kv in await store.get_prefix(f"{PLANNER_ROOT}/"):
+        namespace = kv.key[len(PLANNER_ROOT) + 1 :].split("/", 1)[0]
+        try:
+            planners.append((namespace, msgspec.json.decode(kv.value, type=Candidate)))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return frontends, instances, planners
 
 
 class ScrapeTargetRoutes:
