@@ -294,8 +294,12 @@ def run_one(name: str, args: argparse.Namespace, fixed: int | None) -> Run:
             decisions = httpx.get(
                 f"http://127.0.0.1:{planner_port}/planner/decisions", timeout=5
             ).json()["decisions"]
+            first = decisions[0]["at"] if decisions else 0.0
             extra["decisions"] = [
-                {k: d[k] for k in ("at", "action", "current", "chosen", "reasons")}
+                {"t": round(d["at"] - first, 1), "action": d["action"], "current": d["current"],
+                 "chosen": d["chosen"], "reasons": d["reasons"],
+                 "per_worker_rps": d["capacity"]["per_worker_rps"],
+                 "capacity_source": d["capacity"]["source"], "correction": d["correction"]}
                 for d in decisions if d["action"] != "hold"
             ]  # fmt: skip
         return Run(name, outcomes, start, samples, actions, fixed, extra)

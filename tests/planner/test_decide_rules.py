@@ -32,8 +32,10 @@ POLICY = Policy(
 LIMITS = PoolLimits(min_replicas=1, max_replicas=10)
 
 
-def seen(rate: float, *, ttft: float = 0.1, itl: float = 0.01, queued: int = 0) -> Observed:
-    return Observed(Load(rate, 100.0, 10.0), ttft_s=ttft, itl_s=itl, queued=queued)
+def seen(
+    rate: float, *, ttft: float = 0.1, itl: float = 0.01, queued: int = 0, samples: int = 100
+) -> Observed:
+    return Observed(Load(rate, 100.0, 10.0), ttft_s=ttft, itl_s=itl, queued=queued, samples=samples)
 
 
 @dataclass
@@ -74,6 +76,17 @@ def test_load_rule_sizes_for_the_larger_of_observed_and_predicted() -> None:
     assert d.chosen == 3
 
 
+def test_waiting_requests_are_load_to_serve_within_the_horizon() -> None:
+    """A burst queues before it shows in latency (a waiting request has no TTFT yet)."""
+    waiting = Observed(Load(4, 100, 10), waiting=30, samples=100)
+    d = Pool(1).at(0, waiting)  # 4 req/s + 30 waiting over the 10 s horizon: 7 req/s
+    assert d.chosen == 2 and d.reasons == ["load: 7.00 req/s (with 30 waiting) needs 2"]
+    queued = Observed(Load(4, 100, 10), queued=30, samples=100)  # at the frontends' admission
+    assert Pool(1).at(0, queued).reasons[0] == "load: 7.00 req/s (with 30 waiting) needs 2"
+    # A decode pool does not see the frontends' admission queue, only its own workers'.
+    assert Pool(1, pool="decode").at(0, queued).reasons[0] == "load: 4.00 req/s needs 1"
+
+
 def test_slo_breach_scales_up_by_the_overshoot_capped_at_double() -> None:
     # TTFT 1.5x its target on 2 workers: 3; the load alone would need 1.
     d = Pool(2).at(0, seen(5, ttft=0.75))
@@ -98,7 +111,19 @@ def test_a_breach_caps_the_capacity_at_what_each_worker_carried() -> None:
     # pool does not shrink back into the breach (and the correction wears off by 2%).
     d = pool.at(100, seen(5))
     assert d.reasons[0] == "load: 5.00 req/s needs 2"
-    assert d.extra["correction"] == 0.51
+    assert d.extra["correction"] == 0.55
+    # One breach halves the correction at most, whatever the rate that breached.
+    pool = Pool(10)
+    d = pool.at(0, seen(5, ttft=0.75))  # 0.5 req/s per worker: a tenth of the profile's
+    assert d.extra["correction"] == 0.5
+
+
+def test_a_percentile_of_too_few_requests_is_no_breach() -> None:
+    d = Pool(1).at(0, seen(1, ttft=2.0, samples=4))
+    assert d.chosen == 1 and not any(r.startswith("slo") for r in d.reasons)
+    assert d.extra["correction"] == 1.0
+    d = Pool(1).at(0, seen(1, ttft=2.0, samples=5))
+    assert d.chosen == 2
 
 
 def test_up_cooldown_holds_a_second_scale_up() -> None:
@@ -108,10 +133,13 @@ def test_up_cooldown_holds_a_second_scale_up() -> None:
     assert (d.chosen, d.action) == (3, "hold")
     assert d.reasons[-1] == "cool-down: 10s of 30s since the last change"
     d = pool.at(30, seen(5, ttft=0.75))
-    # Cool-down over. Each breach also lowers the capacity to what each worker carried
-    # (5/3 req/s): the load rule needs 3, the SLO rule asks ceil(3 x 1.5) = 5.
+    # Cool-down over: the SLO rule asks ceil(3 x 1.5) = 5. The breach at t=0 set the
+    # correction to 0.5 (2.5 req/s carried per worker); the one at t=10 came right after a
+    # change and left it; the one at t=30, in a pool steady for 30 s, lowers it to what each
+    # worker carried, 5/3 req/s (a third): the load rule needs 3.
     assert d.chosen == 5
     assert d.reasons == ["load: 5.00 req/s needs 3", "slo: ttft 750ms over 500ms, asks 5"]
+    assert d.extra["correction"] == 0.3333
 
 
 def test_slack_scales_down_after_it_lasts_and_at_most_by_half() -> None:

@@ -5,7 +5,9 @@ first, and nothing kept for a worker that left."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
+from turnout.planner.capacity import WorkerCapacity
 from turnout.planner.pools import PoolView
 from turnout.protocols.kv import LoadReport, StepSample
 from turnout.protocols.model import (
@@ -73,3 +75,21 @@ async def test_an_empty_pool_is_planned_with_the_prior() -> None:
     capacity = view.capacity(256, 64, ttft_slo=1.0, itl_slo=0.05)
     assert capacity.source == "step-prior"
     assert capacity.decode_tokens_per_s > 0
+
+
+async def test_the_capacity_estimate_rises_slowly_and_falls_at_once() -> None:
+    store = MemoryStore()
+    await store.put(mdc_key(EID, 1), card(1, 4, 64))
+    view = PoolView("aggregated", EID, store)
+    await view.refresh()
+
+    def rps(c: WorkerCapacity) -> float:
+        return c.requests_per_s("aggregated", 256, 64)
+
+    base = view.capacity(256, 64, ttft_slo=0.3, itl_slo=0.03)
+    unbounded = view._estimate(256, 64, ttft_slo=10.0, itl_slo=0.5)
+    assert rps(unbounded) > 1.2 * rps(base)
+    looser = view.capacity(256, 64, ttft_slo=10.0, itl_slo=0.5)
+    assert rps(base) < rps(looser) <= 1.2 * rps(base) + 1e-9
+    tighter = view.capacity(256, 64, ttft_slo=0.05, itl_slo=0.01)
+    assert rps(tighter) == pytest.approx(rps(view._estimate(256, 64, 0.05, 0.01)))

@@ -286,7 +286,7 @@ async def run_planner(args: argparse.Namespace) -> None:
         ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, up_cooldown=args.up_cooldown,
         down_cooldown=args.down_cooldown, scale_down_after=args.scale_down_after,
         down_utilization=args.down_utilization, max_workers=args.max_workers,
-        max_gpus=args.max_gpus,
+        max_gpus=args.max_gpus, queue_horizon=args.interval,
     )  # fmt: skip
     settings = PlannerSettings(
         interval=args.interval, percentile=args.slo_percentile, policy=policy, limits=limits,

@@ -4,14 +4,19 @@ A pure function of what was observed, what is predicted, what a worker sustains 
 pool's history (``PoolState``), with the time passed in: tests replay recorded observations
 with no process and no clock. The rules, in order, each named in the decision's ``reasons``:
 
-1. **load**: enough workers for the larger of the observed and the predicted request rate at
-   the worker's capacity within the SLOs (``capacity``), times a correction learnt from
-   breaches: ``ceil(rate / (capacity · correction))``.
+1. **load**: enough workers for the larger of the observed and the predicted request rate,
+   plus the requests waiting (for a batch slot on the workers; for admission at the
+   frontends, but for a decode pool) spread over ``queue_horizon``, at the worker's capacity
+   within the SLOs (``capacity``), times a correction learnt from breaches:
+   ``ceil(rate / (capacity · correction))``. Waiting requests show a burst an interval before
+   their latency does: they have none yet.
 2. **slo**: the observed TTFT (aggregated, prefill) or ITL (aggregated, decode) percentile
-   above its target, or requests queued or rejected at the frontends, asks for more workers
+   above its target (over at least ``MIN_SAMPLES`` requests), or requests queued or rejected
+   at the frontends, asks for more workers
    than now, in proportion to the overshoot (``ceil(current · min(observed/target, 2))``, at
-   least one more); and the capacity the pool had when it breached caps the correction, so
-   the load rule does not scale back into the breach.
+   least one more); and the rate each worker carried when a steady pool (no change within
+   ``up_cooldown``) breached caps the correction (halving it at most per breach; it wears
+   off by 10% per calm interval), so the load rule does not scale back into the breach.
 3. **hysteresis**: a pool shrinks only when the load fits the smaller pool at
    ``down_utilization`` of its capacity, and only after that slack has lasted
    ``scale_down_after`` seconds; it sheds at most half its workers at once.
@@ -35,7 +40,12 @@ from turnout.planner.predict import Load
 #: under overload; doubling, then looking again, is what the figures support).
 MAX_BREACH_FACTOR = 2.0
 #: How fast a breach's capacity correction wears off per decision without a breach.
-CORRECTION_RECOVERY = 1.02
+CORRECTION_RECOVERY = 1.1
+#: Most a single breach lowers the capacity correction by (a factor).
+CORRECTION_STEP = 0.5
+#: Fewest requests whose latency percentile can count as a breach: one slow request of two
+#: is not a fleet missing its target.
+MIN_SAMPLES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +67,9 @@ class Policy:
     down_utilization: float = 0.7
     max_workers: int | None = None
     max_gpus: int | None = None
+    #: Seconds in which requests waiting now should be served (the planner's interval): they
+    #: add ``waiting / queue_horizon`` to the load.
+    queue_horizon: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +82,10 @@ class Observed:
     itl_s: float | None = None
     queued: int = 0
     rejected: int = 0
+    #: Requests the latency percentiles come from (those that got a first token).
+    samples: int = 0
+    #: Requests waiting for a batch slot on the pool's workers (their last load reports).
+    waiting: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +94,8 @@ class Observed:
             "itl_s": None if self.itl_s is None else round(self.itl_s, 5),
             "queued": self.queued,
             "rejected": self.rejected,
+            "samples": self.samples,
+            "waiting": self.waiting,
         }
 
 
@@ -161,7 +180,7 @@ def _breach(pool: str, observed: Observed, policy: Policy) -> tuple[float, str] 
     if pool in ("aggregated", "decode"):
         checks.append((observed.itl_s, policy.itl_slo, "itl"))
     for value, target, name in checks:
-        if value is not None and value > target:
+        if value is not None and value > target and observed.samples >= MIN_SAMPLES:
             factor = value / target
             if worst is None or factor > worst[0]:
                 worst = (factor, f"slo: {name} {_ms(value)} over {_ms(target)}")
@@ -192,17 +211,25 @@ def decide(
         output = predicted.output_tokens or output
     model_rps = capacity.requests_per_s(pool, prompt, output)
     breach = _breach(pool, observed, policy)
-    if breach is not None and current > 0 and observed.load.request_rate > 0:
-        # What each worker carried while the pool breached bounds what one can carry.
+    steady = state.last_change is None or now - state.last_change >= policy.up_cooldown
+    if breach is not None and steady and current > 0 and observed.load.request_rate > 0:
+        # What each worker carried while the pool breached bounds what one can carry. Not
+        # right after a change: new workers may not have served yet, and a queue built
+        # before them is still draining.
         carried = observed.load.request_rate / current
-        state.correction = min(state.correction, max(carried / model_rps, 0.1))
+        floor = state.correction * CORRECTION_STEP
+        state.correction = min(state.correction, max(carried / model_rps, floor))
     elif breach is None:
         state.correction = min(1.0, state.correction * CORRECTION_RECOVERY)
     per_worker = model_rps * state.correction
     reasons: list[str] = []
+    backlog = observed.waiting + (observed.queued if pool != "decode" else 0)
+    if backlog and policy.queue_horizon > 0:
+        rate += backlog / policy.queue_horizon
     load_need = math.ceil(rate / per_worker - 1e-9) if rate > 0 else 0
     wanted = load_need
-    reasons.append(f"load: {rate:.2f} req/s needs {load_need}")
+    waiting = f" (with {backlog} waiting)" if backlog else ""
+    reasons.append(f"load: {rate:.2f} req/s{waiting} needs {load_need}")
     if breach is not None:
         factor, why = breach
         slo_need = max(current + 1, math.ceil(current * min(factor, MAX_BREACH_FACTOR)))

@@ -157,6 +157,7 @@ def interval(
         itl_s=merged.get("itl", empty).quantile(q),
         queued=int(queued),
         rejected=int(max(rejected, 0.0)),
+        samples=int(max(merged.get("ttft", empty).count, 0.0)),
     )
 
 

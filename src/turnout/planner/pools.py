@@ -28,6 +28,8 @@ from turnout.runtime.event_plane.base import EventPlane
 log = logging.getLogger("turnout.planner")
 
 STORE_TIMEOUT = 5.0
+#: Most a pool's capacity estimate rises from one decision to the next (a factor).
+CAPACITY_RISE = 1.2
 RETRY_S = 2.0
 
 
@@ -44,6 +46,7 @@ class PoolView:
         self._limits: dict[int, WorkerLimits] = {}
         self._task: asyncio.Task[None] | None = None
         self._decoder = BatchDecoder(LoadReport, LOAD_TOPIC)
+        self._last_capacity: WorkerCapacity | None = None
 
     def start(self, plane: EventPlane) -> None:
         self._task = asyncio.create_task(self._follow(plane), name=f"planner-{self.pool}-load")
@@ -112,7 +115,23 @@ class PoolView:
         self, prompt_tokens: float, output_tokens: float, ttft_slo: float, itl_slo: float
     ) -> WorkerCapacity:
         """The mean of the workers' capacities (the step-time prior's for a pool that has not
-        reported)."""
+        reported), rising by at most ``CAPACITY_RISE`` per call and falling at once: a fit
+        that has seen only light load extrapolates to heavy load, and an estimate that jumps
+        up would shed the workers a burst then needs."""
+        estimate = self._estimate(prompt_tokens, output_tokens, ttft_slo, itl_slo)
+        last = self._last_capacity
+        if last is not None and last.source == estimate.source:
+            estimate = WorkerCapacity(
+                min(estimate.prefill_tokens_per_s, last.prefill_tokens_per_s * CAPACITY_RISE),
+                min(estimate.decode_tokens_per_s, last.decode_tokens_per_s * CAPACITY_RISE),
+                estimate.source,
+            )
+        self._last_capacity = estimate
+        return estimate
+
+    def _estimate(
+        self, prompt_tokens: float, output_tokens: float, ttft_slo: float, itl_slo: float
+    ) -> WorkerCapacity:
         estimates = []
         for instance, limits in self._limits.items():
             fitted = any(k.worker_id == instance for k, _ in self.models.items())

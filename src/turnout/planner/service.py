@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -135,9 +136,10 @@ class Planner:
                 policy.ttft_slo,
                 policy.itl_slo,
             )
+            seen = dataclasses.replace(observed, waiting=view.queues()["workers_waiting"])
             decisions.append(
                 decide(
-                    now=now, pool=pool, current=current, observed=observed, predicted=predicted,
+                    now=now, pool=pool, current=current, observed=seen, predicted=predicted,
                     capacity=capacity, limits=self.settings.limits[pool], policy=policy,
                     state=self._states[pool],
                 )
