@@ -5,7 +5,6 @@ first, and nothing kept for a worker that left."""
 from __future__ import annotations
 
 import msgspec
-import pytest
 
 from turnout.planner.capacity import WorkerCapacity
 from turnout.planner.pools import PoolView
@@ -92,4 +91,4 @@ async def test_the_capacity_estimate_rises_slowly_and_falls_at_once() -> None:
     looser = view.capacity(256, 64, ttft_slo=10.0, itl_slo=0.5)
     assert rps(base) < rps(looser) <= 1.2 * rps(base) + 1e-9
     tighter = view.capacity(256, 64, ttft_slo=0.05, itl_slo=0.01)
-    assert rps(tighter) == pytest.approx(rps(view._estimate(256, 64, 0.05, 0.01)))
+    assert rps(tighter) <= rps(view._estimate(256, 64, 0.05, 0.01)) + 1e-9 < rps(looser)
