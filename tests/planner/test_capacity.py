@@ -82,10 +82,6 @@ def test_a_bad_value_names_its_pool_and_key(
         load_profile(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="capacity.load_profile accepts a JSON boolean as a number (isinstance(True, int))",
-)
 def test_a_boolean_is_not_a_number(tmp_path: Path) -> None:
     path = write(tmp_path, {"prefill_tokens_per_s": True, "decode_tokens_per_s": 100})
     with pytest.raises(ConfigError, match="prefill_tokens_per_s must be a number above 0"):

@@ -434,11 +434,6 @@ def test_the_budget_keeps_each_pool_s_minimum() -> None:
     assert (prefill.chosen, decode.chosen) == (1, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fit_budget: a pool lifted to its minimum pushes the total over the budget "
-    "(decide.py, the shares/spare lines of fit_budget: a negative spare is never taken back)",
-)
 def test_a_minimum_lifted_share_is_taken_from_the_other_pools() -> None:
     """``max_workers`` 6: prefill (minimum 2) keeps 2, so decode gets the 4 left, not 5."""
     policy = Policy(ttft_slo=1.0, itl_slo=0.05, max_workers=6)

@@ -96,7 +96,12 @@ def load_profile(path: str) -> dict[str, WorkerCapacity]:
         values = []
         for key in ("prefill_tokens_per_s", "decode_tokens_per_s"):
             value = entry.get(key)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            if (
+                isinstance(value, bool)  # JSON true is no number, though Python's bool is
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 raise ConfigError(f"--profile {path}: {pool}.{key} must be a number above 0")
             values.append(float(value))
         out[pool] = WorkerCapacity(values[0], values[1], "profile")

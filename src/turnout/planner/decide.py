@@ -319,6 +319,15 @@ def fit_budget(decisions: list[Decision], limits: dict[str, PoolLimits], policy:
         scale = budget / total
         shares = {d.pool: max(floors[d.pool], math.floor(d.chosen * scale)) for d in decisions}
         spare = budget - sum(cost(p, n, gpus) for p, n in shares.items())
+        # A pool lifted to its minimum took more than its share: take it back from the pools
+        # furthest above their own minimums (none left: the minimums alone exceed the budget).
+        while spare < 0:
+            above = [d for d in decisions if shares[d.pool] > floors[d.pool]]
+            if not above:
+                break
+            d = max(above, key=lambda d: shares[d.pool] - floors[d.pool])
+            shares[d.pool] -= 1
+            spare += cost(d.pool, 1, gpus)
         by_remainder = sorted(
             decisions, key=lambda d: d.chosen * scale - shares[d.pool], reverse=True
         )
