@@ -233,9 +233,9 @@ def test_up_cooldown_holds_a_scale_up_after_a_change() -> None:
     assert pool.state.last_change == 100
     d = pool.at(110, obs(45))  # wants 5, 10 s after the change
     assert (d.wanted, d.chosen, d.action) == (5, 3, "hold")
-    assert d.reasons[-1] == "cool-down: 10s of 30s since the last change"
+    assert d.reasons[-1] == "cool-down: 10s of 30s since the last scale-up"
     d = pool.at(129.5, obs(45))
-    assert d.chosen == 3 and d.reasons[-1] == "cool-down: 30s of 30s since the last change"
+    assert d.chosen == 3 and d.reasons[-1] == "cool-down: 30s of 30s since the last scale-up"
     assert pool.state.last_change == 100  # a hold is no change
     assert pool.at(130, obs(45)).chosen == 5
 
@@ -248,15 +248,15 @@ def test_a_decision_not_carried_out_starts_no_cooldown() -> None:
     assert pool.decide(obs(25)).chosen == 3
 
 
-def test_up_cooldown_also_follows_a_scale_down() -> None:
+def test_a_pool_that_just_shrank_grows_again_at_once() -> None:
+    """The up cool-down waits for added workers to show; after a scale-down there are none."""
     pool = Replay(
         4, policy=Policy(ttft_slo=1.0, itl_slo=0.05, scale_down_after=0.0, down_cooldown=0.0)
     )
     assert pool.at(0, obs(5)).chosen == 2  # slack at once: down by half
     d = pool.at(20, obs(35))
-    assert (d.wanted, d.chosen) == (4, 2)
-    assert d.reasons[-1] == "cool-down: 20s of 30s since the last change"
-    assert pool.at(30, obs(35)).chosen == 4
+    assert (d.wanted, d.chosen) == (4, 4)
+    assert pool.state.last_up == 20 and pool.state.last_change == 20
 
 
 def test_down_cooldown_counts_from_the_last_change() -> None:
@@ -514,7 +514,7 @@ def test_a_recorded_ramp_and_drop_replays_to_exact_counts() -> None:
     decisions = [pool.at(15.0 * i, observed) for i, observed in enumerate(recorded)]
     assert [d.chosen for d in decisions] == [1, 2, 2, 4, 4, 6, 6, 6, 6, 6, 6, 3, 3, 3, 3, 3, 2, 2]
     assert [d.extra["correction"] for d in decisions[3:8]] == [1.0, 1.0, 0.75, 0.825, 0.9075]
-    assert decisions[4].reasons[-1] == "cool-down: 15s of 30s since the last change"
+    assert decisions[4].reasons[-1] == "cool-down: 15s of 30s since the last scale-up"
     assert decisions[6].reasons[-1] == "hysteresis: 30.00 req/s needs 6 at 70% utilization"
     assert decisions[11].reasons[-1] == "slack for 60s: down to 3"
     assert decisions[16].reasons[-1] == "slack for 60s: down to 2"

@@ -131,7 +131,7 @@ def test_up_cooldown_holds_a_second_scale_up() -> None:
     assert pool.at(0, seen(5, ttft=0.75)).chosen == 3
     d = pool.at(10, seen(5, ttft=0.75))
     assert (d.chosen, d.action) == (3, "hold")
-    assert d.reasons[-1] == "cool-down: 10s of 30s since the last change"
+    assert d.reasons[-1] == "cool-down: 10s of 30s since the last scale-up"
     d = pool.at(30, seen(5, ttft=0.75))
     # Cool-down over: the SLO rule asks ceil(3 x 1.5) = 5. The breach at t=0 set the
     # correction to 0.5 (2.5 req/s carried per worker); the one at t=10 came right after a

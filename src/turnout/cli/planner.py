@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
     add_flag(p, "--max-gpus", type=int, help="most GPUs over all pools (budget)")
     add_flag(p, "--gpus-per-worker", default="1", help="GPUs one worker takes: N, or pool=N,...")
     add_flag(p, "--up-cooldown", default=30.0, type=float,
-             help="seconds after a change before a pool grows again")  # fmt: skip
+             help="seconds after a pool grew before it grows again")  # fmt: skip
     add_flag(p, "--down-cooldown", default=60.0, type=float,
              help="seconds after a change before a pool shrinks")  # fmt: skip
     add_flag(p, "--scale-down-after", default=60.0, type=float,

@@ -14,14 +14,15 @@ with no process and no clock. The rules, in order, each named in the decision's 
    above its target (over at least ``MIN_SAMPLES`` requests), or requests queued or rejected
    at the frontends, asks for more workers
    than now, in proportion to the overshoot (``ceil(current · min(observed/target, 2))``, at
-   least one more); and the rate each worker carried when a steady pool (no change within
+   least one more); and the rate each worker carried when a steady pool (not grown within
    ``up_cooldown``) breached caps the correction (halving it at most per breach; it wears
    off by 10% per calm interval), so the load rule does not scale back into the breach.
 3. **hysteresis**: a pool shrinks only when the load fits the smaller pool at
    ``down_utilization`` of its capacity, and only after that slack has lasted
    ``scale_down_after`` seconds; it sheds at most half its workers at once.
-4. **cool-down**: ``up_cooldown`` seconds after a change before growing again (new workers
-   must show up in the figures first), ``down_cooldown`` before shrinking.
+4. **cool-down**: ``up_cooldown`` seconds after growing before growing again (new workers
+   must show up in the figures first; a pool that just shrank grows at once), and
+   ``down_cooldown`` after any change before shrinking.
 5. **bound**: ``min_replicas``/``max_replicas`` of the pool.
 6. **budget**: ``max_workers`` and ``max_gpus`` over all pools (``fit_budget``), shared in
    proportion to what each pool asked for.
@@ -103,7 +104,11 @@ class Observed:
 class PoolState:
     """What the planner remembers of a pool between decisions."""
 
+    #: When the pool last changed, either way (the down cool-down counts from it) ...
     last_change: float | None = None
+    #: ... and when it last grew (the up cool-down counts from it: a pool that just shrank
+    #: grows again at once when the load comes back).
+    last_up: float | None = None
     slack_since: float | None = None
     #: Multiplies the capacity estimate; below 1 after a breach showed it optimistic.
     correction: float = 1.0
@@ -211,7 +216,7 @@ def decide(
         output = predicted.output_tokens or output
     model_rps = capacity.requests_per_s(pool, prompt, output)
     breach = _breach(pool, observed, policy)
-    steady = state.last_change is None or now - state.last_change >= policy.up_cooldown
+    steady = state.last_up is None or now - state.last_up >= policy.up_cooldown
     if breach is not None and steady and current > 0 and observed.load.request_rate > 0:
         # What each worker carried while the pool breached bounds what one can carry. Not
         # right after a change: new workers may not have served yet, and a queue built
@@ -239,10 +244,10 @@ def decide(
     chosen = current
     if wanted > current:
         state.slack_since = None
-        if state.last_change is not None and now - state.last_change < policy.up_cooldown:
+        if state.last_up is not None and now - state.last_up < policy.up_cooldown:
             reasons.append(
-                f"cool-down: {now - state.last_change:.0f}s of {policy.up_cooldown:.0f}s since "
-                "the last change"
+                f"cool-down: {now - state.last_up:.0f}s of {policy.up_cooldown:.0f}s since "
+                "the last scale-up"
             )
         else:
             chosen = wanted
@@ -347,3 +352,5 @@ def record_change(decision: Decision, state: PoolState) -> None:
     if decision.chosen != decision.current:
         state.last_change = decision.at
         state.slack_since = None
+        if decision.chosen > decision.current:
+            state.last_up = decision.at
