@@ -4,21 +4,12 @@ store for a TTL stops leading."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
+from tests.polling import eventually
 
 from turnout.planner.leader import Candidate, LeaderElection, candidates_prefix
 from turnout.runtime.discovery.memory import MemoryStore
 
 TTL = 0.3
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def test_first_candidate_leads_and_the_next_takes_over() -> None:
@@ -32,7 +23,7 @@ async def test_first_candidate_leads_and_the_next_takes_over() -> None:
     assert b.leader == Candidate(host="a", pid=1)
     assert await a.others() == 1
     await a.stop()
-    await until(lambda: b.leading)
+    await eventually(lambda: b.leading, what="b leads")
     assert b.leader == Candidate(host="b", pid=2)
     assert await b.others() == 0
     await b.stop()
@@ -59,9 +50,9 @@ async def test_a_candidate_whose_lease_ended_stands_again_behind_the_others() ->
     (first, _) = sorted(await store.get_prefix(candidates_prefix("ns")), key=lambda kv: kv.revision)
     assert first.lease_id is not None
     await store.revoke_lease(first.lease_id)  # the store ends the leader's lease
-    await until(lambda: b.leading)
+    await eventually(lambda: b.leading, what="b leads")
     # a stands again, under a new lease, at the back of the line.
-    await until(lambda: len(store._kvs) == 2)
+    await eventually(lambda: len(store._kvs) == 2, what="a stands again")
     await a.poll()
     assert not a.leading and b.leading
     await a.stop()

@@ -55,7 +55,6 @@ class LeaderElection:
         #: The leading candidate's record, as last read (None: unknown).
         self.leader: Candidate | None = None
         self._leading = False
-        self.changed = asyncio.Event()
 
     @property
     def leading(self) -> bool:
@@ -91,7 +90,6 @@ class LeaderElection:
         self.leader = leader
         if leading != self._leading:
             self._leading = leading
-            self.changed.set()
             if leading:
                 log.info("leading the planners of %s", self._prefix)
             else:
@@ -108,7 +106,6 @@ class LeaderElection:
                 if lease is not None and lease.lost.is_set():
                     log.warning("the store ended this planner's lease; standing again")
                     self._leading = False
-                    self.changed.set()
                     await asyncio.wait_for(self._stand(), self._ttl)
                 await self.poll()
                 if failing:
@@ -122,7 +119,6 @@ class LeaderElection:
                     log.warning("cannot read the planner election: %s", exc)
                 if self._leading and not self.leading:
                     self._leading = False
-                    self.changed.set()
                     log.error("no answer from the store for a TTL: no longer leading")
 
     async def others(self) -> int:

@@ -232,7 +232,7 @@ class FrontendScraper:
         answered now and at the last call)."""
         try:
             urls = await self.frontends()
-        except (TimeoutError, Exception) as exc:  # the store is down: reuse what we knew
+        except Exception as exc:  # the store is down or slow: reuse what we knew
             log.warning("cannot list frontends in the store: %s", exc)
             urls = list(self._last)
         readings = await asyncio.gather(*(self._read(u) for u in urls))

@@ -124,7 +124,7 @@ class Planner:
             try:
                 await view.refresh()
                 current = await self._connector.replicas(pool)
-            except (ConnectorError, TimeoutError, Exception) as exc:
+            except Exception as exc:  # the store or the connector: no decision this time
                 log.warning("cannot count the %s pool's workers: %s; no decision", pool, exc)
                 continue
             if current is None:

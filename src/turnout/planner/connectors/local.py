@@ -192,10 +192,6 @@ class LocalConnector:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
-    async def draining(self) -> int:
-        """Workers told to stop that have not yet."""
-        return len(self._stopping)
-
     async def close(self, *, stop_workers: bool) -> None:
         if stop_workers:
             with contextlib.suppress(ConnectorError):
