@@ -319,6 +319,26 @@ def _run_planner(tmp: Path, *args: str, timeout: float = 30) -> subprocess.Compl
             ["--connector", "kubernetes", "--ttft-slo", "1", "--itl-slo", "0.1"],
             "--connector kubernetes needs --deployment",
         ),
+        (
+            ["--connector", "local", "--ttft-slo", "1", "--itl-slo", "0.1", "--season", "3600"],
+            "--season is the seasonal-naive predictor's; this planner runs --predictor "
+            "moving-average",
+        ),
+        (
+            [
+                "--connector",
+                "local",
+                "--ttft-slo",
+                "1",
+                "--itl-slo",
+                "0.1",
+                "--predictor",
+                "last",
+                "--predictor-window",
+                "3",
+            ],
+            "--predictor-window is the moving-average predictor's",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -38,6 +38,8 @@ from .worker import add_worker_flags
 log = logging.getLogger("turnout.cli")
 
 DEFAULT_PORT = 9400
+DEFAULT_WINDOW = 6
+DEFAULT_SEASON = 86400.0
 CONNECTORS = ("local", "kubernetes", "metrics-only")
 #: The ``--store``/plane flags a local worker takes from the planner (secrets go by the
 #: environment, which the workers inherit, never on a command line).
@@ -69,8 +71,9 @@ def register(sub: Any) -> None:
              help="forecast of the next interval's load: the trend line through the last "
                   "--predictor-window intervals, the value one --season ago, or the "
                   "last")  # fmt: skip
-    add_flag(p, "--predictor-window", default=6, type=int, help="intervals the trend line fits")
-    add_flag(p, "--season", default=86400.0, type=float,
+    add_flag(p, "--predictor-window", default=DEFAULT_WINDOW, type=int,
+             help="intervals the trend line fits")  # fmt: skip
+    add_flag(p, "--season", default=DEFAULT_SEASON, type=float,
              help="seconds of one season (seasonal-naive)")  # fmt: skip
     add_flag(p, "--min-replicas", default="1",
              help="least workers per pool: N, or pool=N,... (pools: aggregated, prefill, "
@@ -167,6 +170,15 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more")
     if args.predictor_window < 1:
         raise ConfigError("--predictor-window must be at least 1")
+    for flag, default, predictor in (
+        ("predictor_window", DEFAULT_WINDOW, "moving-average"),
+        ("season", DEFAULT_SEASON, "seasonal-naive"),
+    ):
+        if getattr(args, flag) != default and args.predictor != predictor:
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} is the {predictor} predictor's; this planner runs "
+                f"--predictor {args.predictor}"
+            )
     for name in ("max_workers", "max_gpus"):
         value = getattr(args, name)
         if value is not None and value < 1:
